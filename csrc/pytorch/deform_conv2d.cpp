@@ -1,0 +1,331 @@
+#include "deform_conv2d.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/irange.h>
+
+#include <algorithm>
+
+#include "../common/deform_conv2d_kernel.cuh"
+
+namespace deformconv {
+
+namespace {
+
+// With im2col_step = 0 the block holds as many images as fit in this many bytes of columns
+// (at least one image). 64 MiB keeps the scratch memory of a forward well below the size of
+// typical activations while giving the GEMMs blocks of a few hundred thousand columns.
+constexpr int64_t kAutoColumnsBudgetBytes = int64_t(64) << 20;
+
+int64_t images_per_block(const DeformConv2dGeometry& g, int64_t batch, int64_t im2col_step,
+                         at::ScalarType dtype) {
+  if (im2col_step > 0) {
+    return std::min(batch, im2col_step);
+  }
+  const int64_t bytes_per_image =
+      std::max<int64_t>(1, g.in_channels * g.taps() * g.out_pixels() * c10::elementSize(dtype));
+  return std::clamp<int64_t>(kAutoColumnsBudgetBytes / bytes_per_image, 1, std::max<int64_t>(batch, 1));
+}
+
+void check_pair(const char* name, c10::IntArrayRef values, int64_t minimum) {
+  TORCH_CHECK_VALUE(values.size() == 2, "deform_conv2d(): expected ", name,
+                    " to have 2 values (height, width), but got ", values.size());
+  TORCH_CHECK_VALUE(values[0] >= minimum && values[1] >= minimum, "deform_conv2d(): expected ",
+                    name, " to be at least ", minimum, ", but got ", values);
+}
+
+void check_tensor(const char* name, const at::Tensor& tensor, int64_t dims,
+                  const char* layout, const at::Tensor& input) {
+  TORCH_CHECK_VALUE(tensor.dim() == dims, "deform_conv2d(): expected ", name, " to be a ", dims,
+                    "-D tensor ", layout, ", but got a ", tensor.dim(), "-D tensor of shape ",
+                    tensor.sizes());
+  TORCH_CHECK_TYPE(tensor.scalar_type() == input.scalar_type(), "deform_conv2d(): expected ",
+                   name, " to have the dtype of input (", input.scalar_type(), "), but got ",
+                   tensor.scalar_type());
+}
+
+// Output length of one spatial dimension; the caller has checked that it is at least 1.
+int64_t output_length(int64_t in, int64_t kernel, int64_t stride, int64_t pad, int64_t dilation) {
+  return (in + 2 * pad - (dilation * (kernel - 1) + 1)) / stride + 1;
+}
+
+}  // namespace
+
+int64_t sampling_plan_bytes(at::ScalarType dtype) {
+  return dtype == at::kDouble ? sizeof(SamplingPlan<double>) : sizeof(SamplingPlan<float>);
+}
+
+void check_same_device(const at::Tensor& input, const at::Tensor& offset, const at::Tensor& weight,
+                       const std::optional<at::Tensor>& mask,
+                       const std::optional<at::Tensor>& bias) {
+  const auto check = [&](const char* name, const at::Tensor& tensor) {
+    TORCH_CHECK_VALUE(tensor.device() == input.device(), "deform_conv2d(): expected ", name,
+                      " to be on the device of input (", input.device(), "), but got ",
+                      tensor.device());
+  };
+  check("offset", offset);
+  check("weight", weight);
+  if (mask.has_value()) check("mask", *mask);
+  if (bias.has_value()) check("bias", *bias);
+}
+
+DeformConv2dGeometry check_deform_conv2d_arguments(
+    const at::Tensor& input, const at::Tensor& offset, const at::Tensor& weight,
+    const std::optional<at::Tensor>& mask, const std::optional<at::Tensor>& bias,
+    c10::IntArrayRef stride, c10::IntArrayRef padding, c10::IntArrayRef dilation,
+    int64_t groups, int64_t offset_groups, int64_t im2col_step) {
+  TORCH_CHECK_TYPE(at::isFloatingType(input.scalar_type()),
+                   "deform_conv2d(): expected input to have a floating point dtype "
+                   "(float16, bfloat16, float32 or float64), but got ", input.scalar_type());
+  check_tensor("input", input, 4, "(batch, in_channels, height, width)", input);
+  check_tensor("offset", offset, 4,
+               "(batch, 2 * offset_groups * kernel_h * kernel_w, out_height, out_width)", input);
+  check_tensor("weight", weight, 4,
+               "(out_channels, in_channels / groups, kernel_h, kernel_w)", input);
+  if (mask.has_value()) {
+    check_tensor("mask", *mask, 4,
+                 "(batch, offset_groups * kernel_h * kernel_w, out_height, out_width)", input);
+  }
+  if (bias.has_value()) {
+    check_tensor("bias", *bias, 1, "(out_channels,)", input);
+  }
+  check_same_device(input, offset, weight, mask, bias);
+  check_pair("stride", stride, 1);
+  check_pair("padding", padding, 0);
+  check_pair("dilation", dilation, 1);
+  TORCH_CHECK_VALUE(groups >= 1, "deform_conv2d(): expected groups to be at least 1, but got ",
+                    groups);
+  TORCH_CHECK_VALUE(offset_groups >= 1,
+                    "deform_conv2d(): expected offset_groups to be at least 1, but got ",
+                    offset_groups);
+  TORCH_CHECK_VALUE(im2col_step >= 0,
+                    "deform_conv2d(): expected im2col_step to be positive, or 0 for automatic, "
+                    "but got ", im2col_step);
+
+  DeformConv2dGeometry g{};
+  g.in_channels = input.size(1);
+  g.in_height = input.size(2);
+  g.in_width = input.size(3);
+  g.out_channels = weight.size(0);
+  g.kernel_h = weight.size(2);
+  g.kernel_w = weight.size(3);
+  g.stride_h = stride[0];
+  g.stride_w = stride[1];
+  g.pad_h = padding[0];
+  g.pad_w = padding[1];
+  g.dilation_h = dilation[0];
+  g.dilation_w = dilation[1];
+  g.groups = groups;
+  g.offset_groups = offset_groups;
+
+  TORCH_CHECK_VALUE(g.in_channels > 0 && g.in_height > 0 && g.in_width > 0,
+                    "deform_conv2d(): expected input to have non-zero channels, height and "
+                    "width, but got shape ", input.sizes());
+  TORCH_CHECK_VALUE(g.kernel_h > 0 && g.kernel_w > 0,
+                    "deform_conv2d(): expected weight to have a non-empty kernel, but got shape ",
+                    weight.sizes());
+  TORCH_CHECK_VALUE(g.in_channels % groups == 0, "deform_conv2d(): expected in_channels (",
+                    g.in_channels, ") to be divisible by groups (", groups, ")");
+  TORCH_CHECK_VALUE(g.out_channels % groups == 0, "deform_conv2d(): expected out_channels (",
+                    g.out_channels, ", weight.size(0)) to be divisible by groups (", groups, ")");
+  TORCH_CHECK_VALUE(weight.size(1) * groups == g.in_channels,
+                    "deform_conv2d(): expected weight to have ", g.in_channels / groups,
+                    " input channels (in_channels / groups = ", g.in_channels, " / ", groups,
+                    "), but got ", weight.size(1));
+  TORCH_CHECK_VALUE(g.in_channels % offset_groups == 0, "deform_conv2d(): expected in_channels (",
+                    g.in_channels, ") to be divisible by offset_groups (", offset_groups, ")");
+
+  const int64_t dilated_kernel_h = g.dilation_h * (g.kernel_h - 1) + 1;
+  const int64_t dilated_kernel_w = g.dilation_w * (g.kernel_w - 1) + 1;
+  TORCH_CHECK_VALUE(g.in_height + 2 * g.pad_h >= dilated_kernel_h &&
+                        g.in_width + 2 * g.pad_w >= dilated_kernel_w,
+                    "deform_conv2d(): expected the padded input (", g.in_height + 2 * g.pad_h,
+                    " x ", g.in_width + 2 * g.pad_w,
+                    ") to be at least as large as the dilated kernel (", dilated_kernel_h, " x ",
+                    dilated_kernel_w, "), so that the output is not empty");
+  g.out_height = output_length(g.in_height, g.kernel_h, g.stride_h, g.pad_h, g.dilation_h);
+  g.out_width = output_length(g.in_width, g.kernel_w, g.stride_w, g.pad_w, g.dilation_w);
+
+  const int64_t batch = input.size(0);
+  const auto check_field = [&](const char* name, const at::Tensor& field, int64_t channels,
+                               const char* formula) {
+    TORCH_CHECK_VALUE(field.size(0) == batch, "deform_conv2d(): expected ", name,
+                      " to have the batch size of input (", batch, "), but got ", field.size(0));
+    TORCH_CHECK_VALUE(field.size(1) == channels, "deform_conv2d(): expected ", name, " to have ",
+                      channels, " channels (", formula, "), but got ", field.size(1));
+    TORCH_CHECK_VALUE(field.size(2) == g.out_height && field.size(3) == g.out_width,
+                      "deform_conv2d(): expected ", name, " to have the output size ",
+                      g.out_height, " x ", g.out_width, ", but got ", field.size(2), " x ",
+                      field.size(3));
+  };
+  check_field("offset", offset, 2 * offset_groups * g.taps(), "2 * offset_groups * kH * kW");
+  if (mask.has_value()) {
+    check_field("mask", *mask, offset_groups * g.taps(), "offset_groups * kH * kW");
+  }
+  if (bias.has_value()) {
+    TORCH_CHECK_VALUE(bias->size(0) == g.out_channels, "deform_conv2d(): expected bias to have ",
+                      g.out_channels, " elements (out_channels), but got ", bias->size(0));
+  }
+  return g;
+}
+
+at::Tensor deform_conv2d_forward(
+    const DeformConv2dLaunchers& launchers, const at::Tensor& input_arg,
+    const at::Tensor& offset_arg, const at::Tensor& weight_arg,
+    const std::optional<at::Tensor>& mask_arg, const std::optional<at::Tensor>& bias,
+    c10::IntArrayRef stride, c10::IntArrayRef padding, c10::IntArrayRef dilation, int64_t groups,
+    int64_t offset_groups, int64_t im2col_step) {
+  const DeformConv2dGeometry g =
+      check_deform_conv2d_arguments(input_arg, offset_arg, weight_arg, mask_arg, bias, stride,
+                                    padding, dilation, groups, offset_groups, im2col_step);
+  const at::Tensor input = input_arg.contiguous();
+  const at::Tensor offset = offset_arg.contiguous();
+  const at::Tensor weight = weight_arg.contiguous();
+  const at::Tensor mask = mask_arg.has_value() ? mask_arg->contiguous() : at::Tensor();
+
+  const int64_t batch = input.size(0);
+  at::Tensor output =
+      at::empty({batch, g.out_channels, g.out_height, g.out_width}, input.options());
+  if (batch == 0) {
+    return output;
+  }
+  const int64_t step = images_per_block(g, batch, im2col_step, input.scalar_type());
+  const int64_t G = g.groups;
+  const int64_t out_per_group = g.out_channels / G;
+  const int64_t rows_per_group = g.in_channels / G * g.taps();
+  const int64_t P = g.out_pixels();
+
+  at::Tensor plans = at::empty(
+      {step * g.offset_groups * g.taps() * P * sampling_plan_bytes(input.scalar_type())},
+      input.options().dtype(at::kByte));
+  at::Tensor columns = at::empty({step, g.in_channels * g.taps(), P}, input.options());
+  // The per-group weight matrices repeated for every image of a block, so that one batched
+  // GEMM covers the whole block: (step * G, C_out / G, C_in / G * K).
+  const at::Tensor weight_batched = weight.reshape({1, G, out_per_group, rows_per_group})
+                                        .expand({step, G, out_per_group, rows_per_group})
+                                        .reshape({step * G, out_per_group, rows_per_group});
+
+  for (int64_t first = 0; first < batch; first += step) {
+    const int64_t images = std::min(step, batch - first);
+    const at::Tensor mask_block = mask.defined() ? mask.narrow(0, first, images) : at::Tensor();
+    launchers.sampling_plans(g, images, offset.narrow(0, first, images), mask_block, plans);
+    launchers.im2col(g, images, input.narrow(0, first, images), plans, columns);
+
+    at::Tensor output_block = output.narrow(0, first, images).view({images * G, out_per_group, P});
+    const at::Tensor columns_block =
+        columns.narrow(0, 0, images).view({images * G, rows_per_group, P});
+    const at::Tensor weight_block = weight_batched.narrow(0, 0, images * G);
+    if (bias.has_value()) {
+      output_block.view({images, G, out_per_group, P}).copy_(bias->view({1, G, out_per_group, 1}));
+      output_block.baddbmm_(weight_block, columns_block);
+    } else {
+      at::bmm_out(output_block, weight_block, columns_block);
+    }
+  }
+  return output;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> deform_conv2d_backward(
+    const DeformConv2dLaunchers& launchers, const at::Tensor& grad_output_arg,
+    const at::Tensor& input_arg, const at::Tensor& offset_arg, const at::Tensor& weight_arg,
+    const std::optional<at::Tensor>& mask_arg, c10::IntArrayRef stride,
+    c10::IntArrayRef padding, c10::IntArrayRef dilation, int64_t groups, int64_t offset_groups,
+    int64_t im2col_step, std::array<bool, 5> output_mask) {
+  const DeformConv2dGeometry g =
+      check_deform_conv2d_arguments(input_arg, offset_arg, weight_arg, mask_arg, std::nullopt,
+                                    stride, padding, dilation, groups, offset_groups, im2col_step);
+  const int64_t batch = input_arg.size(0);
+  const std::vector<int64_t> output_shape = {batch, g.out_channels, g.out_height, g.out_width};
+  TORCH_CHECK_VALUE(grad_output_arg.sizes() == c10::IntArrayRef(output_shape),
+                    "deform_conv2d_backward(): expected grad_output of shape ",
+                    c10::IntArrayRef(output_shape), ", but got ", grad_output_arg.sizes());
+  TORCH_CHECK_TYPE(grad_output_arg.scalar_type() == input_arg.scalar_type(),
+                   "deform_conv2d_backward(): expected grad_output to have the dtype of input (",
+                   input_arg.scalar_type(), "), but got ", grad_output_arg.scalar_type());
+  TORCH_CHECK_VALUE(grad_output_arg.device() == input_arg.device(),
+                    "deform_conv2d_backward(): expected grad_output to be on the device of "
+                    "input (", input_arg.device(), "), but got ", grad_output_arg.device());
+
+  const at::Tensor grad_output = grad_output_arg.contiguous();
+  const at::Tensor input = input_arg.contiguous();
+  const at::Tensor offset = offset_arg.contiguous();
+  const at::Tensor weight = weight_arg.contiguous();
+  const at::Tensor mask = mask_arg.has_value() ? mask_arg->contiguous() : at::Tensor();
+
+  const auto [want_input, want_offset, want_weight, want_mask_arg, want_bias] = output_mask;
+  const bool want_mask = want_mask_arg && mask.defined();
+  // col2im adds into grad_input and the per-image GEMMs add into grad_weight; the offset and
+  // mask gradients are written in full, so they need no zero fill.
+  at::Tensor grad_input = want_input ? at::zeros_like(input) : at::Tensor();
+  at::Tensor grad_offset = want_offset ? at::empty_like(offset) : at::Tensor();
+  at::Tensor grad_weight = want_weight ? at::zeros_like(weight) : at::Tensor();
+  at::Tensor grad_mask = want_mask ? at::empty_like(mask) : at::Tensor();
+  at::Tensor grad_bias = want_bias ? grad_output.sum({0, 2, 3}) : at::Tensor();
+
+  const bool want_columns_grad = want_input || want_offset || want_mask;
+  if (batch == 0 || !(want_columns_grad || want_weight)) {
+    return {grad_input, grad_offset, grad_weight, grad_mask, grad_bias};
+  }
+
+  const int64_t step = images_per_block(g, batch, im2col_step, input.scalar_type());
+  const int64_t G = g.groups;
+  const int64_t out_per_group = g.out_channels / G;
+  const int64_t rows_per_group = g.in_channels / G * g.taps();
+  const int64_t P = g.out_pixels();
+  const bool want_plans = want_input || want_weight;
+
+  at::Tensor plans = want_plans
+      ? at::empty({step * g.offset_groups * g.taps() * P * sampling_plan_bytes(input.scalar_type())},
+                  input.options().dtype(at::kByte))
+      : at::Tensor();
+  // Holds the columns for the weight gradient, then the gradient of the columns.
+  at::Tensor columns = at::empty({step, g.in_channels * g.taps(), P}, input.options());
+  // Transposed per-group weights repeated per image: (step * G, C_in / G * K, C_out / G).
+  const at::Tensor weight_t_batched = want_columns_grad
+      ? weight.reshape({1, G, out_per_group, rows_per_group})
+            .transpose(2, 3)
+            .expand({step, G, rows_per_group, out_per_group})
+            .reshape({step * G, rows_per_group, out_per_group})
+      : at::Tensor();
+  at::Tensor grad_weight_grouped =
+      want_weight ? grad_weight.view({G, out_per_group, rows_per_group}) : at::Tensor();
+
+  for (int64_t first = 0; first < batch; first += step) {
+    const int64_t images = std::min(step, batch - first);
+    const at::Tensor input_block = input.narrow(0, first, images);
+    const at::Tensor offset_block = offset.narrow(0, first, images);
+    const at::Tensor mask_block = mask.defined() ? mask.narrow(0, first, images) : at::Tensor();
+    const at::Tensor grad_output_block =
+        grad_output.narrow(0, first, images).view({images, G, out_per_group, P});
+    const at::Tensor columns_block = columns.narrow(0, 0, images);
+
+    if (want_plans) {
+      launchers.sampling_plans(g, images, offset_block, mask_block, plans);
+    }
+    if (want_weight) {
+      launchers.im2col(g, images, input_block, plans, columns);
+      const at::Tensor columns_grouped = columns_block.view({images, G, rows_per_group, P});
+      for (const auto n : c10::irange(images)) {
+        grad_weight_grouped.baddbmm_(grad_output_block[n], columns_grouped[n].transpose(1, 2));
+      }
+    }
+    if (want_columns_grad) {
+      at::Tensor grad_columns = columns_block.view({images * G, rows_per_group, P});
+      at::bmm_out(grad_columns, weight_t_batched.narrow(0, 0, images * G),
+                  grad_output_block.reshape({images * G, out_per_group, P}));
+      if (want_input) {
+        at::Tensor grad_input_block = grad_input.narrow(0, first, images);
+        launchers.col2im(g, images, columns, plans, grad_input_block);
+      }
+      if (want_offset || want_mask) {
+        at::Tensor grad_offset_block =
+            want_offset ? grad_offset.narrow(0, first, images) : at::Tensor();
+        at::Tensor grad_mask_block = want_mask ? grad_mask.narrow(0, first, images) : at::Tensor();
+        launchers.offset_mask_grad(g, images, columns, input_block, offset_block, mask_block,
+                                   grad_offset_block, grad_mask_block);
+      }
+    }
+  }
+  return {grad_input, grad_offset, grad_weight, grad_mask, grad_bias};
+}
+
+}  // namespace deformconv

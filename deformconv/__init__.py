@@ -1,0 +1,35 @@
+"""Deformable convolution (DCN v1 and v2) for PyTorch, on CPU and CUDA.
+
+    import deformconv
+    out = deformconv.deform_conv2d(x, offset, weight, mask=mask)   # functional
+    layer = deformconv.ModulatedDeformConv2dPack(64, 64, 3, padding=1)  # module
+"""
+
+__version__ = "0.1.0"
+
+import torch
+
+from . import _C  # noqa: F401  (loads the library, which registers torch.ops.deformconv.*)
+from .modules import (
+    DeformConv2d,
+    DeformConv2dPack,
+    ModulatedDeformConv2d,
+    ModulatedDeformConv2dPack,
+)
+from .ops import deform_conv2d
+
+
+def cuda_compiled() -> bool:
+    """Whether this build of deformconv holds CUDA kernels (whether or not a GPU is present)."""
+    return torch._C._dispatch_has_kernel_for_dispatch_key("deformconv::deform_conv2d", "CUDA")
+
+
+__all__ = [
+    "DeformConv2d",
+    "DeformConv2dPack",
+    "ModulatedDeformConv2d",
+    "ModulatedDeformConv2dPack",
+    "__version__",
+    "cuda_compiled",
+    "deform_conv2d",
+]
