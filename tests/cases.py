@@ -1,0 +1,87 @@
+"""Random operands of deformable convolution for a geometry, shared by the test files."""
+
+from dataclasses import dataclass
+from typing import Tuple
+
+import torch
+
+
+@dataclass(frozen=True)
+class Geometry:
+    name: str
+    batch: int
+    in_channels: int
+    out_channels: int
+    height: int
+    width: int
+    kernel: Tuple[int, int]
+    stride: Tuple[int, int] = (1, 1)
+    padding: Tuple[int, int] = (0, 0)
+    dilation: Tuple[int, int] = (1, 1)
+    groups: int = 1
+    offset_groups: int = 1
+
+    def output_size(self):
+        def length(size, k, s, p, d):
+            return (size + 2 * p - (d * (k - 1) + 1)) // s + 1
+
+        return (length(self.height, self.kernel[0], self.stride[0], self.padding[0],
+                       self.dilation[0]),
+                length(self.width, self.kernel[1], self.stride[1], self.padding[1],
+                       self.dilation[1]))
+
+    def __str__(self):
+        return self.name
+
+
+GEOMETRIES = [
+    Geometry("1x1", 2, 4, 6, 5, 6, (1, 1)),
+    Geometry("3x3-pad1", 2, 4, 4, 7, 8, (3, 3), padding=(1, 1)),
+    Geometry("2x3-nonsquare", 2, 6, 4, 9, 7, (2, 3), stride=(2, 1), padding=(1, 0),
+             dilation=(1, 2), groups=2, offset_groups=3),
+    Geometry("5x5-dilated", 1, 3, 3, 11, 10, (5, 5), stride=(1, 2), padding=(2, 3),
+             dilation=(2, 1), offset_groups=3),
+    Geometry("groups4-offset2", 3, 8, 12, 6, 6, (3, 3), padding=(1, 1), groups=4,
+             offset_groups=2),
+    Geometry("stride2-offset4", 2, 4, 4, 9, 9, (3, 3), stride=(2, 2), padding=(2, 2),
+             groups=2, offset_groups=4),
+]
+
+
+def make_operands(geometry, *, dtype=torch.float64, device="cpu", with_mask=True,
+                  with_bias=True, offset_scale=1.5, batch=None, seed=0):
+    """Returns (input, offset, weight, bias or None, mask or None), float64 leaves."""
+    generator = torch.Generator().manual_seed(seed)
+    g = geometry
+    n = g.batch if batch is None else batch
+    out_h, out_w = g.output_size()
+    taps = g.kernel[0] * g.kernel[1]
+
+    def rand(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=generator, dtype=torch.float64) * scale).to(
+            device=device, dtype=dtype)
+
+    input = rand(n, g.in_channels, g.height, g.width)
+    offset = rand(n, 2 * g.offset_groups * taps, out_h, out_w, scale=offset_scale)
+    weight = rand(g.out_channels, g.in_channels // g.groups, *g.kernel, scale=0.5)
+    bias = rand(g.out_channels) if with_bias else None
+    mask = None
+    if with_mask:
+        mask = torch.rand(n, g.offset_groups * taps, out_h, out_w, generator=generator,
+                          dtype=torch.float64).to(device=device, dtype=dtype)
+    return input, offset, weight, bias, mask
+
+
+def differentiable(*tensors):
+    return [None if t is None else t.detach().clone().requires_grad_() for t in tensors]
+
+
+def forward_and_grads(fn, input, offset, weight, bias, mask, geometry, grad_seed=1, **kwargs):
+    """Runs fn on fresh leaves and returns (output, [grads of present operands])."""
+    leaves = differentiable(input, offset, weight, bias, mask)
+    x, o, w, b, m = leaves
+    out = fn(x, o, w, b, geometry.stride, geometry.padding, geometry.dilation, m, **kwargs)
+    generator = torch.Generator().manual_seed(grad_seed)
+    grad_out = torch.randn(out.shape, generator=generator, dtype=torch.float64).to(out)
+    present = [t for t in leaves if t is not None]
+    return out, list(torch.autograd.grad(out, present, grad_out))

@@ -1,0 +1,76 @@
+"""CUDA against the CPU path. Skipped where no GPU is present, which is every machine of this
+project's CI; run them on a machine with one."""
+
+import pytest
+import torch
+
+import deformconv
+from cases import GEOMETRIES, forward_and_grads, make_operands
+
+needs_cuda = pytest.mark.skipif(
+    not (torch.cuda.is_available() and deformconv.cuda_compiled()),
+    reason="needs a CUDA device and deformconv built with its CUDA kernels")
+pytestmark = [pytest.mark.cuda, needs_cuda]
+
+
+def to(operands, device, dtype=None):
+    return [None if t is None else t.to(device=device, dtype=dtype or t.dtype)
+            for t in operands]
+
+
+@pytest.mark.parametrize("geometry", GEOMETRIES, ids=str)
+@pytest.mark.parametrize("with_mask", [False, True], ids=["v1", "v2"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_cuda_matches_cpu(geometry, with_mask, dtype):
+    operands = make_operands(geometry, with_mask=with_mask, dtype=dtype)
+    cpu_out, cpu_grads = forward_and_grads(deformconv.deform_conv2d, *operands, geometry)
+    out, grads = forward_and_grads(deformconv.deform_conv2d, *to(operands, "cuda"), geometry)
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=1e-10, rtol=1e-10)
+    torch.testing.assert_close(out.cpu(), cpu_out, **tol)
+    for a, b in zip(grads, cpu_grads):
+        torch.testing.assert_close(a.cpu(), b, **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_cuda_low_precision_within_float32_bound(dtype):
+    # Error against a float64 run bounded by a multiple of the rounding step of the dtype times
+    # the magnitude of the float32 result: the scale plain PyTorch itself errs at.
+    geometry = GEOMETRIES[1]
+    operands = make_operands(geometry)
+    exact, exact_grads = forward_and_grads(deformconv.deform_conv2d, *to(operands, "cuda"),
+                                           geometry)
+    low, low_grads = forward_and_grads(deformconv.deform_conv2d,
+                                       *to(operands, "cuda", dtype), geometry)
+    step = torch.finfo(dtype).eps
+    for a, e in zip([low] + low_grads, [exact] + exact_grads):
+        error = (a.double() - e).abs().max().item()
+        assert error <= 64 * step * e.abs().max().item()
+
+
+def test_cuda_batch_blocks_and_empty_batch():
+    geometry = GEOMETRIES[4]
+    for batch, step in ((0, 0), (7, 3)):
+        operands = make_operands(geometry, batch=batch)
+        cpu_out, cpu_grads = forward_and_grads(deformconv.deform_conv2d, *operands, geometry)
+        out, grads = forward_and_grads(deformconv.deform_conv2d, *to(operands, "cuda"),
+                                       geometry, im2col_step=step)
+        torch.testing.assert_close(out.cpu(), cpu_out)
+        for a, b in zip(grads, cpu_grads):
+            torch.testing.assert_close(a.cpu(), b)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_second_device():
+    geometry = GEOMETRIES[1]
+    operands = make_operands(geometry)
+    cpu_out, _ = forward_and_grads(deformconv.deform_conv2d, *operands, geometry)
+    out, _ = forward_and_grads(deformconv.deform_conv2d, *to(operands, "cuda:1"), geometry)
+    assert out.device == torch.device("cuda:1")
+    torch.testing.assert_close(out.cpu(), cpu_out)
+
+
+def test_mixed_devices_raise():
+    geometry = GEOMETRIES[1]
+    input, offset, weight, bias, mask = make_operands(geometry)
+    with pytest.raises(ValueError, match="expected offset to be on the device of input"):
+        deformconv.deform_conv2d(input.cuda(), offset, weight.cuda())
