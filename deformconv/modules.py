@@ -3,13 +3,11 @@ checkpoints load: DeformConv2d (v1), ModulatedDeformConv2d (v2), and the *Pack v
 own the convolution predicting their offsets (and mask)."""
 
 import math
-from typing import Tuple, Union
+from typing import Optional, Tuple, Union
 
 import torch
 from torch import Tensor, nn
 from torch.nn.modules.utils import _pair
-
-from .ops import deform_conv2d
 
 IntOrPair = Union[int, Tuple[int, int]]
 
@@ -86,6 +84,12 @@ class _DeformConvBase(nn.Module):
                 f"groups={self.groups}, deform_groups={self.deform_groups}, "
                 f"bias={self.bias is not None}, im2col_step={self.im2col_step}")
 
+    def _deform_conv(self, x: Tensor, offset: Tensor, mask: Optional[Tensor]) -> Tensor:
+        # The op directly, with the module's own groups: scriptable, and no shape inference.
+        return torch.ops.deformconv.deform_conv2d(
+            x, offset, self.weight, mask, self.bias, self.stride, self.padding, self.dilation,
+            self.groups, self.deform_groups, self.im2col_step)
+
     def _offset_conv(self, channels_per_tap: int) -> nn.Conv2d:
         """The zero-initialised convolution of the Pack variants, so that training starts from
         a plain convolution (zero offsets, mask 0.5 everywhere for v2)."""
@@ -111,8 +115,7 @@ class DeformConv2d(_DeformConvBase):
                          groups, deform_groups, bias, im2col_step)
 
     def forward(self, x: Tensor, offset: Tensor) -> Tensor:
-        return deform_conv2d(x, offset, self.weight, self.bias, self.stride, self.padding,
-                             self.dilation, im2col_step=self.im2col_step)
+        return self._deform_conv(x, offset, None)
 
 
 class ModulatedDeformConv2d(_DeformConvBase):
@@ -126,8 +129,7 @@ class ModulatedDeformConv2d(_DeformConvBase):
                          groups, deform_groups, bias, im2col_step)
 
     def forward(self, x: Tensor, offset: Tensor, mask: Tensor) -> Tensor:
-        return deform_conv2d(x, offset, self.weight, self.bias, self.stride, self.padding,
-                             self.dilation, mask, im2col_step=self.im2col_step)
+        return self._deform_conv(x, offset, mask)
 
 
 class DeformConv2dPack(DeformConv2d):
@@ -138,7 +140,7 @@ class DeformConv2dPack(DeformConv2d):
         self.conv_offset = self._offset_conv(2)
 
     def forward(self, x: Tensor) -> Tensor:  # type: ignore[override]
-        return super().forward(x, self.conv_offset(x))
+        return self._deform_conv(x, self.conv_offset(x), None)
 
 
 class ModulatedDeformConv2dPack(ModulatedDeformConv2d):
@@ -153,4 +155,4 @@ class ModulatedDeformConv2dPack(ModulatedDeformConv2d):
         out = self.conv_offset(x)
         offset_y_x_first, offset_y_x_second, mask = torch.chunk(out, 3, dim=1)
         offset = torch.cat((offset_y_x_first, offset_y_x_second), dim=1)
-        return super().forward(x, offset, torch.sigmoid(mask))
+        return self._deform_conv(x, offset, torch.sigmoid(mask))
