@@ -2,6 +2,7 @@
 // for the input's device (without it, work on a second GPU runs on the first: mmcv once
 // returned zeros there).
 
+#include <ATen/Context.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
@@ -29,6 +30,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> deform_co
     c10::IntArrayRef padding, c10::IntArrayRef dilation, int64_t groups, int64_t offset_groups,
     int64_t im2col_step, std::array<bool, 5> output_mask) {
   check_same_device(input, offset, weight, mask, std::nullopt);
+  if (output_mask[0]) {
+    // The input gradient is a scatter with atomic adds, whose order varies from run to run.
+    at::globalContext().alertNotDeterministic("deform_conv2d_backward_cuda (input gradient)");
+  }
   const c10::cuda::CUDAGuard device_guard(input.device());
   return deform_conv2d_backward(cuda_launchers(), grad_output, input, offset, weight, mask,
                                 stride, padding, dilation, groups, offset_groups, im2col_step,
