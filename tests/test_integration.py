@@ -137,7 +137,8 @@ class TwoLayerNet(torch.nn.Module):
     def __init__(self):
         super().__init__()
         torch.manual_seed(0)
-        self.first = deformconv.ModulatedDeformConv2dPack(4, 6, 3, padding=1, deform_groups=2)
+        self.first = deformconv.ModulatedDeformConv2dPack(4, 6, 3, padding=1, deform_groups=2,
+                                                          bias=False)
         self.second = deformconv.DeformConv2dPack(6, 4, (3, 2), stride=(2, 1), padding=(1, 0),
                                                   dilation=(1, 2), groups=2, bias=True)
         with torch.no_grad():
@@ -148,7 +149,8 @@ class TwoLayerNet(torch.nn.Module):
         return self.second(self.first(x))
 
 
-def test_onnx_export_to_standard_deform_conv(tmp_path):
+@pytest.mark.parametrize("dynamo", [True, False], ids=["dynamo", "torchscript"])
+def test_onnx_export_to_standard_deform_conv(tmp_path, dynamo):
     onnx = pytest.importorskip("onnx")
     pytest.importorskip("onnxscript")
     ort = pytest.importorskip("onnxruntime")
@@ -159,7 +161,7 @@ def test_onnx_export_to_standard_deform_conv(tmp_path):
     model = TwoLayerNet().eval()
     x = torch.randn(2, 4, 9, 8)
     path = tmp_path / "model.onnx"
-    deformconv.onnx.export_onnx(model, (x,), str(path))
+    deformconv.onnx.export_onnx(model, (x,), str(path), dynamo=dynamo)
 
     proto = onnx.load(str(path))
     onnx.checker.check_model(proto, full_check=True)
