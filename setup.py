@@ -60,15 +60,20 @@ def extension():
         + sources("csrc/pytorch/*.cpp")
         + sources("csrc/cpu/*.cpp")
     )
-    cxx_flags = ["-O3"]
+    # at::parallel_for is inlined from ATen's headers as an OpenMP parallel region: without
+    # -fopenmp here it silently runs on one thread.
+    cxx_flags = ["-O3", "-fopenmp"]
+    link_flags = ["-fopenmp"]
     if want_cuda():
         return cpp_extension.CUDAExtension(
             "deformconv._C",
             common + sources("csrc/cuda/*.cpp") + sources("csrc/cuda/*.cu"),
             extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3"]},
+            extra_link_args=link_flags,
         )
     return cpp_extension.CppExtension(
-        "deformconv._C", common, extra_compile_args={"cxx": cxx_flags}
+        "deformconv._C", common, extra_compile_args={"cxx": cxx_flags},
+        extra_link_args=link_flags,
     )
 
 

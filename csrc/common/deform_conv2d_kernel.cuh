@@ -94,10 +94,10 @@ C10_HOST_DEVICE inline CornerValues<opmath_t> read_corners(
   return v;
 }
 
-// Where one sample reads the input plane and with which weights, the mask folded in. One plan
-// serves every channel of its deform group, in the forward im2col and in the backward col2im,
-// so the bilinear weights are computed once per (image, deform group, tap, output pixel).
-// A corner outside the image has weight 0 and index 0 and is never read.
+// Where one sample reads the input plane and with which weights, the mask folded in. A plan is
+// made once per (image, deform group, tap, output pixel) and serves every channel of the deform
+// group in turn, in the forward im2col and in the backward col2im: the bilinear weights are
+// never recomputed per channel. A corner outside the image has weight 0 and is never read.
 template <typename opmath_t>
 struct SamplingPlan {
   int64_t index[4];    // in the H * W plane: (y0, x0), (y0, x0+1), (y0+1, x0), (y0+1, x0+1)
@@ -105,17 +105,21 @@ struct SamplingPlan {
 };
 
 // The sample position of tap (i, j) at output pixel (ho, wo), before the learned offset.
-C10_HOST_DEVICE inline int64_t grid_y(const DeformConv2dGeometry& g, int64_t ho, int64_t i) {
+C10_HOST_DEVICE inline int64_t undeformed_y(const DeformConv2dGeometry& g, int64_t ho, int64_t i) {
   return ho * g.stride_h - g.pad_h + i * g.dilation_h;
 }
-C10_HOST_DEVICE inline int64_t grid_x(const DeformConv2dGeometry& g, int64_t wo, int64_t j) {
+C10_HOST_DEVICE inline int64_t undeformed_x(const DeformConv2dGeometry& g, int64_t wo, int64_t j) {
   return wo * g.stride_w - g.pad_w + j * g.dilation_w;
 }
 
-// Decomposition of a flat index over (block image, deform group, tap, output pixel), the
-// layout of sampling plans and of the offset/mask gradient work.
+// One sample: (block image, deform group, tap, output pixel). Samples are numbered in that
+// order, the layout of the offset and mask tensors and of the launchers' loops. The output
+// pixel's row and column and the undeformed sample position ride along, so that a loop over
+// consecutive pixels can step them (next_pixel) instead of dividing for every sample.
 struct SampleIndex {
   int64_t n, group, tap, pixel;
+  int64_t out_y, out_x;    // pixel = out_y * W_out + out_x
+  int64_t grid_y, grid_x;  // where tap `tap` of this pixel samples before its offset
 };
 
 C10_HOST_DEVICE inline SampleIndex decompose_sample_index(
@@ -127,39 +131,51 @@ C10_HOST_DEVICE inline SampleIndex decompose_sample_index(
   index /= g.taps();
   s.group = index % g.offset_groups;
   s.n = index / g.offset_groups;
+  s.out_y = s.pixel / g.out_width;
+  s.out_x = s.pixel % g.out_width;
+  s.grid_y = undeformed_y(g, s.out_y, s.tap / g.kernel_w);
+  s.grid_x = undeformed_x(g, s.out_x, s.tap % g.kernel_w);
   return s;
 }
 
-// Sampled position of one (image, deform group, tap, pixel), read from the offset tensor of
-// the block, and its mask value (1 without a mask).
+// The sample of the next output pixel, same image, deform group and tap. The caller stays
+// may step past the last pixel, as long as it does not use that sample.
+C10_HOST_DEVICE inline void next_pixel(const DeformConv2dGeometry& g, SampleIndex& s) {
+  ++s.pixel;
+  ++s.out_x;
+  s.grid_x += g.stride_w;
+  if (s.out_x == g.out_width) {
+    s.out_x = 0;
+    s.grid_x -= g.out_width * g.stride_w;
+    ++s.out_y;
+    s.grid_y += g.stride_h;
+  }
+}
+
+// Sampled position of one sample, read from the offset tensor of the block, and its mask value
+// (1 without a mask).
 template <typename scalar_t, typename opmath_t>
 C10_HOST_DEVICE inline void sample_position(
     const DeformConv2dGeometry& g, const SampleIndex& s, const scalar_t* offset,
     const scalar_t* mask, opmath_t& y, opmath_t& x, opmath_t& m) {
   const int64_t K = g.taps();
   const int64_t P = g.out_pixels();
-  const int64_t ho = s.pixel / g.out_width;
-  const int64_t wo = s.pixel % g.out_width;
-  const int64_t i = s.tap / g.kernel_w;
-  const int64_t j = s.tap % g.kernel_w;
   const int64_t offset_y_at = ((s.n * g.offset_groups + s.group) * 2 * K + 2 * s.tap) * P + s.pixel;
-  y = static_cast<opmath_t>(grid_y(g, ho, i)) + static_cast<opmath_t>(offset[offset_y_at]);
-  x = static_cast<opmath_t>(grid_x(g, wo, j)) + static_cast<opmath_t>(offset[offset_y_at + P]);
+  y = static_cast<opmath_t>(s.grid_y) + static_cast<opmath_t>(offset[offset_y_at]);
+  x = static_cast<opmath_t>(s.grid_x) + static_cast<opmath_t>(offset[offset_y_at + P]);
   m = mask == nullptr
       ? opmath_t(1)
       : static_cast<opmath_t>(mask[((s.n * g.offset_groups + s.group) * K + s.tap) * P + s.pixel]);
 }
 
-// Plan of sample `index` over (block image, deform group, tap, output pixel).
 template <typename scalar_t>
-C10_HOST_DEVICE inline void sampling_plan_element(
-    const DeformConv2dGeometry& g, const scalar_t* offset, const scalar_t* mask,
-    SamplingPlan<at::opmath_type<scalar_t>>* plans, int64_t index) {
+C10_HOST_DEVICE inline SamplingPlan<at::opmath_type<scalar_t>> make_sampling_plan(
+    const DeformConv2dGeometry& g, const SampleIndex& s, const scalar_t* offset,
+    const scalar_t* mask) {
   using opmath_t = at::opmath_type<scalar_t>;
   opmath_t y, x, m;
-  sample_position(g, decompose_sample_index(g, index), offset, mask, y, x, m);
+  sample_position(g, s, offset, mask, y, x, m);
   const BilinearCell<opmath_t> cell = locate_cell(y, x, g.in_height, g.in_width);
-  SamplingPlan<opmath_t> plan;
   const int64_t top_left = cell.y0 * g.in_width + cell.x0;
   const opmath_t hy = opmath_t(1) - cell.ly;
   const opmath_t hx = opmath_t(1) - cell.lx;
@@ -168,43 +184,37 @@ C10_HOST_DEVICE inline void sampling_plan_element(
   const int64_t corner_index[4] = {top_left, top_left + 1, top_left + g.in_width,
                                    top_left + g.in_width + 1};
   const opmath_t corner_weight[4] = {hy * hx, hy * cell.lx, cell.ly * hx, cell.ly * cell.lx};
+  SamplingPlan<opmath_t> plan;
   for (int corner = 0; corner < 4; ++corner) {
     plan.index[corner] = valid[corner] ? corner_index[corner] : 0;
     plan.weight[corner] = valid[corner] ? m * corner_weight[corner] : opmath_t(0);
   }
-  plans[index] = plan;
+  return plan;
 }
 
-// Position of columns element `index` over (block image, input channel, tap, output pixel),
-// and the plan it uses.
-struct ColumnIndex {
-  int64_t plane;  // (block image, input channel): which H * W plane of the input
-  int64_t plan;   // flat index of its sampling plan
-};
-
-C10_HOST_DEVICE inline ColumnIndex decompose_column_index(
-    const DeformConv2dGeometry& g, int64_t index) {
-  const int64_t pixel = index % g.out_pixels();
-  const int64_t tap = (index / g.out_pixels()) % g.taps();
-  const int64_t plane = index / (g.out_pixels() * g.taps());
-  const int64_t channel = plane % g.in_channels;
-  const int64_t n = plane / g.in_channels;
-  const int64_t group = channel / g.channels_per_offset_group();
-  ColumnIndex c;
-  c.plane = plane;
-  c.plan = ((n * g.offset_groups + group) * g.taps() + tap) * g.out_pixels() + pixel;
-  return c;
+// First input channel of a deform group; its channels are [first, first + per group).
+C10_HOST_DEVICE inline int64_t first_channel(const DeformConv2dGeometry& g, int64_t group) {
+  return group * g.channels_per_offset_group();
 }
 
-// columns[index] = mask * bilinear(input plane, sampled position).
+// Flat position of (block image, input channel, tap, pixel) in the columns buffer.
+C10_HOST_DEVICE inline int64_t column_index(const DeformConv2dGeometry& g, const SampleIndex& s,
+                                            int64_t channel) {
+  return ((s.n * g.in_channels + channel) * g.taps() + s.tap) * g.out_pixels() + s.pixel;
+}
+
+// Start of the H * W plane of (block image, channel) in an input-shaped tensor.
 template <typename scalar_t>
-C10_HOST_DEVICE inline void im2col_element(
-    const DeformConv2dGeometry& g, const scalar_t* input,
-    const SamplingPlan<at::opmath_type<scalar_t>>* plans, scalar_t* columns, int64_t index) {
+C10_HOST_DEVICE inline scalar_t* plane_of(const DeformConv2dGeometry& g, scalar_t* data,
+                                          int64_t n, int64_t channel) {
+  return data + (n * g.in_channels + channel) * g.in_pixels();
+}
+
+// mask * bilinear(plane, sampled position): one columns entry.
+template <typename scalar_t>
+C10_HOST_DEVICE inline scalar_t sample_with_plan(
+    const SamplingPlan<at::opmath_type<scalar_t>>& plan, const scalar_t* plane) {
   using opmath_t = at::opmath_type<scalar_t>;
-  const ColumnIndex c = decompose_column_index(g, index);
-  const SamplingPlan<opmath_t>& plan = plans[c.plan];
-  const scalar_t* plane = input + c.plane * g.in_pixels();
   opmath_t value = 0;
   for (int corner = 0; corner < 4; ++corner) {
     // A zero weight is skipped rather than multiplied, so an infinite input value at a corner
@@ -213,11 +223,11 @@ C10_HOST_DEVICE inline void im2col_element(
       value += plan.weight[corner] * static_cast<opmath_t>(plane[plan.index[corner]]);
     }
   }
-  columns[index] = static_cast<scalar_t>(value);
+  return static_cast<scalar_t>(value);
 }
 
 // Adds into a gradient buffer. On the GPU several threads hit the same input pixel, so the add
-// is atomic; the CPU launcher partitions the work by input plane, so its writes are disjoint.
+// is atomic; the CPU launcher gives each task its own channels, so its writes are disjoint.
 template <typename scalar_t>
 C10_HOST_DEVICE inline void scatter_add(scalar_t* address, scalar_t value) {
 #if defined(__CUDA_ARCH__)
@@ -227,69 +237,83 @@ C10_HOST_DEVICE inline void scatter_add(scalar_t* address, scalar_t value) {
 #endif
 }
 
-// The adjoint of im2col_element: spreads grad_columns[index] back onto the input plane.
+// The adjoint of sample_with_plan: spreads the gradient of one columns entry onto the plane.
 template <typename scalar_t>
-C10_HOST_DEVICE inline void col2im_element(
-    const DeformConv2dGeometry& g, const scalar_t* grad_columns,
-    const SamplingPlan<at::opmath_type<scalar_t>>* plans, scalar_t* grad_input, int64_t index) {
+C10_HOST_DEVICE inline void scatter_with_plan(
+    const SamplingPlan<at::opmath_type<scalar_t>>& plan, scalar_t grad_column,
+    scalar_t* grad_plane) {
   using opmath_t = at::opmath_type<scalar_t>;
-  const ColumnIndex c = decompose_column_index(g, index);
-  const SamplingPlan<opmath_t>& plan = plans[c.plan];
-  scalar_t* plane = grad_input + c.plane * g.in_pixels();
-  const opmath_t grad = static_cast<opmath_t>(grad_columns[index]);
+  const opmath_t grad = static_cast<opmath_t>(grad_column);
   for (int corner = 0; corner < 4; ++corner) {
     if (plan.weight[corner] != opmath_t(0)) {
-      scatter_add(plane + plan.index[corner], static_cast<scalar_t>(plan.weight[corner] * grad));
+      scatter_add(grad_plane + plan.index[corner],
+                  static_cast<scalar_t>(plan.weight[corner] * grad));
     }
   }
 }
 
-// Gradients of the offsets and the mask of sample `index` over (block image, deform group,
-// tap, output pixel). With column value c = m * bilinear(y, x) and its gradient G_c:
+// Gradients of the offsets and the mask of one sample. With column value c = m * bilinear(y, x)
+// and its gradient G_c, summed over the channels of the deform group:
 //   dL/dm = sum_c G_c * bilinear_c(y, x)
 //   dL/dy = m * sum_c G_c * d bilinear_c / dy,   d/dy = (1-lx)(v10 - v00) + lx (v11 - v01)
 //   dL/dx = m * sum_c G_c * d bilinear_c / dx,   d/dx = (1-ly)(v01 - v00) + ly (v11 - v10)
-// summed over the channels of the deform group. Either output pointer may be null when that
-// gradient was not asked for. Each index writes only its own outputs: no atomics anywhere.
-template <typename scalar_t>
-C10_HOST_DEVICE inline void offset_mask_grad_element(
-    const DeformConv2dGeometry& g, const scalar_t* grad_columns, const scalar_t* input,
-    const scalar_t* offset, const scalar_t* mask, scalar_t* grad_offset, scalar_t* grad_mask,
-    int64_t index) {
-  using opmath_t = at::opmath_type<scalar_t>;
-  const SampleIndex s = decompose_sample_index(g, index);
-  opmath_t y, x, m;
-  sample_position(g, s, offset, mask, y, x, m);
-  const BilinearCell<opmath_t> cell = locate_cell(y, x, g.in_height, g.in_width);
+// In three steps, so that a launcher may visit channels in the order that suits its memory:
+// locate the sample once, accumulate channel by channel, write once. Each sample writes only
+// its own outputs: no atomics on either device.
+template <typename opmath_t>
+struct OffsetMaskGrad {
+  BilinearCell<opmath_t> cell;
+  opmath_t mask = 1;
+  opmath_t y = 0, x = 0, m = 0;  // the three sums above, without the factor m
+};
 
-  opmath_t grad_y = 0, grad_x = 0, grad_m = 0;
-  if (cell.inside) {
-    const int64_t K = g.taps();
-    const int64_t P = g.out_pixels();
-    const int64_t channels = g.channels_per_offset_group();
-    const int64_t first_channel = s.group * channels;
-    const opmath_t hy = opmath_t(1) - cell.ly;
-    const opmath_t hx = opmath_t(1) - cell.lx;
-    for (int64_t c = first_channel; c < first_channel + channels; ++c) {
-      const int64_t plane = s.n * g.in_channels + c;
-      const opmath_t grad =
-          static_cast<opmath_t>(grad_columns[(plane * K + s.tap) * P + s.pixel]);
-      const CornerValues<opmath_t> v =
-          read_corners(cell, input + plane * g.in_pixels(), g.in_width);
-      grad_y += grad * (hx * (v.v10 - v.v00) + cell.lx * (v.v11 - v.v01));
-      grad_x += grad * (hy * (v.v01 - v.v00) + cell.ly * (v.v11 - v.v10));
-      grad_m += grad * (hy * (hx * v.v00 + cell.lx * v.v01) + cell.ly * (hx * v.v10 + cell.lx * v.v11));
-    }
+template <typename scalar_t>
+C10_HOST_DEVICE inline OffsetMaskGrad<at::opmath_type<scalar_t>> start_offset_mask_grad(
+    const DeformConv2dGeometry& g, const SampleIndex& s, const scalar_t* offset,
+    const scalar_t* mask) {
+  using opmath_t = at::opmath_type<scalar_t>;
+  OffsetMaskGrad<opmath_t> acc;
+  opmath_t y, x;
+  sample_position(g, s, offset, mask, y, x, acc.mask);
+  acc.cell = locate_cell(y, x, g.in_height, g.in_width);
+  return acc;
+}
+
+// Adds channel `channel`'s share, read from grad_columns and the input plane.
+template <typename scalar_t>
+C10_HOST_DEVICE inline void accumulate_offset_mask_grad(
+    const DeformConv2dGeometry& g, const SampleIndex& s, int64_t channel,
+    const scalar_t* grad_columns, const scalar_t* input,
+    OffsetMaskGrad<at::opmath_type<scalar_t>>& acc) {
+  using opmath_t = at::opmath_type<scalar_t>;
+  const BilinearCell<opmath_t>& cell = acc.cell;
+  if (!cell.inside) {
+    return;
   }
+  const opmath_t grad = static_cast<opmath_t>(grad_columns[column_index(g, s, channel)]);
+  const CornerValues<opmath_t> v = read_corners(cell, plane_of(g, input, s.n, channel), g.in_width);
+  const opmath_t hy = opmath_t(1) - cell.ly;
+  const opmath_t hx = opmath_t(1) - cell.lx;
+  acc.y += grad * (hx * (v.v10 - v.v00) + cell.lx * (v.v11 - v.v01));
+  acc.x += grad * (hy * (v.v01 - v.v00) + cell.ly * (v.v11 - v.v10));
+  acc.m += grad * (hy * (hx * v.v00 + cell.lx * v.v01) + cell.ly * (hx * v.v10 + cell.lx * v.v11));
+}
+
+// Writes the sample's offset and mask gradients; either pointer may be null (not asked for).
+template <typename scalar_t>
+C10_HOST_DEVICE inline void finish_offset_mask_grad(
+    const DeformConv2dGeometry& g, const SampleIndex& s,
+    const OffsetMaskGrad<at::opmath_type<scalar_t>>& acc, scalar_t* grad_offset,
+    scalar_t* grad_mask) {
+  const int64_t group_of_image = s.n * g.offset_groups + s.group;
   if (grad_offset != nullptr) {
-    const int64_t y_at = ((s.n * g.offset_groups + s.group) * 2 * g.taps() + 2 * s.tap) *
-            g.out_pixels() + s.pixel;
-    grad_offset[y_at] = static_cast<scalar_t>(m * grad_y);
-    grad_offset[y_at + g.out_pixels()] = static_cast<scalar_t>(m * grad_x);
+    const int64_t y_at = (group_of_image * 2 * g.taps() + 2 * s.tap) * g.out_pixels() + s.pixel;
+    grad_offset[y_at] = static_cast<scalar_t>(acc.mask * acc.y);
+    grad_offset[y_at + g.out_pixels()] = static_cast<scalar_t>(acc.mask * acc.x);
   }
   if (grad_mask != nullptr) {
-    grad_mask[((s.n * g.offset_groups + s.group) * g.taps() + s.tap) * g.out_pixels() + s.pixel] =
-        static_cast<scalar_t>(grad_m);
+    grad_mask[(group_of_image * g.taps() + s.tap) * g.out_pixels() + s.pixel] =
+        static_cast<scalar_t>(acc.m);
   }
 }
 

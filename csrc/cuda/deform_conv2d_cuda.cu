@@ -31,32 +31,36 @@ int64_t blocks_for(int64_t total) {
 #define DEFORMCONV_DISPATCH(dtype, name, ...) \
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, name, __VA_ARGS__)
 
-template <typename scalar_t>
-using PlanOf = SamplingPlan<at::opmath_type<scalar_t>>;
-
-template <typename scalar_t>
-__global__ void sampling_plans_kernel(DeformConv2dGeometry g, int64_t total,
-                                      const scalar_t* offset, const scalar_t* mask,
-                                      PlanOf<scalar_t>* plans) {
-  DEFORMCONV_GRID_STRIDE_LOOP(index, total) {
-    sampling_plan_element(g, offset, mask, plans, index);
-  }
-}
-
+// One thread per sample (image, deform group, tap, output pixel): it makes the sampling plan
+// once and applies it to every channel of the deform group. Neighbouring threads take
+// neighbouring pixels, so their column reads and writes coalesce.
 template <typename scalar_t>
 __global__ void im2col_kernel(DeformConv2dGeometry g, int64_t total, const scalar_t* input,
-                              const PlanOf<scalar_t>* plans, scalar_t* columns) {
+                              const scalar_t* offset, const scalar_t* mask, scalar_t* columns) {
   DEFORMCONV_GRID_STRIDE_LOOP(index, total) {
-    im2col_element(g, input, plans, columns, index);
+    const SampleIndex s = decompose_sample_index(g, index);
+    const auto plan = make_sampling_plan(g, s, offset, mask);
+    const int64_t first = first_channel(g, s.group);
+    for (int64_t c = first; c < first + g.channels_per_offset_group(); ++c) {
+      columns[column_index(g, s, c)] = sample_with_plan(plan, plane_of(g, input, s.n, c));
+    }
   }
 }
 
+// As im2col_kernel; samples of different threads hit the same input pixels, so
+// scatter_with_plan adds atomically (scatter_add under __CUDA_ARCH__).
 template <typename scalar_t>
 __global__ void col2im_kernel(DeformConv2dGeometry g, int64_t total,
-                              const scalar_t* grad_columns, const PlanOf<scalar_t>* plans,
-                              scalar_t* grad_input) {
+                              const scalar_t* grad_columns, const scalar_t* offset,
+                              const scalar_t* mask, scalar_t* grad_input) {
   DEFORMCONV_GRID_STRIDE_LOOP(index, total) {
-    col2im_element(g, grad_columns, plans, grad_input, index);
+    const SampleIndex s = decompose_sample_index(g, index);
+    const auto plan = make_sampling_plan(g, s, offset, mask);
+    const int64_t first = first_channel(g, s.group);
+    for (int64_t c = first; c < first + g.channels_per_offset_group(); ++c) {
+      scatter_with_plan(plan, grad_columns[column_index(g, s, c)],
+                        plane_of(g, grad_input, s.n, c));
+    }
   }
 }
 
@@ -66,7 +70,13 @@ __global__ void offset_mask_grad_kernel(DeformConv2dGeometry g, int64_t total,
                                         const scalar_t* offset, const scalar_t* mask,
                                         scalar_t* grad_offset, scalar_t* grad_mask) {
   DEFORMCONV_GRID_STRIDE_LOOP(index, total) {
-    offset_mask_grad_element(g, grad_columns, input, offset, mask, grad_offset, grad_mask, index);
+    const SampleIndex s = decompose_sample_index(g, index);
+    auto acc = start_offset_mask_grad(g, s, offset, mask);
+    const int64_t first = first_channel(g, s.group);
+    for (int64_t c = first; c < first + g.channels_per_offset_group(); ++c) {
+      accumulate_offset_mask_grad(g, s, c, grad_columns, input, acc);
+    }
+    finish_offset_mask_grad(g, s, acc, grad_offset, grad_mask);
   }
 }
 
@@ -74,44 +84,26 @@ int64_t samples_in(const DeformConv2dGeometry& g, int64_t batch) {
   return batch * g.offset_groups * g.taps() * g.out_pixels();
 }
 
-int64_t columns_in(const DeformConv2dGeometry& g, int64_t batch) {
-  return batch * g.in_channels * g.taps() * g.out_pixels();
-}
-
-void sampling_plans_cuda(const DeformConv2dGeometry& g, int64_t batch, const at::Tensor& offset,
-                         const at::Tensor& mask, at::Tensor& plans) {
-  const int64_t total = samples_in(g, batch);
-  DEFORMCONV_DISPATCH(offset.scalar_type(), "deform_conv2d_sampling_plans_cuda", [&] {
-    sampling_plans_kernel<scalar_t>
-        <<<blocks_for(total), kThreadsPerBlock, 0, c10::cuda::getCurrentCUDAStream()>>>(
-            g, total, offset.const_data_ptr<scalar_t>(), data_or_null<scalar_t>(mask),
-            reinterpret_cast<PlanOf<scalar_t>*>(plans.data_ptr()));
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  });
-}
-
 void im2col_cuda(const DeformConv2dGeometry& g, int64_t batch, const at::Tensor& input,
-                 const at::Tensor& plans, at::Tensor& columns) {
-  const int64_t total = columns_in(g, batch);
+                 const at::Tensor& offset, const at::Tensor& mask, at::Tensor& columns) {
+  const int64_t total = samples_in(g, batch);
   DEFORMCONV_DISPATCH(input.scalar_type(), "deform_conv2d_im2col_cuda", [&] {
     im2col_kernel<scalar_t>
         <<<blocks_for(total), kThreadsPerBlock, 0, c10::cuda::getCurrentCUDAStream()>>>(
-            g, total, input.const_data_ptr<scalar_t>(),
-            reinterpret_cast<const PlanOf<scalar_t>*>(plans.const_data_ptr()),
-            columns.mutable_data_ptr<scalar_t>());
+            g, total, input.const_data_ptr<scalar_t>(), offset.const_data_ptr<scalar_t>(),
+            data_or_null<scalar_t>(mask), columns.mutable_data_ptr<scalar_t>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
 }
 
 void col2im_cuda(const DeformConv2dGeometry& g, int64_t batch, const at::Tensor& grad_columns,
-                 const at::Tensor& plans, at::Tensor& grad_input) {
-  const int64_t total = columns_in(g, batch);
+                 const at::Tensor& offset, const at::Tensor& mask, at::Tensor& grad_input) {
+  const int64_t total = samples_in(g, batch);
   DEFORMCONV_DISPATCH(grad_columns.scalar_type(), "deform_conv2d_col2im_cuda", [&] {
     col2im_kernel<scalar_t>
         <<<blocks_for(total), kThreadsPerBlock, 0, c10::cuda::getCurrentCUDAStream()>>>(
-            g, total, grad_columns.const_data_ptr<scalar_t>(),
-            reinterpret_cast<const PlanOf<scalar_t>*>(plans.const_data_ptr()),
-            grad_input.mutable_data_ptr<scalar_t>());
+            g, total, grad_columns.const_data_ptr<scalar_t>(), offset.const_data_ptr<scalar_t>(),
+            data_or_null<scalar_t>(mask), grad_input.mutable_data_ptr<scalar_t>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
 }
@@ -134,8 +126,7 @@ void offset_mask_grad_cuda(const DeformConv2dGeometry& g, int64_t batch,
 }  // namespace
 
 const DeformConv2dLaunchers& cuda_launchers() {
-  static const DeformConv2dLaunchers launchers{sampling_plans_cuda, im2col_cuda, col2im_cuda,
-                                               offset_mask_grad_cuda};
+  static const DeformConv2dLaunchers launchers{im2col_cuda, col2im_cuda, offset_mask_grad_cuda};
   return launchers;
 }
 

@@ -5,7 +5,6 @@
 
 #include <algorithm>
 
-#include "../common/deform_conv2d_kernel.cuh"
 
 namespace deformconv {
 
@@ -49,10 +48,6 @@ int64_t output_length(int64_t in, int64_t kernel, int64_t stride, int64_t pad, i
 }
 
 }  // namespace
-
-int64_t sampling_plan_bytes(at::ScalarType dtype) {
-  return dtype == at::kDouble ? sizeof(SamplingPlan<double>) : sizeof(SamplingPlan<float>);
-}
 
 void check_same_device(const at::Tensor& input, const at::Tensor& offset, const at::Tensor& weight,
                        const std::optional<at::Tensor>& mask,
@@ -194,9 +189,6 @@ at::Tensor deform_conv2d_forward(
   const int64_t rows_per_group = g.in_channels / G * g.taps();
   const int64_t P = g.out_pixels();
 
-  at::Tensor plans = at::empty(
-      {step * g.offset_groups * g.taps() * P * sampling_plan_bytes(input.scalar_type())},
-      input.options().dtype(at::kByte));
   at::Tensor columns = at::empty({step, g.in_channels * g.taps(), P}, input.options());
   // The per-group weight matrices repeated for every image of a block, so that one batched
   // GEMM covers the whole block: (step * G, C_out / G, C_in / G * K).
@@ -207,8 +199,8 @@ at::Tensor deform_conv2d_forward(
   for (int64_t first = 0; first < batch; first += step) {
     const int64_t images = std::min(step, batch - first);
     const at::Tensor mask_block = mask.defined() ? mask.narrow(0, first, images) : at::Tensor();
-    launchers.sampling_plans(g, images, offset.narrow(0, first, images), mask_block, plans);
-    launchers.im2col(g, images, input.narrow(0, first, images), plans, columns);
+    launchers.im2col(g, images, input.narrow(0, first, images), offset.narrow(0, first, images),
+                     mask_block, columns);
 
     at::Tensor output_block = output.narrow(0, first, images).view({images * G, out_per_group, P});
     const at::Tensor columns_block =
@@ -271,12 +263,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> deform_co
   const int64_t out_per_group = g.out_channels / G;
   const int64_t rows_per_group = g.in_channels / G * g.taps();
   const int64_t P = g.out_pixels();
-  const bool want_plans = want_input || want_weight;
-
-  at::Tensor plans = want_plans
-      ? at::empty({step * g.offset_groups * g.taps() * P * sampling_plan_bytes(input.scalar_type())},
-                  input.options().dtype(at::kByte))
-      : at::Tensor();
   // Holds the columns for the weight gradient, then the gradient of the columns.
   at::Tensor columns = at::empty({step, g.in_channels * g.taps(), P}, input.options());
   // Transposed per-group weights repeated per image: (step * G, C_in / G * K, C_out / G).
@@ -298,11 +284,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> deform_co
         grad_output.narrow(0, first, images).view({images, G, out_per_group, P});
     const at::Tensor columns_block = columns.narrow(0, 0, images);
 
-    if (want_plans) {
-      launchers.sampling_plans(g, images, offset_block, mask_block, plans);
-    }
     if (want_weight) {
-      launchers.im2col(g, images, input_block, plans, columns);
+      launchers.im2col(g, images, input_block, offset_block, mask_block, columns);
       const at::Tensor columns_grouped = columns_block.view({images, G, rows_per_group, P});
       for (const auto n : c10::irange(images)) {
         grad_weight_grouped.baddbmm_(grad_output_block[n], columns_grouped[n].transpose(1, 2));
@@ -314,7 +297,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> deform_co
                   grad_output_block.reshape({images * G, out_per_group, P}));
       if (want_input) {
         at::Tensor grad_input_block = grad_input.narrow(0, first, images);
-        launchers.col2im(g, images, columns, plans, grad_input_block);
+        launchers.col2im(g, images, columns, offset_block, mask_block, grad_input_block);
       }
       if (want_offset || want_mask) {
         at::Tensor grad_offset_block =

@@ -1,9 +1,10 @@
 #pragma once
 
-// The device-specific surface of deformconv: four launchers, one per element function of
+// The device-specific surface of deformconv: three launchers over the element functions of
 // common/deform_conv2d_kernel.cuh. The driver (deform_conv2d.h) is written once against this
 // table; cpu/ and cuda/ each fill it in. Every tensor is contiguous, allocated by the driver,
-// on the launcher's device, and holds one block of `batch` images.
+// on the launcher's device, and holds one block of `batch` images; mask is undefined for
+// DCN v1.
 
 #include <ATen/core/Tensor.h>
 
@@ -12,16 +13,13 @@
 namespace deformconv {
 
 struct DeformConv2dLaunchers {
-  // plans (bytes, batch * offset_groups * K * H_out * W_out SamplingPlans) from offset and
-  // mask (undefined for DCN v1).
-  void (*sampling_plans)(const DeformConv2dGeometry& geometry, int64_t batch,
-                         const at::Tensor& offset, const at::Tensor& mask, at::Tensor& plans);
   // columns (batch, C_in * K, H_out * W_out) sampled from input (batch, C_in, H, W).
   void (*im2col)(const DeformConv2dGeometry& geometry, int64_t batch, const at::Tensor& input,
-                 const at::Tensor& plans, at::Tensor& columns);
-  // grad_input (batch, C_in, H, W) += adjoint of im2col applied to grad_columns.
+                 const at::Tensor& offset, const at::Tensor& mask, at::Tensor& columns);
+  // grad_input (batch, C_in, H, W) += the adjoint of im2col applied to grad_columns.
   void (*col2im)(const DeformConv2dGeometry& geometry, int64_t batch,
-                 const at::Tensor& grad_columns, const at::Tensor& plans, at::Tensor& grad_input);
+                 const at::Tensor& grad_columns, const at::Tensor& offset,
+                 const at::Tensor& mask, at::Tensor& grad_input);
   // grad_offset and grad_mask (each may be undefined: not asked for) from grad_columns.
   void (*offset_mask_grad)(const DeformConv2dGeometry& geometry, int64_t batch,
                            const at::Tensor& grad_columns, const at::Tensor& input,
@@ -39,8 +37,5 @@ template <typename scalar_t>
 scalar_t* mutable_data_or_null(at::Tensor& tensor) {
   return tensor.defined() ? tensor.mutable_data_ptr<scalar_t>() : nullptr;
 }
-
-// Bytes of one sampling plan for tensors of this dtype (its weights are in opmath precision).
-int64_t sampling_plan_bytes(at::ScalarType dtype);
 
 }  // namespace deformconv

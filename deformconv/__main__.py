@@ -1,0 +1,53 @@
+"""python -m deformconv {info,benchmark,demo}."""
+
+import argparse
+import sys
+
+
+def info() -> int:
+    import platform
+
+    import torch
+
+    import deformconv
+
+    cuda = deformconv.cuda_compiled()
+    print(f"deformconv {deformconv.__version__}")
+    print(f"torch {torch.__version__} (CUDA {torch.version.cuda or 'none'}), "
+          f"Python {platform.python_version()}")
+    print(f"CUDA kernels compiled: {'yes' if cuda else 'no'}")
+    if cuda:
+        archs = torch.cuda.get_arch_list() if torch.cuda.is_available() else []
+        print(f"CUDA devices: {torch.cuda.device_count()}"
+              + (f", torch archs {' '.join(archs)}" if archs else ""))
+    print("dtypes: cpu float32 float64 float16 bfloat16"
+          + ("; cuda float32 float64 float16 bfloat16" if cuda else ""))
+    print(f"CPU threads: {torch.get_num_threads()}")
+    return 0
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(
+        prog="python -m deformconv",
+        description="deformconv: deformable convolution for PyTorch")
+    parser.add_argument("command", choices=["info", "benchmark", "demo"],
+                        help="info: versions and build; benchmark: speed against "
+                             "torchvision and dense conv; demo: train DCN vs plain CNN")
+    parser.add_argument("args", nargs=argparse.REMAINDER,
+                        help="options of the command (python -m deformconv COMMAND --help)")
+    parsed = parser.parse_args(argv[:1])
+    rest = argv[1:]
+    if parsed.command == "info":
+        return info()
+    if parsed.command == "benchmark":
+        from .benchmark import main as benchmark_main
+
+        return benchmark_main(rest)
+    from .demo import main as demo_main
+
+    return demo_main(rest)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,296 @@
+"""``python -m deformconv benchmark``: deformconv against torchvision and a dense convolution.
+
+For each shape, in one process and interleaved (each repeat times every contender once, so
+drifts in clock speed or load hit all of them alike), after warm-up: forward, and forward +
+backward, of deformconv, ``torchvision.ops.deform_conv2d`` on the same tensors (when installed)
+and a dense ``F.conv2d`` of the same geometry. Reports medians, the ratios, the GFLOP/s of the
+GEMM part, and the peak memory the CPU allocator saw during one forward. A benchmark, not a
+test: nothing here asserts a time.
+"""
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable, Dict, List, Optional
+
+import torch
+import torch.nn.functional as F
+
+import deformconv
+
+
+@dataclass(frozen=True)
+class Shape:
+    name: str
+    batch: int
+    in_channels: int
+    out_channels: int
+    height: int
+    width: int
+    stride: int = 1
+    groups: int = 1
+    offset_groups: int = 1
+    kernel: int = 3
+    padding: int = 1
+
+    def output_size(self):
+        length = lambda size: (size + 2 * self.padding - self.kernel) // self.stride + 1  # noqa
+        return length(self.height), length(self.width)
+
+    def gemm_flops(self) -> int:
+        """Multiply-adds x 2 of the convolution proper, which a dense conv does too."""
+        out_h, out_w = self.output_size()
+        return (2 * self.batch * self.out_channels * (self.in_channels // self.groups)
+                * self.kernel * self.kernel * out_h * out_w)
+
+
+# ResNet-50 DCN stages at detection resolution (800 x 1333 input), plus batched and grouped
+# cases: the table of the CPU performance issue.
+SHAPES = {s.name: s for s in [
+    Shape("c3", 1, 128, 128, 100, 168),
+    Shape("c4", 1, 256, 256, 50, 84),
+    Shape("c5", 1, 512, 512, 25, 42),
+    Shape("c3-stride2", 1, 128, 128, 200, 336, stride=2),
+    Shape("batch", 8, 64, 64, 56, 56, offset_groups=4),
+    Shape("grouped", 1, 512, 512, 50, 84, groups=32),
+]}
+
+
+def make_tensors(shape: Shape, dtype: torch.dtype, modulated: bool, seed: int = 0):
+    generator = torch.Generator().manual_seed(seed)
+    out_h, out_w = shape.output_size()
+    taps = shape.kernel * shape.kernel
+
+    def randn(*size, scale=1.0):
+        return (torch.randn(*size, generator=generator) * scale).to(dtype)
+
+    x = randn(shape.batch, shape.in_channels, shape.height, shape.width)
+    weight = randn(shape.out_channels, shape.in_channels // shape.groups, shape.kernel,
+                   shape.kernel, scale=0.05)
+    bias = randn(shape.out_channels)
+    offset = randn(shape.batch, 2 * shape.offset_groups * taps, out_h, out_w, scale=2.0)
+    mask = (torch.rand(shape.batch, shape.offset_groups * taps, out_h, out_w,
+                       generator=generator).to(dtype) if modulated else None)
+    return x, offset, weight, bias, mask
+
+
+def contenders(shape: Shape, tensors, im2col_step: int) -> Dict[str, Callable]:
+    x, offset, weight, bias, mask = tensors
+    geometry = dict(stride=shape.stride, padding=shape.padding)
+    runs = {
+        "deformconv": lambda x, o, w, b, m: deformconv.deform_conv2d(
+            x, o, w, b, mask=m, im2col_step=im2col_step, **geometry),
+        "dense": lambda x, o, w, b, m: F.conv2d(x, w, b, groups=shape.groups, **geometry),
+    }
+    try:
+        from torchvision.ops import deform_conv2d as torchvision_deform_conv2d
+    except ImportError:
+        pass
+    else:
+        runs["torchvision"] = lambda x, o, w, b, m: torchvision_deform_conv2d(
+            x, o, w, b, mask=m, **geometry)
+    return runs
+
+
+def forward_backward_step(run: Callable, tensors) -> Callable[[], None]:
+    leaves = [None if t is None else t.detach().clone().requires_grad_() for t in tensors]
+    grad = None
+
+    def step():
+        nonlocal grad
+        for t in leaves:
+            if t is not None:
+                t.grad = None
+        out = run(*leaves)
+        if grad is None:
+            grad = torch.ones_like(out)
+        out.backward(grad)
+
+    return step
+
+
+def forward_step(run: Callable, tensors) -> Callable[[], None]:
+    def step():
+        with torch.no_grad():
+            run(*tensors)
+
+    return step
+
+
+def peak_forward_bytes(run: Callable, tensors) -> int:
+    """Peak of live CPU allocations during one forward, from the profiler's memory events
+    (the output included)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                profile_memory=True) as profiler:
+        with torch.no_grad():
+            run(*tensors)
+    events = sorted((e for e in profiler.events() if e.cpu_memory_usage != 0),
+                    key=lambda e: e.time_range.start)
+    live = peak = 0
+    for event in events:
+        # Memory events carry their own allocation (+) or release (-); operator events carry
+        # the net of what they allocated, which the memory events already count.
+        if event.name == "[memory]":
+            live += event.cpu_memory_usage
+            peak = max(peak, live)
+    return peak
+
+
+def time_interleaved(steps: Dict[str, Callable[[], None]], repeats: int,
+                     warmup: int) -> Dict[str, float]:
+    for _ in range(warmup):
+        for step in steps.values():
+            step()
+    samples: Dict[str, List[float]] = {name: [] for name in steps}
+    for _ in range(repeats):
+        for name, step in steps.items():
+            start = time.perf_counter()
+            step()
+            samples[name].append(time.perf_counter() - start)
+    return {name: statistics.median(values) for name, values in samples.items()}
+
+
+def benchmark_shape(shape: Shape, args) -> dict:
+    dtype = getattr(torch, args.dtype)
+    tensors = make_tensors(shape, dtype, modulated=not args.v1)
+    runs = contenders(shape, tensors, args.im2col_step)
+    if args.no_torchvision:
+        runs.pop("torchvision", None)
+    steps = {}
+    for name, run in runs.items():
+        steps[f"{name} forward"] = forward_step(run, tensors)
+        steps[f"{name} forward+backward"] = forward_backward_step(run, tensors)
+    medians = time_interleaved(steps, args.repeats, args.warmup)
+    result = {"shape": asdict(shape), "median_seconds": medians, "ratios": {},
+              "gemm_gflops_per_second": {}, "peak_forward_bytes": {}}
+    for phase in ("forward", "forward+backward"):
+        ours = medians[f"deformconv {phase}"]
+        for other in ("torchvision", "dense"):
+            if f"{other} {phase}" in medians:
+                result["ratios"][f"{other}/deformconv {phase}"] = (
+                    medians[f"{other} {phase}"] / ours)
+        # forward: one GEMM; forward+backward: three (output, columns gradient, weight gradient).
+        gemms = 1 if phase == "forward" else 3
+        result["gemm_gflops_per_second"][phase] = gemms * shape.gemm_flops() / ours / 1e9
+    for name, run in runs.items():
+        result["peak_forward_bytes"][name] = peak_forward_bytes(run, tensors)
+    return result
+
+
+def print_result(result: dict, out=sys.stdout) -> None:
+    shape = result["shape"]
+    medians = result["median_seconds"]
+    print(f"\n{shape['name']}: N={shape['batch']} {shape['in_channels']}->{shape['out_channels']}"
+          f" {shape['height']}x{shape['width']} stride {shape['stride']} groups "
+          f"{shape['groups']} offset groups {shape['offset_groups']}", file=out)
+    for name, seconds in medians.items():
+        print(f"  {name:32s} {seconds * 1e3:9.2f} ms", file=out)
+    for name, ratio in result["ratios"].items():
+        print(f"  {name:40s} {ratio:6.2f}x", file=out)
+    for phase, rate in result["gemm_gflops_per_second"].items():
+        print(f"  GEMM GFLOP/s, deformconv {phase:18s} {rate:7.1f}", file=out)
+    for name, size in result["peak_forward_bytes"].items():
+        print(f"  peak forward memory, {name:12s} {size / 2**20:8.1f} MiB", file=out)
+
+
+def plot(results: List[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [r["shape"]["name"] for r in results]
+    series = sorted({key for r in results for key in r["ratios"]})
+    figure, axis = plt.subplots(figsize=(max(6, 1.6 * len(names)), 4.5))
+    width = 0.8 / max(1, len(series))
+    for i, key in enumerate(series):
+        values = [r["ratios"].get(key, 0.0) for r in results]
+        axis.bar([x + i * width for x in range(len(names))], values, width, label=key)
+    axis.axhline(1.0, color="black", linewidth=0.8)
+    axis.set_xticks([x + width * (len(series) - 1) / 2 for x in range(len(names))])
+    axis.set_xticklabels(names)
+    axis.set_ylabel("time of other / time of deformconv (higher: deformconv faster)")
+    axis.set_title(f"deformconv on CPU, {torch.get_num_threads()} threads, torch "
+                   f"{torch.__version__}")
+    axis.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
+def scaling(args) -> dict:
+    """Time against batch and image area (should be linear), peak memory against
+    im2col_step (bounded by the step, not the batch)."""
+    dtype = getattr(torch, args.dtype)
+    report = {"batch": {}, "area": {}, "im2col_step_peak_bytes": {}}
+    for batch in (1, 2, 4, 8):
+        shape = Shape("scaling", batch, 64, 64, 40, 40)
+        run = contenders(shape, make_tensors(shape, dtype, True), 0)["deformconv"]
+        step = forward_backward_step(run, make_tensors(shape, dtype, True))
+        report["batch"][batch] = time_interleaved({"x": step}, args.repeats, args.warmup)["x"]
+        print(f"  batch {batch}: forward+backward {report['batch'][batch] * 1e3:.2f} ms")
+    for side in (20, 40, 80):
+        shape = Shape("scaling", 1, 64, 64, side, side)
+        run = contenders(shape, make_tensors(shape, dtype, True), 0)["deformconv"]
+        step = forward_backward_step(run, make_tensors(shape, dtype, True))
+        report["area"][side * side] = time_interleaved({"x": step}, args.repeats,
+                                                       args.warmup)["x"]
+        print(f"  {side}x{side}: forward+backward {report['area'][side * side] * 1e3:.2f} ms")
+    shape = Shape("scaling", 16, 64, 64, 40, 40)
+    tensors = make_tensors(shape, dtype, True)
+    for step_size in (1, 2, 4, 8, 16):
+        run = contenders(shape, tensors, step_size)["deformconv"]
+        peak = peak_forward_bytes(run, tensors)
+        report["im2col_step_peak_bytes"][step_size] = peak
+        print(f"  batch 16, im2col_step {step_size:2d}: peak forward memory "
+              f"{peak / 2**20:.1f} MiB")
+    return report
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m deformconv benchmark",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch.set_num_threads (default: torch's choice)")
+    parser.add_argument("--dtype", choices=["float32", "float64", "bfloat16"],
+                        default="float32")
+    parser.add_argument("--im2col-step", type=int, default=0)
+    parser.add_argument("--v1", action="store_true", help="DCN v1 (no mask); default v2")
+    parser.add_argument("--no-torchvision", action="store_true")
+    parser.add_argument("--scaling", action="store_true",
+                        help="also report scaling with batch, area and im2col_step")
+    parser.add_argument("--output", default="benchmark.json", help="JSON results file")
+    parser.add_argument("--plot", default="benchmark.png", help="PNG chart of the ratios "
+                        "(needs matplotlib; '' to skip)")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    setup = {"machine": platform.processor() or platform.machine(),
+             "threads": torch.get_num_threads(), "torch": torch.__version__,
+             "deformconv": deformconv.__version__, "dtype": args.dtype,
+             "modulated": not args.v1, "repeats": args.repeats, "warmup": args.warmup,
+             "im2col_step": args.im2col_step}
+    print("setup:", json.dumps(setup))
+    results = []
+    for index, name in enumerate(args.shapes, 1):
+        print(f"[{index}/{len(args.shapes)}] {name} ...", flush=True)
+        results.append(benchmark_shape(SHAPES[name], args))
+        print_result(results[-1])
+    report = {"setup": setup, "results": results}
+    if args.scaling:
+        print("\nscaling:")
+        report["scaling"] = scaling(args)
+    with open(args.output, "w") as f:
+        json.dump(report, f, indent=1)
+    print(f"\nwrote {args.output}")
+    if args.plot:
+        plot(results, args.plot)
+        print(f"wrote {args.plot}")
+    return 0
