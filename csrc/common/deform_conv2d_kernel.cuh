@@ -138,7 +138,7 @@ C10_HOST_DEVICE inline SampleIndex decompose_sample_index(
   return s;
 }
 
-// The sample of the next output pixel, same image, deform group and tap. The caller stays
+// The sample of the next output pixel, same image, deform group and tap. A caller
 // may step past the last pixel, as long as it does not use that sample.
 C10_HOST_DEVICE inline void next_pixel(const DeformConv2dGeometry& g, SampleIndex& s) {
   ++s.pixel;
