@@ -1,6 +1,6 @@
 // The op schemas, declared once. Kernels are registered per dispatch key next to their code:
-// cpu/ (CPU), cuda/ (CUDA), pytorch/autograd.cpp (Autograd); the fake kernels live in Python
-// (deformconv/ops.py).
+// cpu/ (CPU), cuda/ (CUDA), pytorch/autograd.cpp (Autograd), pytorch/autocast.cpp (Autocast),
+// and the fake kernels in Python (deformconv/ops.py), which run _check_arguments.
 
 #include <torch/library.h>
 
@@ -20,4 +20,10 @@ TORCH_LIBRARY(deformconv, m) {
       "Tensor? mask, SymInt[2] stride, SymInt[2] padding, SymInt[2] dilation, int groups, "
       "int offset_groups, int im2col_step, bool[5] output_mask) "
       "-> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+  // The checks of deform_conv2d (grad_output absent) or of deform_conv2d_backward (present),
+  // reading no tensor data; returns the output shape. For the fake kernels.
+  m.def(
+      "_check_arguments(Tensor? grad_output, Tensor input, Tensor offset, Tensor weight, "
+      "Tensor? mask, Tensor? bias, SymInt[2] stride, SymInt[2] padding, SymInt[2] dilation, "
+      "int groups, int offset_groups, int im2col_step) -> int[]");
 }

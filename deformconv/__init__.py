@@ -10,11 +10,13 @@ __version__ = "0.1.0"
 import torch
 
 from . import _C  # noqa: F401  (loads the library, which registers torch.ops.deformconv.*)
+from .convert import convert_to_deformable
 from .modules import (
     DeformConv2d,
     DeformConv2dPack,
     ModulatedDeformConv2d,
     ModulatedDeformConv2dPack,
+    upgrade_mmcv_state_dict,
 )
 from .ops import deform_conv2d
 
@@ -30,6 +32,8 @@ __all__ = [
     "ModulatedDeformConv2d",
     "ModulatedDeformConv2dPack",
     "__version__",
+    "convert_to_deformable",
     "cuda_compiled",
     "deform_conv2d",
+    "upgrade_mmcv_state_dict",
 ]

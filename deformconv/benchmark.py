@@ -122,21 +122,17 @@ def forward_step(run: Callable, tensors) -> Callable[[], None]:
 
 
 def peak_forward_bytes(run: Callable, tensors) -> int:
-    """Peak of live CPU allocations during one forward, from the profiler's memory events
-    (the output included)."""
+    """Peak of live CPU allocations during one forward (the output included), from the
+    profiler: each event's own allocations minus its own frees, in the order the events end
+    (an op frees its scratch buffers as it ends, after its children allocated them)."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
                                 profile_memory=True) as profiler:
         with torch.no_grad():
             run(*tensors)
-    events = sorted((e for e in profiler.events() if e.cpu_memory_usage != 0),
-                    key=lambda e: e.time_range.start)
     live = peak = 0
-    for event in events:
-        # Memory events carry their own allocation (+) or release (-); operator events carry
-        # the net of what they allocated, which the memory events already count.
-        if event.name == "[memory]":
-            live += event.cpu_memory_usage
-            peak = max(peak, live)
+    for event in sorted(profiler.events(), key=lambda e: e.time_range.end):
+        live += event.self_cpu_memory_usage
+        peak = max(peak, live)
     return peak
 
 

@@ -3,6 +3,7 @@ checkpoints load: DeformConv2d (v1), ModulatedDeformConv2d (v2), and the *Pack v
 own the convolution predicting their offsets (and mask)."""
 
 import math
+import warnings
 from typing import Optional, Tuple, Union
 
 import torch
@@ -10,6 +11,15 @@ from torch import Tensor, nn
 from torch.nn.modules.utils import _pair
 
 IntOrPair = Union[int, Tuple[int, int]]
+
+
+def _deform_groups(cls_name: str, deform_groups: int, deformable_groups: Optional[int]) -> int:
+    """mmcv's deprecated keyword ``deformable_groups``, still found in many configs."""
+    if deformable_groups is None:
+        return deform_groups
+    warnings.warn(f"{cls_name}: 'deformable_groups' is deprecated, use 'deform_groups'",
+                  DeprecationWarning, stacklevel=3)
+    return deformable_groups
 
 
 class _DeformConvBase(nn.Module):
@@ -105,17 +115,20 @@ class _DeformConvBase(nn.Module):
 
 class DeformConv2d(_DeformConvBase):
     """DCN v1: ``forward(x, offset)``. x: (N, in_channels, H, W); offset:
-    (N, deform_groups * 2 * kH * kW, H_out, W_out), y before x per tap."""
+    (N, deform_groups * 2 * kH * kW, H_out, W_out), y before x per tap. ``forward`` also takes
+    an optional mask, as ``torchvision.ops.DeformConv2d.forward`` does, so that it can stand in
+    for that module."""
 
     def __init__(self, in_channels: int, out_channels: int, kernel_size: IntOrPair,
                  stride: IntOrPair = 1, padding: IntOrPair = 0, dilation: IntOrPair = 1,
                  groups: int = 1, deform_groups: int = 1, bias: bool = False,
-                 im2col_step: int = 0) -> None:
+                 im2col_step: int = 0, *, deformable_groups: Optional[int] = None) -> None:
         super().__init__(in_channels, out_channels, kernel_size, stride, padding, dilation,
-                         groups, deform_groups, bias, im2col_step)
+                         groups, _deform_groups(type(self).__name__, deform_groups,
+                                                deformable_groups), bias, im2col_step)
 
-    def forward(self, x: Tensor, offset: Tensor) -> Tensor:
-        return self._deform_conv(x, offset, None)
+    def forward(self, x: Tensor, offset: Tensor, mask: Optional[Tensor] = None) -> Tensor:
+        return self._deform_conv(x, offset, mask)
 
 
 class ModulatedDeformConv2d(_DeformConvBase):
@@ -124,9 +137,10 @@ class ModulatedDeformConv2d(_DeformConvBase):
     def __init__(self, in_channels: int, out_channels: int, kernel_size: IntOrPair,
                  stride: IntOrPair = 1, padding: IntOrPair = 0, dilation: IntOrPair = 1,
                  groups: int = 1, deform_groups: int = 1, bias: bool = True,
-                 im2col_step: int = 0) -> None:
+                 im2col_step: int = 0, *, deformable_groups: Optional[int] = None) -> None:
         super().__init__(in_channels, out_channels, kernel_size, stride, padding, dilation,
-                         groups, deform_groups, bias, im2col_step)
+                         groups, _deform_groups(type(self).__name__, deform_groups,
+                                                deformable_groups), bias, im2col_step)
 
     def forward(self, x: Tensor, offset: Tensor, mask: Tensor) -> Tensor:
         return self._deform_conv(x, offset, mask)
@@ -134,6 +148,8 @@ class ModulatedDeformConv2d(_DeformConvBase):
 
 class DeformConv2dPack(DeformConv2d):
     """DCN v1 that predicts its offsets from x with ``conv_offset``: ``forward(x)``."""
+
+    _version = 2  # mmcv's state-dict version of the Pack modules (see upgrade_mmcv_state_dict)
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -147,6 +163,8 @@ class ModulatedDeformConv2dPack(ModulatedDeformConv2d):
     """DCN v2 that predicts offsets and mask from x with ``conv_offset``: ``forward(x)``. Its
     output is split in three along channels: offset = first two thirds, mask = sigmoid(last)."""
 
+    _version = 2  # mmcv's state-dict version of the Pack modules (see upgrade_mmcv_state_dict)
+
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.conv_offset = self._offset_conv(3)
@@ -156,3 +174,30 @@ class ModulatedDeformConv2dPack(ModulatedDeformConv2d):
         offset_y_x_first, offset_y_x_second, mask = torch.chunk(out, 3, dim=1)
         offset = torch.cat((offset_y_x_first, offset_y_x_second), dim=1)
         return self._deform_conv(x, offset, torch.sigmoid(mask))
+
+
+def upgrade_mmcv_state_dict(model: nn.Module, state_dict: dict) -> dict:
+    """Returns ``state_dict`` with the keys of checkpoints saved before version 2 of mmcv's Pack
+    modules renamed for ``model``: early mmdet models kept a layer's offset convolution beside
+    it, as ``<layer>_offset.weight``, rather than inside it, as ``<layer>.conv_offset.weight``.
+    mmcv renames them in the layer's ``_load_from_state_dict``; PyTorch now hands each module
+    only the keys under its own prefix, so the renaming has to see the whole state dict:
+
+        model.load_state_dict(deformconv.upgrade_mmcv_state_dict(model, checkpoint))
+    """
+    upgraded = type(state_dict)(state_dict)
+    metadata = getattr(state_dict, "_metadata", {})
+    if metadata:
+        upgraded._metadata = metadata
+    for name, module in model.named_modules():
+        if not isinstance(module, (DeformConv2dPack, ModulatedDeformConv2dPack)):
+            continue
+        version = metadata.get(name, {}).get("version", None)
+        if version is not None and version >= 2:
+            continue
+        for parameter in ("weight", "bias"):
+            new_key = f"{name}.conv_offset.{parameter}"
+            old_key = f"{name}_offset.{parameter}"
+            if new_key not in upgraded and old_key in upgraded:
+                upgraded[new_key] = upgraded.pop(old_key)
+    return upgraded

@@ -70,21 +70,64 @@ def deform_conv2d(
     )
 
 
-def _output_size(size: int, kernel: int, stride: int, pad: int, dilation: int) -> int:
+def _output_size(size, kernel: int, stride: int, pad: int, dilation: int):
     return (size + 2 * pad - (dilation * (kernel - 1) + 1)) // stride + 1
+
+
+def _has_static_shape(tensor: Optional[Tensor]) -> bool:
+    return tensor is None or all(isinstance(size, int) for size in tensor.shape)
+
+
+def _on_meta(tensor: Optional[Tensor]) -> Optional[Tensor]:
+    return None if tensor is None else torch.empty(tensor.shape, dtype=tensor.dtype,
+                                                   device="meta")
+
+
+def _check_devices(op: str, input: Tensor, **others: Optional[Tensor]) -> None:
+    # The meta tensors below all sit on "meta"; the device check of the op is made here.
+    for name, tensor in others.items():
+        if tensor is not None and tensor.device != input.device:
+            raise ValueError(f"{op}(): expected {name} to be on the device of input "
+                             f"({input.device}), but got {tensor.device}")
+
+
+def _check_arguments(grad_output, input, offset, weight, mask, bias, *rest) -> List[int]:
+    """The op's own argument checks (C++, no tensor data read), on meta copies of the tensors
+    and outside any fake mode, so that fake tensors are rejected exactly as real ones are.
+    Returns the output shape."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily():
+        return torch.ops.deformconv._check_arguments(
+            *[_on_meta(t) for t in (grad_output, input, offset, weight, mask, bias)], *rest)
 
 
 @torch.library.register_fake("deformconv::deform_conv2d")
 def _deform_conv2d_fake(input, offset, weight, mask, bias, stride, padding, dilation, groups,
                         offset_groups, im2col_step):
-    out_h = _output_size(input.shape[2], weight.shape[2], stride[0], padding[0], dilation[0])
-    out_w = _output_size(input.shape[3], weight.shape[3], stride[1], padding[1], dilation[1])
-    return input.new_empty((input.shape[0], weight.shape[0], out_h, out_w))
+    _check_devices("deform_conv2d", input, offset=offset, weight=weight, mask=mask, bias=bias)
+    if all(_has_static_shape(t) for t in (input, offset, weight, mask, bias)):
+        shape = _check_arguments(None, input, offset, weight, mask, bias, stride, padding,
+                                 dilation, groups, offset_groups, im2col_step)
+    else:
+        # Symbolic sizes (dynamic shapes): the shape formula; the checks ran when the graph was
+        # traced with concrete sizes, and run again in the real kernel.
+        shape = (input.shape[0], weight.shape[0],
+                 _output_size(input.shape[2], weight.shape[2], stride[0], padding[0],
+                              dilation[0]),
+                 _output_size(input.shape[3], weight.shape[3], stride[1], padding[1],
+                              dilation[1]))
+    return input.new_empty(shape)
 
 
 @torch.library.register_fake("deformconv::deform_conv2d_backward")
 def _deform_conv2d_backward_fake(grad_output, input, offset, weight, mask, stride, padding,
                                  dilation, groups, offset_groups, im2col_step, output_mask):
+    _check_devices("deform_conv2d_backward", input, grad_output=grad_output, offset=offset,
+                   weight=weight, mask=mask)
+    if all(_has_static_shape(t) for t in (grad_output, input, offset, weight, mask)):
+        _check_arguments(grad_output, input, offset, weight, mask, None, stride, padding,
+                         dilation, groups, offset_groups, im2col_step)
     want_input, want_offset, want_weight, want_mask, want_bias = output_mask
     return (
         torch.empty_like(input) if want_input else None,

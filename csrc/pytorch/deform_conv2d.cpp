@@ -2,6 +2,7 @@
 
 #include <ATen/ATen.h>
 #include <c10/util/irange.h>
+#include <torch/library.h>
 
 #include <algorithm>
 
@@ -163,6 +164,28 @@ DeformConv2dGeometry check_deform_conv2d_arguments(
   return g;
 }
 
+DeformConv2dGeometry check_deform_conv2d_backward_arguments(
+    const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& offset,
+    const at::Tensor& weight, const std::optional<at::Tensor>& mask, c10::IntArrayRef stride,
+    c10::IntArrayRef padding, c10::IntArrayRef dilation, int64_t groups, int64_t offset_groups,
+    int64_t im2col_step) {
+  const DeformConv2dGeometry g =
+      check_deform_conv2d_arguments(input, offset, weight, mask, std::nullopt, stride, padding,
+                                    dilation, groups, offset_groups, im2col_step);
+  const std::vector<int64_t> output_shape = {input.size(0), g.out_channels, g.out_height,
+                                             g.out_width};
+  TORCH_CHECK_VALUE(grad_output.sizes() == c10::IntArrayRef(output_shape),
+                    "deform_conv2d_backward(): expected grad_output of shape ",
+                    c10::IntArrayRef(output_shape), ", but got ", grad_output.sizes());
+  TORCH_CHECK_TYPE(grad_output.scalar_type() == input.scalar_type(),
+                   "deform_conv2d_backward(): expected grad_output to have the dtype of input (",
+                   input.scalar_type(), "), but got ", grad_output.scalar_type());
+  TORCH_CHECK_VALUE(grad_output.device() == input.device(),
+                    "deform_conv2d_backward(): expected grad_output to be on the device of "
+                    "input (", input.device(), "), but got ", grad_output.device());
+  return g;
+}
+
 at::Tensor deform_conv2d_forward(
     const DeformConv2dLaunchers& launchers, const at::Tensor& input_arg,
     const at::Tensor& offset_arg, const at::Tensor& weight_arg,
@@ -222,20 +245,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> deform_co
     const std::optional<at::Tensor>& mask_arg, c10::IntArrayRef stride,
     c10::IntArrayRef padding, c10::IntArrayRef dilation, int64_t groups, int64_t offset_groups,
     int64_t im2col_step, std::array<bool, 5> output_mask) {
-  const DeformConv2dGeometry g =
-      check_deform_conv2d_arguments(input_arg, offset_arg, weight_arg, mask_arg, std::nullopt,
-                                    stride, padding, dilation, groups, offset_groups, im2col_step);
+  const DeformConv2dGeometry g = check_deform_conv2d_backward_arguments(
+      grad_output_arg, input_arg, offset_arg, weight_arg, mask_arg, stride, padding, dilation,
+      groups, offset_groups, im2col_step);
   const int64_t batch = input_arg.size(0);
-  const std::vector<int64_t> output_shape = {batch, g.out_channels, g.out_height, g.out_width};
-  TORCH_CHECK_VALUE(grad_output_arg.sizes() == c10::IntArrayRef(output_shape),
-                    "deform_conv2d_backward(): expected grad_output of shape ",
-                    c10::IntArrayRef(output_shape), ", but got ", grad_output_arg.sizes());
-  TORCH_CHECK_TYPE(grad_output_arg.scalar_type() == input_arg.scalar_type(),
-                   "deform_conv2d_backward(): expected grad_output to have the dtype of input (",
-                   input_arg.scalar_type(), "), but got ", grad_output_arg.scalar_type());
-  TORCH_CHECK_VALUE(grad_output_arg.device() == input_arg.device(),
-                    "deform_conv2d_backward(): expected grad_output to be on the device of "
-                    "input (", input_arg.device(), "), but got ", grad_output_arg.device());
 
   const at::Tensor grad_output = grad_output_arg.contiguous();
   const at::Tensor input = input_arg.contiguous();
@@ -309,6 +322,33 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> deform_co
     }
   }
   return {grad_input, grad_offset, grad_weight, grad_mask, grad_bias};
+}
+
+namespace {
+
+// The argument checks as an op of their own, with no tensor data read, so that the Python fake
+// kernels (deformconv/ops.py) can run them on meta copies of fake tensors: torch.compile and
+// torch.export then reject exactly what the op rejects, with the same messages. Returns the
+// output shape.
+std::vector<int64_t> check_arguments_op(
+    const std::optional<at::Tensor>& grad_output, const at::Tensor& input,
+    const at::Tensor& offset, const at::Tensor& weight, const std::optional<at::Tensor>& mask,
+    const std::optional<at::Tensor>& bias, c10::IntArrayRef stride, c10::IntArrayRef padding,
+    c10::IntArrayRef dilation, int64_t groups, int64_t offset_groups, int64_t im2col_step) {
+  const DeformConv2dGeometry g =
+      grad_output.has_value()
+          ? check_deform_conv2d_backward_arguments(*grad_output, input, offset, weight, mask,
+                                                   stride, padding, dilation, groups,
+                                                   offset_groups, im2col_step)
+          : check_deform_conv2d_arguments(input, offset, weight, mask, bias, stride, padding,
+                                          dilation, groups, offset_groups, im2col_step);
+  return {input.size(0), g.out_channels, g.out_height, g.out_width};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(deformconv, CompositeExplicitAutograd, m) {
+  m.impl("_check_arguments", TORCH_FN(check_arguments_op));
 }
 
 }  // namespace deformconv

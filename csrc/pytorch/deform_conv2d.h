@@ -23,6 +23,13 @@ DeformConv2dGeometry check_deform_conv2d_arguments(
     c10::IntArrayRef stride, c10::IntArrayRef padding, c10::IntArrayRef dilation,
     int64_t groups, int64_t offset_groups, int64_t im2col_step);
 
+// The checks of the backward op: those of the forward, and grad_output's shape, dtype, device.
+DeformConv2dGeometry check_deform_conv2d_backward_arguments(
+    const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& offset,
+    const at::Tensor& weight, const std::optional<at::Tensor>& mask, c10::IntArrayRef stride,
+    c10::IntArrayRef padding, c10::IntArrayRef dilation, int64_t groups, int64_t offset_groups,
+    int64_t im2col_step);
+
 // Throws unless every defined tensor sits on the input's device. Called before any device
 // guard is taken, so that no kernel ever reads memory of another device.
 void check_same_device(const at::Tensor& input, const at::Tensor& offset, const at::Tensor& weight,

@@ -1,0 +1,178 @@
+"""Property tests against the reference, threads, large tensors and distributed training."""
+
+import os
+import threading
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import deformconv
+from cases import Geometry, forward_and_grads, make_operands
+from reference import deform_conv2d_reference
+
+hypothesis = pytest.importorskip("hypothesis")
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+# A fixed, derandomised profile: CI sees the same examples on every run.
+settings.register_profile("deformconv", max_examples=40, deadline=None, derandomize=True)
+settings.load_profile("deformconv")
+
+
+@st.composite
+def geometries(draw):
+    groups = draw(st.integers(1, 3))
+    offset_groups = draw(st.integers(1, 3))
+    in_channels = groups * offset_groups * draw(st.integers(1, 2))
+    kernel = (draw(st.integers(1, 3)), draw(st.integers(1, 3)))
+    stride = (draw(st.integers(1, 3)), draw(st.integers(1, 3)))
+    padding = (draw(st.integers(0, 2)), draw(st.integers(0, 2)))
+    dilation = (draw(st.integers(1, 2)), draw(st.integers(1, 2)))
+    height = draw(st.integers(max(1, dilation[0] * (kernel[0] - 1) + 1 - 2 * padding[0]), 7))
+    width = draw(st.integers(max(1, dilation[1] * (kernel[1] - 1) + 1 - 2 * padding[1]), 7))
+    return Geometry("hypothesis", draw(st.integers(0, 3)), in_channels,
+                    groups * draw(st.integers(1, 2)), height, width, kernel, stride, padding,
+                    dilation, groups, offset_groups)
+
+
+@given(geometry=geometries(), with_mask=st.booleans(), with_bias=st.booleans(),
+       offset_scale=st.sampled_from([0.5, 2.0, 8.0]), seed=st.integers(0, 2**16),
+       im2col_step=st.integers(0, 4))
+def test_property_matches_reference(geometry, with_mask, with_bias, offset_scale, seed,
+                                    im2col_step):
+    operands = make_operands(geometry, with_mask=with_mask, with_bias=with_bias,
+                             offset_scale=offset_scale, seed=seed)
+    out, grads = forward_and_grads(deformconv.deform_conv2d, *operands, geometry,
+                                   im2col_step=im2col_step)
+    ref_out, ref_grads = forward_and_grads(deform_conv2d_reference, *operands, geometry)
+    torch.testing.assert_close(out, ref_out, atol=1e-10, rtol=1e-10)
+    for ours, theirs in zip(grads, ref_grads):
+        torch.testing.assert_close(ours, theirs, atol=1e-10, rtol=1e-10)
+
+
+GEOMETRY = Geometry("threads", 4, 8, 8, 12, 11, (3, 3), padding=(1, 1), groups=2,
+                    offset_groups=2)
+
+
+def run_once(operands):
+    return forward_and_grads(deformconv.deform_conv2d, *operands, GEOMETRY, im2col_step=2)
+
+
+def test_concurrent_python_threads_agree_with_serial_runs():
+    inputs = [make_operands(GEOMETRY, dtype=torch.float32, seed=seed) for seed in range(6)]
+    serial = [run_once(operands) for operands in inputs]
+    results = [None] * len(inputs)
+
+    def work(index):
+        results[index] = run_once(inputs[index])
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(inputs))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for (out, grads), (serial_out, serial_grads) in zip(results, serial):
+        assert torch.equal(out, serial_out)
+        assert all(torch.equal(a, b) for a, b in zip(grads, serial_grads))
+
+
+def test_results_do_not_depend_on_thread_count():
+    operands = make_operands(GEOMETRY)
+    previous = torch.get_num_threads()
+    try:
+        runs = []
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            runs.append(run_once(operands))
+    finally:
+        torch.set_num_threads(previous)
+    for out, grads in runs[1:]:
+        torch.testing.assert_close(out, runs[0][0], atol=1e-12, rtol=1e-12)
+        for a, b in zip(grads, runs[0][1]):
+            torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-12)
+
+
+def test_indices_past_two_to_the_31():
+    # One 46341 x 46341 plane has 2,147,488,281 > 2^31 elements: the sample at (46340, 46340)
+    # lies at flat index 2,147,488,280, which int32 arithmetic would wrap to a negative one.
+    # float16 keeps the input at 4.3 GB.
+    side = 46341
+    x = torch.zeros(1, 1, side, side, dtype=torch.float16)
+    x[0, 0, side - 1, side - 1] = 3.0
+    x[0, 0, side - 1, side - 2] = 1.0
+    weight = torch.full((1, 1, 1, 1), 2.0, dtype=torch.float16)
+    # Stride side - 1 samples the four corners of the plane.
+    offset = torch.zeros(1, 2, 2, 2, dtype=torch.float16)
+    offset[0, 1, 1, 1] = -0.5  # x of the last sample: halfway between the last two columns
+    out = deformconv.deform_conv2d(x, offset, weight, stride=side - 1)
+    assert out.tolist() == [[[[0.0, 0.0], [0.0, 2.0 * (0.5 * 3.0 + 0.5 * 1.0)]]]]
+    del x
+    grad_input, = torch.ops.deformconv.deform_conv2d_backward(
+        torch.ones_like(out), torch.zeros(1, 1, side, side, dtype=torch.float16), offset,
+        weight, None, [side - 1] * 2, [0, 0], [1, 1], 1, 1, 0,
+        [True, False, False, False, False])[:1]
+    # weight 2 times bilinear weight 0.5 at the last two columns; weight 2 at the other three
+    # corners of the plane, which the other samples hit exactly; nothing anywhere else.
+    assert grad_input[0, 0, side - 1, side - 1].item() == 1.0
+    assert grad_input[0, 0, side - 1, side - 2].item() == 1.0
+    assert grad_input[0, 0, 0, 0].item() == 2.0
+    assert grad_input[0, 0, 0, side - 1].item() == 2.0
+    assert grad_input[0, 0, side - 1, 0].item() == 2.0
+    assert grad_input.float().sum().item() == 1.0 + 1.0 + 3 * 2.0
+
+
+def make_model():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        deformconv.DeformConv2dPack(3, 6, 3, padding=1),
+        torch.nn.ReLU(),
+        deformconv.ModulatedDeformConv2dPack(6, 4, 3, padding=1, deform_groups=2),
+    ).double()
+    with torch.no_grad():  # offsets away from zero, so that the offset branch learns too
+        model[0].conv_offset.weight.normal_(0, 0.2)
+        model[2].conv_offset.weight.normal_(0, 0.2)
+    return model
+
+
+def training_data():
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(8, 3, 7, 6, generator=generator, dtype=torch.float64)
+    target = torch.randn(8, 4, 7, 6, generator=generator, dtype=torch.float64)
+    return x, target
+
+
+STEPS = 3
+
+
+def train(model, x, target):
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(STEPS):
+        optimizer.zero_grad()
+        torch.nn.functional.mse_loss(model(x), target).backward()
+        optimizer.step()
+
+
+def ddp_worker(rank, world_size, init_file, result_file):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world_size)
+    torch.set_num_threads(1)
+    model = torch.nn.parallel.DistributedDataParallel(make_model())
+    x, target = training_data()
+    shard = slice(rank * 4, rank * 4 + 4)
+    train(model, x[shard], target[shard])
+    if rank == 0:
+        torch.save(model.module.state_dict(), result_file)
+    dist.destroy_process_group()
+
+
+def test_distributed_data_parallel_matches_single_process(tmp_path):
+    # 2 processes on the gloo backend, each with half the batch; DDP averages gradients, which
+    # for a mean loss over equal halves equals the gradient on the whole batch.
+    result_file = str(tmp_path / "ddp.pt")
+    mp.spawn(ddp_worker, args=(2, str(tmp_path / "init"), result_file), nprocs=2, join=True)
+    distributed = torch.load(result_file)
+    model = make_model()
+    train(model, *training_data())
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(distributed[key], value, atol=1e-10, rtol=1e-10)
