@@ -5,7 +5,8 @@ torch are both present, unless DEFORMCONV_WITH_CUDA says otherwise:
     DEFORMCONV_WITH_CUDA=1   require the CUDA kernels (fail if they cannot be built)
     DEFORMCONV_WITH_CUDA=0   CPU kernels only
 torch's build helper honours TORCH_CUDA_ARCH_LIST (GPU architectures) and MAX_JOBS (parallel
-compile jobs).
+compile jobs). DEFORMCONV_SANITIZE=1 compiles the C++ with AddressSanitizer and
+UndefinedBehaviorSanitizer (tools/run_sanitized_tests.sh uses it).
 """
 
 import os
@@ -54,7 +55,7 @@ def sources(pattern):
     return sorted(str(p.relative_to(ROOT)) for p in ROOT.glob(pattern))
 
 
-def extension():
+def extension(with_cuda: bool):
     common = (
         ["csrc/deformconv.cpp", "csrc/python/module.cpp"]
         + sources("csrc/pytorch/*.cpp")
@@ -64,7 +65,12 @@ def extension():
     # -fopenmp here it silently runs on one thread.
     cxx_flags = ["-O3", "-fopenmp"]
     link_flags = ["-fopenmp"]
-    if want_cuda():
+    if os.environ.get("DEFORMCONV_SANITIZE", "0") == "1":
+        sanitize = ["-fsanitize=address,undefined", "-fno-sanitize-recover=undefined",
+                    "-fno-omit-frame-pointer", "-g"]
+        cxx_flags = ["-O1", "-fopenmp"] + sanitize
+        link_flags += sanitize
+    if with_cuda:
         return cpp_extension.CUDAExtension(
             "deformconv._C",
             common + sources("csrc/cuda/*.cpp") + sources("csrc/cuda/*.cu"),
@@ -77,8 +83,20 @@ def extension():
     )
 
 
+def write_build_info(with_cuda: bool) -> None:
+    """deformconv/_build_info.py: what `python -m deformconv info` reports about this build."""
+    archs = os.environ.get("TORCH_CUDA_ARCH_LIST", "torch's default") if with_cuda else ""
+    (ROOT / "deformconv" / "_build_info.py").write_text(
+        "# Written by setup.py at build time.\n"
+        f"CUDA_ARCH_LIST = {archs!r}\n"
+    )
+
+
+WITH_CUDA = want_cuda()
+write_build_info(WITH_CUDA)
+
 setup(
     version=read_version(),
-    ext_modules=[extension()],
+    ext_modules=[extension(WITH_CUDA)],
     cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)},
 )

@@ -17,9 +17,12 @@ def info() -> int:
           f"Python {platform.python_version()}")
     print(f"CUDA kernels compiled: {'yes' if cuda else 'no'}")
     if cuda:
-        archs = torch.cuda.get_arch_list() if torch.cuda.is_available() else []
-        print(f"CUDA devices: {torch.cuda.device_count()}"
-              + (f", torch archs {' '.join(archs)}" if archs else ""))
+        try:
+            from ._build_info import CUDA_ARCH_LIST
+        except ImportError:  # built by other means than setup.py
+            CUDA_ARCH_LIST = "unknown"
+        print(f"CUDA architectures compiled: {CUDA_ARCH_LIST}")
+        print(f"CUDA devices: {torch.cuda.device_count()}")
     print("dtypes: cpu float32 float64 float16 bfloat16"
           + ("; cuda float32 float64 float16 bfloat16" if cuda else ""))
     print(f"CPU threads: {torch.get_num_threads()}")

@@ -5,8 +5,9 @@
 // come back in the dtypes of the original tensors.
 
 #include <ATen/autocast_mode.h>
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
+
+#include "op_handles.h"
 
 namespace deformconv {
 namespace {
@@ -18,18 +19,12 @@ at::Tensor deform_conv2d_autocast(const at::Tensor& input, const at::Tensor& off
                                   c10::IntArrayRef padding, c10::IntArrayRef dilation,
                                   int64_t groups, int64_t offset_groups, int64_t im2col_step) {
   c10::impl::ExcludeDispatchKeyGuard no_autocast(autocast_key);
-  static const auto op =
-      c10::Dispatcher::singleton()
-          .findSchemaOrThrow("deformconv::deform_conv2d", "")
-          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                            const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
-                            c10::IntArrayRef, c10::IntArrayRef, c10::IntArrayRef, int64_t,
-                            int64_t, int64_t)>();
   const auto to_float = [](const auto& tensor) {
     return at::autocast::cached_cast(at::kFloat, tensor, device_type);
   };
-  return op.call(to_float(input), to_float(offset), to_float(weight), to_float(mask),
-                 to_float(bias), stride, padding, dilation, groups, offset_groups, im2col_step);
+  return deform_conv2d_op().call(to_float(input), to_float(offset), to_float(weight),
+                                 to_float(mask), to_float(bias), stride, padding, dilation,
+                                 groups, offset_groups, im2col_step);
 }
 
 }  // namespace

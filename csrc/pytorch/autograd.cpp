@@ -2,9 +2,10 @@
 // differentiable from Python, TorchScript and LibTorch C++ alike. The gradients come from the
 // deform_conv2d_backward op, which computes only those that are needed.
 
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/autograd.h>
 #include <torch/library.h>
+
+#include "op_handles.h"
 
 namespace deformconv {
 namespace {
@@ -14,38 +15,6 @@ using torch::autograd::variable_list;
 
 std::optional<at::Tensor> optional_if_defined(const at::Tensor& tensor) {
   return tensor.defined() ? std::optional<at::Tensor>(tensor) : std::nullopt;
-}
-
-at::Tensor call_forward(const at::Tensor& input, const at::Tensor& offset,
-                        const at::Tensor& weight, const std::optional<at::Tensor>& mask,
-                        const std::optional<at::Tensor>& bias, c10::IntArrayRef stride,
-                        c10::IntArrayRef padding, c10::IntArrayRef dilation, int64_t groups,
-                        int64_t offset_groups, int64_t im2col_step) {
-  static const auto op =
-      c10::Dispatcher::singleton()
-          .findSchemaOrThrow("deformconv::deform_conv2d", "")
-          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                            const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
-                            c10::IntArrayRef, c10::IntArrayRef, c10::IntArrayRef, int64_t,
-                            int64_t, int64_t)>();
-  return op.call(input, offset, weight, mask, bias, stride, padding, dilation, groups,
-                 offset_groups, im2col_step);
-}
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> call_backward(
-    const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& offset,
-    const at::Tensor& weight, const std::optional<at::Tensor>& mask, c10::IntArrayRef stride,
-    c10::IntArrayRef padding, c10::IntArrayRef dilation, int64_t groups, int64_t offset_groups,
-    int64_t im2col_step, std::array<bool, 5> output_mask) {
-  static const auto op =
-      c10::Dispatcher::singleton()
-          .findSchemaOrThrow("deformconv::deform_conv2d_backward", "")
-          .typed<std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
-              const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-              const std::optional<at::Tensor>&, c10::IntArrayRef, c10::IntArrayRef,
-              c10::IntArrayRef, int64_t, int64_t, int64_t, std::array<bool, 5>)>();
-  return op.call(grad_output, input, offset, weight, mask, stride, padding, dilation, groups,
-                 offset_groups, im2col_step, output_mask);
 }
 
 // Autograd numbers only the tensors that are present: input 0, offset 1, weight 2, then mask
@@ -60,8 +29,9 @@ class DeformConv2dFunction : public torch::autograd::Function<DeformConv2dFuncti
                             c10::IntArrayRef padding, c10::IntArrayRef dilation, int64_t groups,
                             int64_t offset_groups, int64_t im2col_step) {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
-    at::Tensor output = call_forward(input, offset, weight, mask, bias, stride, padding,
-                                     dilation, groups, offset_groups, im2col_step);
+    at::Tensor output = deform_conv2d_op().call(input, offset, weight, mask, bias, stride,
+                                                padding, dilation, groups, offset_groups,
+                                                im2col_step);
     ctx->save_for_backward({input, offset, weight, mask.value_or(at::Tensor())});
     ctx->saved_data["has_mask"] = mask.has_value();
     ctx->saved_data["has_bias"] = bias.has_value();
@@ -82,12 +52,13 @@ class DeformConv2dFunction : public torch::autograd::Function<DeformConv2dFuncti
     const std::array<bool, 5> output_mask = {
         ctx->needs_input_grad(0), ctx->needs_input_grad(1), ctx->needs_input_grad(2),
         has_mask && ctx->needs_input_grad(3), has_bias && ctx->needs_input_grad(bias_slot)};
-    auto [grad_input, grad_offset, grad_weight, grad_mask, grad_bias] = call_backward(
-        grad_outputs[0], saved[0], saved[1], saved[2], optional_if_defined(saved[3]),
-        ctx->saved_data["stride"].toIntVector(), ctx->saved_data["padding"].toIntVector(),
-        ctx->saved_data["dilation"].toIntVector(), ctx->saved_data["groups"].toInt(),
-        ctx->saved_data["offset_groups"].toInt(), ctx->saved_data["im2col_step"].toInt(),
-        output_mask);
+    auto [grad_input, grad_offset, grad_weight, grad_mask, grad_bias] =
+        deform_conv2d_backward_op().call(
+            grad_outputs[0], saved[0], saved[1], saved[2], optional_if_defined(saved[3]),
+            ctx->saved_data["stride"].toIntVector(), ctx->saved_data["padding"].toIntVector(),
+            ctx->saved_data["dilation"].toIntVector(), ctx->saved_data["groups"].toInt(),
+            ctx->saved_data["offset_groups"].toInt(), ctx->saved_data["im2col_step"].toInt(),
+            output_mask);
     // One entry per forward argument; the six non-tensor arguments get none.
     return {grad_input, grad_offset, grad_weight, grad_mask, grad_bias, at::Tensor(),
             at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};

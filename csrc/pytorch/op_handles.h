@@ -1,0 +1,41 @@
+#pragma once
+
+// Typed handles of the ops, for kernels that call back into the dispatcher (autograd,
+// autocast): looked up once, on first use.
+
+#include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+
+#include <array>
+#include <optional>
+#include <tuple>
+
+namespace deformconv {
+
+using DeformConv2dSignature = at::Tensor(
+    const at::Tensor&, const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+    const std::optional<at::Tensor>&, c10::IntArrayRef, c10::IntArrayRef, c10::IntArrayRef,
+    int64_t, int64_t, int64_t);
+
+using DeformConv2dBackwardSignature =
+    std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
+        const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+        const std::optional<at::Tensor>&, c10::IntArrayRef, c10::IntArrayRef, c10::IntArrayRef,
+        int64_t, int64_t, int64_t, std::array<bool, 5>);
+
+inline const c10::TypedOperatorHandle<DeformConv2dSignature>& deform_conv2d_op() {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("deformconv::deform_conv2d", "")
+                             .typed<DeformConv2dSignature>();
+  return op;
+}
+
+inline const c10::TypedOperatorHandle<DeformConv2dBackwardSignature>&
+deform_conv2d_backward_op() {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("deformconv::deform_conv2d_backward", "")
+                             .typed<DeformConv2dBackwardSignature>();
+  return op;
+}
+
+}  // namespace deformconv
