@@ -13,9 +13,6 @@
 namespace deformconv {
 namespace {
 
-#define DEFORMCONV_DISPATCH(dtype, name, ...) \
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, name, __VA_ARGS__)
-
 // The unit of CPU work: up to kPixelChunk consecutive output pixels of one (image, deform
 // group, tap). A task makes the sampling plans of its chunk once, then sweeps the chunk channel
 // by channel: each sweep reads one input plane and one contiguous stretch of one columns row,

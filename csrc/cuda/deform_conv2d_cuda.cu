@@ -28,9 +28,6 @@ int64_t blocks_for(int64_t total) {
   for (int64_t index = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;        \
        index < (total); index += static_cast<int64_t>(blockDim.x) * gridDim.x)
 
-#define DEFORMCONV_DISPATCH(dtype, name, ...) \
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, name, __VA_ARGS__)
-
 // One thread per sample (image, deform group, tap, output pixel): it makes the sampling plan
 // once and applies it to every channel of the deform group. Neighbouring threads take
 // neighbouring pixels, so their column reads and writes coalesce.

@@ -27,6 +27,11 @@ struct DeformConv2dLaunchers {
                            at::Tensor& grad_offset, at::Tensor& grad_mask);
 };
 
+// The dtypes of every launcher: float32 and float64, and float16 and bfloat16 (arithmetic in
+// float32, at::opmath_type). Launchers include ATen/Dispatch.h to use it.
+#define DEFORMCONV_DISPATCH(dtype, name, ...) \
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, name, __VA_ARGS__)
+
 // Data of an optional operand (undefined: absent or not asked for) as a pointer, null if absent.
 template <typename scalar_t>
 const scalar_t* data_or_null(const at::Tensor& tensor) {
