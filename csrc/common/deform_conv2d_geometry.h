@@ -27,6 +27,11 @@ struct DeformConv2dGeometry {
   int64_t dilation_w;
   int64_t groups;         // convolution groups: split of input and output channels
   int64_t offset_groups;  // deform groups: input channels sharing one offset/mask field
+  // The output pixels [window_begin, window_begin + window_pixels) that the current columns
+  // buffer holds: the launchers work on one window at a time, so that the buffer can stay
+  // small. All pixels when the work is not tiled.
+  int64_t window_begin;
+  int64_t window_pixels;
 
   C10_HOST_DEVICE int64_t taps() const { return kernel_h * kernel_w; }
   C10_HOST_DEVICE int64_t in_pixels() const { return in_height * in_width; }

@@ -12,7 +12,8 @@
 //   offset[n, g*2*K + 2*k    , ho, wo]  displaces the sample in y,
 //   offset[n, g*2*K + 2*k + 1, ho, wo]  displaces it in x,
 //   mask  [n, g*K   + k      , ho, wo]  scales it (v2; 1 when there is no mask).
-// The columns buffer of a block of images is (block, C_in * K, H_out * W_out), row c * K + k.
+// The columns buffer of a block of images is (block, C_in * K, pixels of the window), row
+// c * K + k.
 
 #include <ATen/OpMathType.h>
 #include <c10/macros/Macros.h>
@@ -122,11 +123,12 @@ struct SampleIndex {
   int64_t grid_y, grid_x;  // where tap `tap` of this pixel samples before its offset
 };
 
+// Sample `index` of the current window: (block image, deform group, tap, pixel of the window).
 C10_HOST_DEVICE inline SampleIndex decompose_sample_index(
     const DeformConv2dGeometry& g, int64_t index) {
   SampleIndex s;
-  s.pixel = index % g.out_pixels();
-  index /= g.out_pixels();
+  s.pixel = g.window_begin + index % g.window_pixels;
+  index /= g.window_pixels;
   s.tap = index % g.taps();
   index /= g.taps();
   s.group = index % g.offset_groups;
@@ -197,10 +199,12 @@ C10_HOST_DEVICE inline int64_t first_channel(const DeformConv2dGeometry& g, int6
   return group * g.channels_per_offset_group();
 }
 
-// Flat position of (block image, input channel, tap, pixel) in the columns buffer.
+// Flat position of (block image, input channel, tap, pixel) in the columns buffer, which holds
+// the pixels of the current window: (block, C_in * K, window_pixels).
 C10_HOST_DEVICE inline int64_t column_index(const DeformConv2dGeometry& g, const SampleIndex& s,
                                             int64_t channel) {
-  return ((s.n * g.in_channels + channel) * g.taps() + s.tap) * g.out_pixels() + s.pixel;
+  return ((s.n * g.in_channels + channel) * g.taps() + s.tap) * g.window_pixels +
+      (s.pixel - g.window_begin);
 }
 
 // Start of the H * W plane of (block image, channel) in an input-shaped tensor.

@@ -29,14 +29,15 @@ struct PixelChunk {
 };
 
 int64_t chunks_per_row(const DeformConv2dGeometry& g) {
-  return (g.out_pixels() + kPixelChunk - 1) / kPixelChunk;
+  return (g.window_pixels + kPixelChunk - 1) / kPixelChunk;
 }
 
-// Chunk `part` of row `row`, a row being one (image, deform group, tap): (n * G + g) * K + k.
+// Chunk `part` of row `row`, a row being the window's pixels of one (image, deform group,
+// tap): (n * G + g) * K + k.
 PixelChunk pixel_chunk(const DeformConv2dGeometry& g, int64_t row, int64_t part) {
   const int64_t pixel = part * kPixelChunk;
-  return {decompose_sample_index(g, row * g.out_pixels() + pixel),
-          std::min(kPixelChunk, g.out_pixels() - pixel)};
+  return {decompose_sample_index(g, row * g.window_pixels + pixel),
+          std::min(kPixelChunk, g.window_pixels - pixel)};
 }
 
 int64_t rows_in(const DeformConv2dGeometry& g, int64_t batch) {
@@ -157,7 +158,9 @@ void offset_mask_grad_cpu(const DeformConv2dGeometry& g, int64_t batch,
   });
 }
 
-constexpr DeformConv2dLaunchers kCpuLaunchers{im2col_cpu, col2im_cpu, offset_mask_grad_cpu};
+// 4 MiB of columns per window: within the last-level cache of a CPU.
+constexpr DeformConv2dLaunchers kCpuLaunchers{int64_t(4) << 20, im2col_cpu, col2im_cpu,
+                                              offset_mask_grad_cpu};
 
 at::Tensor deform_conv2d_cpu(const at::Tensor& input, const at::Tensor& offset,
                              const at::Tensor& weight, const std::optional<at::Tensor>& mask,

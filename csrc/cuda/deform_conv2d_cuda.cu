@@ -78,7 +78,7 @@ __global__ void offset_mask_grad_kernel(DeformConv2dGeometry g, int64_t total,
 }
 
 int64_t samples_in(const DeformConv2dGeometry& g, int64_t batch) {
-  return batch * g.offset_groups * g.taps() * g.out_pixels();
+  return batch * g.offset_groups * g.taps() * g.window_pixels;
 }
 
 void im2col_cuda(const DeformConv2dGeometry& g, int64_t batch, const at::Tensor& input,
@@ -123,7 +123,9 @@ void offset_mask_grad_cuda(const DeformConv2dGeometry& g, int64_t batch,
 }  // namespace
 
 const DeformConv2dLaunchers& cuda_launchers() {
-  static const DeformConv2dLaunchers launchers{im2col_cuda, col2im_cuda, offset_mask_grad_cuda};
+  // 256 MiB of columns per window: whole feature maps at detection resolutions in one GEMM.
+  static const DeformConv2dLaunchers launchers{int64_t(256) << 20, im2col_cuda, col2im_cuda,
+                                               offset_mask_grad_cuda};
   return launchers;
 }
 

@@ -26,6 +26,19 @@ int64_t images_per_block(const DeformConv2dGeometry& g, int64_t batch, int64_t i
   return std::clamp<int64_t>(kAutoColumnsBudgetBytes / bytes_per_image, 1, std::max<int64_t>(batch, 1));
 }
 
+// Output pixels per window of a block of `images`: as many as fit in the launchers' tile budget,
+// at least kMinWindowPixels (or all). Smaller windows keep the columns buffer in cache and
+// spare the page faults of a fresh buffer of hundreds of megabytes; the GEMMs stay large
+// enough to run at full speed.
+constexpr int64_t kMinWindowPixels = 512;
+
+int64_t pixels_per_window(const DeformConv2dGeometry& g, int64_t images, at::ScalarType dtype,
+                          int64_t tile_bytes) {
+  const int64_t bytes_per_pixel =
+      std::max<int64_t>(1, images * g.in_channels * g.taps() * c10::elementSize(dtype));
+  return std::min(g.out_pixels(), std::max(kMinWindowPixels, tile_bytes / bytes_per_pixel));
+}
+
 void check_pair(const char* name, c10::IntArrayRef values, int64_t minimum) {
   TORCH_CHECK_VALUE(values.size() == 2, "deform_conv2d(): expected ", name,
                     " to have 2 values (height, width), but got ", values.size());
@@ -140,6 +153,8 @@ DeformConv2dGeometry check_deform_conv2d_arguments(
                     dilated_kernel_w, "), so that the output is not empty");
   g.out_height = output_length(g.in_height, g.kernel_h, g.stride_h, g.pad_h, g.dilation_h);
   g.out_width = output_length(g.in_width, g.kernel_w, g.stride_w, g.pad_w, g.dilation_w);
+  g.window_begin = 0;
+  g.window_pixels = g.out_pixels();
 
   const int64_t batch = input.size(0);
   const auto check_field = [&](const char* name, const at::Tensor& field, int64_t channels,
@@ -192,7 +207,7 @@ at::Tensor deform_conv2d_forward(
     const std::optional<at::Tensor>& mask_arg, const std::optional<at::Tensor>& bias,
     c10::IntArrayRef stride, c10::IntArrayRef padding, c10::IntArrayRef dilation, int64_t groups,
     int64_t offset_groups, int64_t im2col_step) {
-  const DeformConv2dGeometry g =
+  DeformConv2dGeometry g =
       check_deform_conv2d_arguments(input_arg, offset_arg, weight_arg, mask_arg, bias, stride,
                                     padding, dilation, groups, offset_groups, im2col_step);
   const at::Tensor input = input_arg.contiguous();
@@ -207,12 +222,14 @@ at::Tensor deform_conv2d_forward(
     return output;
   }
   const int64_t step = images_per_block(g, batch, im2col_step, input.scalar_type());
+  const int64_t window =
+      pixels_per_window(g, step, input.scalar_type(), launchers.columns_tile_bytes);
   const int64_t G = g.groups;
   const int64_t out_per_group = g.out_channels / G;
   const int64_t rows_per_group = g.in_channels / G * g.taps();
   const int64_t P = g.out_pixels();
 
-  at::Tensor columns = at::empty({step, g.in_channels * g.taps(), P}, input.options());
+  at::Tensor columns = at::empty({step * g.in_channels * g.taps() * window}, input.options());
   // The per-group weight matrices repeated for every image of a block, so that one batched
   // GEMM covers the whole block: (step * G, C_out / G, C_in / G * K).
   const at::Tensor weight_batched = weight.reshape({1, G, out_per_group, rows_per_group})
@@ -221,19 +238,27 @@ at::Tensor deform_conv2d_forward(
 
   for (int64_t first = 0; first < batch; first += step) {
     const int64_t images = std::min(step, batch - first);
+    const at::Tensor input_block = input.narrow(0, first, images);
+    const at::Tensor offset_block = offset.narrow(0, first, images);
     const at::Tensor mask_block = mask.defined() ? mask.narrow(0, first, images) : at::Tensor();
-    launchers.im2col(g, images, input.narrow(0, first, images), offset.narrow(0, first, images),
-                     mask_block, columns);
-
-    at::Tensor output_block = output.narrow(0, first, images).view({images * G, out_per_group, P});
-    const at::Tensor columns_block =
-        columns.narrow(0, 0, images).view({images * G, rows_per_group, P});
     const at::Tensor weight_block = weight_batched.narrow(0, 0, images * G);
-    if (bias.has_value()) {
-      output_block.view({images, G, out_per_group, P}).copy_(bias->view({1, G, out_per_group, 1}));
-      output_block.baddbmm_(weight_block, columns_block);
-    } else {
-      at::bmm_out(output_block, weight_block, columns_block);
+    const at::Tensor output_block =
+        output.narrow(0, first, images).view({images * G, out_per_group, P});
+    for (g.window_begin = 0; g.window_begin < P; g.window_begin += window) {
+      g.window_pixels = std::min(window, P - g.window_begin);
+      launchers.im2col(g, images, input_block, offset_block, mask_block, columns);
+      const at::Tensor columns_block = columns.narrow(0, 0, images * g.in_channels * g.taps() *
+                                                              g.window_pixels)
+                                           .view({images * G, rows_per_group, g.window_pixels});
+      // (images * G, C_out / G, window) inside the output: rows P apart.
+      at::Tensor output_window = output_block.narrow(2, g.window_begin, g.window_pixels);
+      if (bias.has_value()) {
+        output_window.view({images, G, out_per_group, g.window_pixels})
+            .copy_(bias->view({1, G, out_per_group, 1}));
+        output_window.baddbmm_(weight_block, columns_block);
+      } else {
+        at::bmm_out(output_window, weight_block, columns_block);
+      }
     }
   }
   return output;
@@ -245,7 +270,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> deform_co
     const std::optional<at::Tensor>& mask_arg, c10::IntArrayRef stride,
     c10::IntArrayRef padding, c10::IntArrayRef dilation, int64_t groups, int64_t offset_groups,
     int64_t im2col_step, std::array<bool, 5> output_mask) {
-  const DeformConv2dGeometry g = check_deform_conv2d_backward_arguments(
+  DeformConv2dGeometry g = check_deform_conv2d_backward_arguments(
       grad_output_arg, input_arg, offset_arg, weight_arg, mask_arg, stride, padding, dilation,
       groups, offset_groups, im2col_step);
   const int64_t batch = input_arg.size(0);
@@ -272,12 +297,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> deform_co
   }
 
   const int64_t step = images_per_block(g, batch, im2col_step, input.scalar_type());
+  const int64_t window =
+      pixels_per_window(g, step, input.scalar_type(), launchers.columns_tile_bytes);
   const int64_t G = g.groups;
   const int64_t out_per_group = g.out_channels / G;
   const int64_t rows_per_group = g.in_channels / G * g.taps();
   const int64_t P = g.out_pixels();
   // Holds the columns for the weight gradient, then the gradient of the columns.
-  at::Tensor columns = at::empty({step, g.in_channels * g.taps(), P}, input.options());
+  at::Tensor columns = at::empty({step * g.in_channels * g.taps() * window}, input.options());
   // Transposed per-group weights repeated per image: (step * G, C_in / G * K, C_out / G).
   const at::Tensor weight_t_batched = want_columns_grad
       ? weight.reshape({1, G, out_per_group, rows_per_group})
@@ -295,29 +322,40 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> deform_co
     const at::Tensor mask_block = mask.defined() ? mask.narrow(0, first, images) : at::Tensor();
     const at::Tensor grad_output_block =
         grad_output.narrow(0, first, images).view({images, G, out_per_group, P});
-    const at::Tensor columns_block = columns.narrow(0, 0, images);
+    at::Tensor grad_input_block =
+        want_input ? grad_input.narrow(0, first, images) : at::Tensor();
+    at::Tensor grad_offset_block =
+        want_offset ? grad_offset.narrow(0, first, images) : at::Tensor();
+    at::Tensor grad_mask_block = want_mask ? grad_mask.narrow(0, first, images) : at::Tensor();
 
-    if (want_weight) {
-      launchers.im2col(g, images, input_block, offset_block, mask_block, columns);
-      const at::Tensor columns_grouped = columns_block.view({images, G, rows_per_group, P});
-      for (const auto n : c10::irange(images)) {
-        grad_weight_grouped.baddbmm_(grad_output_block[n], columns_grouped[n].transpose(1, 2));
+    for (g.window_begin = 0; g.window_begin < P; g.window_begin += window) {
+      g.window_pixels = std::min(window, P - g.window_begin);
+      const at::Tensor columns_block =
+          columns.narrow(0, 0, images * g.in_channels * g.taps() * g.window_pixels);
+      // (images, G, C_out / G, window) inside grad_output: rows P apart.
+      const at::Tensor grad_output_window =
+          grad_output_block.narrow(3, g.window_begin, g.window_pixels);
+      if (want_weight) {
+        launchers.im2col(g, images, input_block, offset_block, mask_block, columns);
+        const at::Tensor columns_grouped =
+            columns_block.view({images, G, rows_per_group, g.window_pixels});
+        for (const auto n : c10::irange(images)) {
+          grad_weight_grouped.baddbmm_(grad_output_window[n],
+                                       columns_grouped[n].transpose(1, 2));
+        }
       }
-    }
-    if (want_columns_grad) {
-      at::Tensor grad_columns = columns_block.view({images * G, rows_per_group, P});
-      at::bmm_out(grad_columns, weight_t_batched.narrow(0, 0, images * G),
-                  grad_output_block.reshape({images * G, out_per_group, P}));
-      if (want_input) {
-        at::Tensor grad_input_block = grad_input.narrow(0, first, images);
-        launchers.col2im(g, images, columns, offset_block, mask_block, grad_input_block);
-      }
-      if (want_offset || want_mask) {
-        at::Tensor grad_offset_block =
-            want_offset ? grad_offset.narrow(0, first, images) : at::Tensor();
-        at::Tensor grad_mask_block = want_mask ? grad_mask.narrow(0, first, images) : at::Tensor();
-        launchers.offset_mask_grad(g, images, columns, input_block, offset_block, mask_block,
-                                   grad_offset_block, grad_mask_block);
+      if (want_columns_grad) {
+        at::Tensor grad_columns =
+            columns_block.view({images * G, rows_per_group, g.window_pixels});
+        at::bmm_out(grad_columns, weight_t_batched.narrow(0, 0, images * G),
+                    grad_output_window.reshape({images * G, out_per_group, g.window_pixels}));
+        if (want_input) {
+          launchers.col2im(g, images, columns, offset_block, mask_block, grad_input_block);
+        }
+        if (want_offset || want_mask) {
+          launchers.offset_mask_grad(g, images, columns, input_block, offset_block, mask_block,
+                                     grad_offset_block, grad_mask_block);
+        }
       }
     }
   }

@@ -13,6 +13,10 @@
 namespace deformconv {
 
 struct DeformConv2dLaunchers {
+  // Bytes of columns buffer to aim for per window of output pixels (the driver tiles the
+  // pixels of a block of images so): about the cache of a CPU, or far more on a GPU, whose
+  // GEMMs want large operands and whose allocator reuses memory.
+  int64_t columns_tile_bytes;
   // columns (batch, C_in * K, H_out * W_out) sampled from input (batch, C_in, H, W).
   void (*im2col)(const DeformConv2dGeometry& geometry, int64_t batch, const at::Tensor& input,
                  const at::Tensor& offset, const at::Tensor& mask, at::Tensor& columns);
