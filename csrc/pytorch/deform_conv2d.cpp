@@ -6,7 +6,6 @@
 
 #include <algorithm>
 
-
 namespace deformconv {
 
 namespace {
@@ -37,6 +36,43 @@ int64_t pixels_per_window(const DeformConv2dGeometry& g, int64_t images, at::Sca
   const int64_t bytes_per_pixel =
       std::max<int64_t>(1, images * g.in_channels * g.taps() * c10::elementSize(dtype));
   return std::min(g.out_pixels(), std::max(kMinWindowPixels, tile_bytes / bytes_per_pixel));
+}
+
+// How forward and backward split their work: blocks of `step` images, windows of `window`
+// output pixels, and the per-group GEMM shapes (C_out / G) x (C_in / G * K) x pixels.
+struct WorkSplit {
+  int64_t step;
+  int64_t window;
+  int64_t groups;
+  int64_t out_per_group;
+  int64_t rows_per_group;
+  int64_t pixels;  // H_out * W_out
+};
+
+WorkSplit split_work(const DeformConv2dGeometry& g, int64_t batch, int64_t im2col_step,
+                     at::ScalarType dtype, const DeformConv2dLaunchers& launchers) {
+  WorkSplit w;
+  w.step = images_per_block(g, batch, im2col_step, dtype);
+  w.window = pixels_per_window(g, w.step, dtype, launchers.columns_tile_bytes);
+  w.groups = g.groups;
+  w.out_per_group = g.out_channels / g.groups;
+  w.rows_per_group = g.in_channels / g.groups * g.taps();
+  w.pixels = g.out_pixels();
+  return w;
+}
+
+// The columns buffer for `step` images and one window, allocated once per call.
+at::Tensor columns_buffer(const DeformConv2dGeometry& g, const WorkSplit& w,
+                          const at::TensorOptions& options) {
+  return at::empty({w.step * g.in_channels * g.taps() * w.window}, options);
+}
+
+// The part of the columns buffer that holds `images` images of the current window, as
+// (images * G, C_in / G * K, window pixels).
+at::Tensor columns_of_window(const at::Tensor& columns, const DeformConv2dGeometry& g,
+                             const WorkSplit& w, int64_t images) {
+  return columns.narrow(0, 0, images * g.in_channels * g.taps() * g.window_pixels)
+      .view({images * w.groups, w.rows_per_group, g.window_pixels});
 }
 
 void check_pair(const char* name, c10::IntArrayRef values, int64_t minimum) {
@@ -221,15 +257,9 @@ at::Tensor deform_conv2d_forward(
   if (batch == 0) {
     return output;
   }
-  const int64_t step = images_per_block(g, batch, im2col_step, input.scalar_type());
-  const int64_t window =
-      pixels_per_window(g, step, input.scalar_type(), launchers.columns_tile_bytes);
-  const int64_t G = g.groups;
-  const int64_t out_per_group = g.out_channels / G;
-  const int64_t rows_per_group = g.in_channels / G * g.taps();
-  const int64_t P = g.out_pixels();
-
-  at::Tensor columns = at::empty({step * g.in_channels * g.taps() * window}, input.options());
+  const WorkSplit w = split_work(g, batch, im2col_step, input.scalar_type(), launchers);
+  const auto [step, window, G, out_per_group, rows_per_group, P] = w;
+  at::Tensor columns = columns_buffer(g, w, input.options());
   // The per-group weight matrices repeated for every image of a block, so that one batched
   // GEMM covers the whole block: (step * G, C_out / G, C_in / G * K).
   const at::Tensor weight_batched = weight.reshape({1, G, out_per_group, rows_per_group})
@@ -247,9 +277,7 @@ at::Tensor deform_conv2d_forward(
     for (g.window_begin = 0; g.window_begin < P; g.window_begin += window) {
       g.window_pixels = std::min(window, P - g.window_begin);
       launchers.im2col(g, images, input_block, offset_block, mask_block, columns);
-      const at::Tensor columns_block = columns.narrow(0, 0, images * g.in_channels * g.taps() *
-                                                              g.window_pixels)
-                                           .view({images * G, rows_per_group, g.window_pixels});
+      const at::Tensor columns_block = columns_of_window(columns, g, w, images);
       // (images * G, C_out / G, window) inside the output: rows P apart.
       at::Tensor output_window = output_block.narrow(2, g.window_begin, g.window_pixels);
       if (bias.has_value()) {
@@ -296,15 +324,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> deform_co
     return {grad_input, grad_offset, grad_weight, grad_mask, grad_bias};
   }
 
-  const int64_t step = images_per_block(g, batch, im2col_step, input.scalar_type());
-  const int64_t window =
-      pixels_per_window(g, step, input.scalar_type(), launchers.columns_tile_bytes);
-  const int64_t G = g.groups;
-  const int64_t out_per_group = g.out_channels / G;
-  const int64_t rows_per_group = g.in_channels / G * g.taps();
-  const int64_t P = g.out_pixels();
+  const WorkSplit w = split_work(g, batch, im2col_step, input.scalar_type(), launchers);
+  const auto [step, window, G, out_per_group, rows_per_group, P] = w;
   // Holds the columns for the weight gradient, then the gradient of the columns.
-  at::Tensor columns = at::empty({step * g.in_channels * g.taps() * window}, input.options());
+  at::Tensor columns = columns_buffer(g, w, input.options());
   // Transposed per-group weights repeated per image: (step * G, C_in / G * K, C_out / G).
   const at::Tensor weight_t_batched = want_columns_grad
       ? weight.reshape({1, G, out_per_group, rows_per_group})
@@ -330,8 +353,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> deform_co
 
     for (g.window_begin = 0; g.window_begin < P; g.window_begin += window) {
       g.window_pixels = std::min(window, P - g.window_begin);
-      const at::Tensor columns_block =
-          columns.narrow(0, 0, images * g.in_channels * g.taps() * g.window_pixels);
+      const at::Tensor columns_block = columns_of_window(columns, g, w, images);
       // (images, G, C_out / G, window) inside grad_output: rows P apart.
       const at::Tensor grad_output_window =
           grad_output_block.narrow(3, g.window_begin, g.window_pixels);
@@ -345,8 +367,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> deform_co
         }
       }
       if (want_columns_grad) {
-        at::Tensor grad_columns =
-            columns_block.view({images * G, rows_per_group, g.window_pixels});
+        at::Tensor grad_columns = columns_block;  // the same buffer, reused
         at::bmm_out(grad_columns, weight_t_batched.narrow(0, 0, images * G),
                     grad_output_window.reshape({images * G, out_per_group, g.window_pixels}));
         if (want_input) {
