@@ -39,6 +39,7 @@ struct DeformConv2dGeometry {
   C10_HOST_DEVICE int64_t channels_per_offset_group() const {
     return in_channels / offset_groups;
   }
+  C10_HOST_DEVICE int64_t channels_per_group() const { return in_channels / groups; }
 };
 
 }  // namespace deformconv

@@ -12,8 +12,14 @@
 //   offset[n, g*2*K + 2*k    , ho, wo]  displaces the sample in y,
 //   offset[n, g*2*K + 2*k + 1, ho, wo]  displaces it in x,
 //   mask  [n, g*K   + k      , ho, wo]  scales it (v2; 1 when there is no mask).
-// The columns buffer of a block of images is (block, C_in * K, pixels of the window), row
-// c * K + k.
+//
+// Layouts are channels-last, so that the channels of one sample lie side by side: the input is
+// read as (block, H, W, C_in), and the columns buffer of a block of images is
+// (block, conv group, window pixel, tap, channel within the conv group). The channels of a
+// deform group that share one sampling plan are then consecutive both where they are read and
+// where they are written: a CPU loop over them vectorises, and neighbouring GPU threads touch
+// neighbouring addresses. Each conv group's columns are one (window pixels, K * C_in / G)
+// matrix, which the GEMMs use as it lies.
 
 #include <ATen/OpMathType.h>
 #include <c10/macros/Macros.h>
@@ -76,32 +82,14 @@ C10_HOST_DEVICE inline BilinearCell<opmath_t> locate_cell(
   return cell;
 }
 
-// The four corner values of a cell in one input plane (H * W, row-major); 0 where a corner
-// lies outside, which is also what keeps every read in bounds.
-template <typename opmath_t>
-struct CornerValues {
-  opmath_t v00 = 0, v01 = 0, v10 = 0, v11 = 0;
-};
-
-template <typename opmath_t, typename scalar_t>
-C10_HOST_DEVICE inline CornerValues<opmath_t> read_corners(
-    const BilinearCell<opmath_t>& cell, const scalar_t* plane, int64_t width) {
-  CornerValues<opmath_t> v;
-  const int64_t top_left = cell.y0 * width + cell.x0;
-  if (cell.top && cell.left) v.v00 = static_cast<opmath_t>(plane[top_left]);
-  if (cell.top && cell.right) v.v01 = static_cast<opmath_t>(plane[top_left + 1]);
-  if (cell.bottom && cell.left) v.v10 = static_cast<opmath_t>(plane[top_left + width]);
-  if (cell.bottom && cell.right) v.v11 = static_cast<opmath_t>(plane[top_left + width + 1]);
-  return v;
-}
-
-// Where one sample reads the input plane and with which weights, the mask folded in. A plan is
-// made once per (image, deform group, tap, output pixel) and serves every channel of the deform
-// group in turn, in the forward im2col and in the backward col2im: the bilinear weights are
-// never recomputed per channel. A corner outside the image has weight 0 and is never read.
+// Where one sample reads the input and with which weights, the mask folded in. A plan is made
+// once per (image, deform group, tap, output pixel) and serves every channel of the deform
+// group, in the forward im2col and in the backward col2im: the bilinear weights are never
+// recomputed per channel. A corner outside the image has weight 0 and index 0, so that reading
+// it stays in bounds.
 template <typename opmath_t>
 struct SamplingPlan {
-  int64_t index[4];    // in the H * W plane: (y0, x0), (y0, x0+1), (y0+1, x0), (y0+1, x0+1)
+  int64_t index[4];    // pixel in the H * W grid: (y0, x0), (y0, x0+1), (y0+1, x0), (y0+1, x0+1)
   opmath_t weight[4];  // mask * bilinear weight of that corner
 };
 
@@ -114,30 +102,37 @@ C10_HOST_DEVICE inline int64_t undeformed_x(const DeformConv2dGeometry& g, int64
 }
 
 // One sample: (block image, deform group, tap, output pixel). Samples are numbered in that
-// order, the layout of the offset and mask tensors and of the launchers' loops. The output
-// pixel's row and column and the undeformed sample position ride along, so that a loop over
-// consecutive pixels can step them (next_pixel) instead of dividing for every sample.
+// order, the layout of the offset and mask tensors. The output pixel's row and column and the
+// undeformed sample position ride along, so that a loop over consecutive pixels can step them
+// (next_pixel) instead of dividing for every sample.
 struct SampleIndex {
   int64_t n, group, tap, pixel;
   int64_t out_y, out_x;    // pixel = out_y * W_out + out_x
   int64_t grid_y, grid_x;  // where tap `tap` of this pixel samples before its offset
 };
 
+C10_HOST_DEVICE inline SampleIndex make_sample_index(const DeformConv2dGeometry& g, int64_t n,
+                                                     int64_t group, int64_t tap, int64_t pixel) {
+  SampleIndex s;
+  s.n = n;
+  s.group = group;
+  s.tap = tap;
+  s.pixel = pixel;
+  s.out_y = pixel / g.out_width;
+  s.out_x = pixel % g.out_width;
+  s.grid_y = undeformed_y(g, s.out_y, tap / g.kernel_w);
+  s.grid_x = undeformed_x(g, s.out_x, tap % g.kernel_w);
+  return s;
+}
+
 // Sample `index` of the current window: (block image, deform group, tap, pixel of the window).
 C10_HOST_DEVICE inline SampleIndex decompose_sample_index(
     const DeformConv2dGeometry& g, int64_t index) {
-  SampleIndex s;
-  s.pixel = g.window_begin + index % g.window_pixels;
+  const int64_t pixel = g.window_begin + index % g.window_pixels;
   index /= g.window_pixels;
-  s.tap = index % g.taps();
+  const int64_t tap = index % g.taps();
   index /= g.taps();
-  s.group = index % g.offset_groups;
-  s.n = index / g.offset_groups;
-  s.out_y = s.pixel / g.out_width;
-  s.out_x = s.pixel % g.out_width;
-  s.grid_y = undeformed_y(g, s.out_y, s.tap / g.kernel_w);
-  s.grid_x = undeformed_x(g, s.out_x, s.tap % g.kernel_w);
-  return s;
+  return make_sample_index(g, index / g.offset_groups, index % g.offset_groups, tap, pixel);
 }
 
 // The sample of the next output pixel, same image, deform group and tap. A caller
@@ -170,6 +165,18 @@ C10_HOST_DEVICE inline void sample_position(
       : static_cast<opmath_t>(mask[((s.n * g.offset_groups + s.group) * K + s.tap) * P + s.pixel]);
 }
 
+// The grid index of each corner of a cell, 0 for a corner outside the image (never read, but a
+// valid address to read).
+template <typename opmath_t>
+C10_HOST_DEVICE inline void corner_indices(const BilinearCell<opmath_t>& cell, int64_t width,
+                                           int64_t index[4]) {
+  const int64_t top_left = cell.y0 * width + cell.x0;
+  index[0] = cell.top && cell.left ? top_left : 0;
+  index[1] = cell.top && cell.right ? top_left + 1 : 0;
+  index[2] = cell.bottom && cell.left ? top_left + width : 0;
+  index[3] = cell.bottom && cell.right ? top_left + width + 1 : 0;
+}
+
 template <typename scalar_t>
 C10_HOST_DEVICE inline SamplingPlan<at::opmath_type<scalar_t>> make_sampling_plan(
     const DeformConv2dGeometry& g, const SampleIndex& s, const scalar_t* offset,
@@ -178,17 +185,14 @@ C10_HOST_DEVICE inline SamplingPlan<at::opmath_type<scalar_t>> make_sampling_pla
   opmath_t y, x, m;
   sample_position(g, s, offset, mask, y, x, m);
   const BilinearCell<opmath_t> cell = locate_cell(y, x, g.in_height, g.in_width);
-  const int64_t top_left = cell.y0 * g.in_width + cell.x0;
   const opmath_t hy = opmath_t(1) - cell.ly;
   const opmath_t hx = opmath_t(1) - cell.lx;
   const bool valid[4] = {cell.top && cell.left, cell.top && cell.right,
                          cell.bottom && cell.left, cell.bottom && cell.right};
-  const int64_t corner_index[4] = {top_left, top_left + 1, top_left + g.in_width,
-                                   top_left + g.in_width + 1};
   const opmath_t corner_weight[4] = {hy * hx, hy * cell.lx, cell.ly * hx, cell.ly * cell.lx};
   SamplingPlan<opmath_t> plan;
+  corner_indices(cell, g.in_width, plan.index);
   for (int corner = 0; corner < 4; ++corner) {
-    plan.index[corner] = valid[corner] ? corner_index[corner] : 0;
     plan.weight[corner] = valid[corner] ? m * corner_weight[corner] : opmath_t(0);
   }
   return plan;
@@ -199,33 +203,43 @@ C10_HOST_DEVICE inline int64_t first_channel(const DeformConv2dGeometry& g, int6
   return group * g.channels_per_offset_group();
 }
 
-// Flat position of (block image, input channel, tap, pixel) in the columns buffer, which holds
-// the pixels of the current window: (block, C_in * K, window_pixels).
+// Flat position of (block image, window pixel, tap, input channel) in the columns buffer
+// (block, conv group, window pixel, tap, channel within the conv group).
+C10_HOST_DEVICE inline int64_t column_index(const DeformConv2dGeometry& g, int64_t n,
+                                            int64_t window_pixel, int64_t tap, int64_t channel) {
+  const int64_t per_group = g.channels_per_group();
+  const int64_t conv_group = channel / per_group;
+  return (((n * g.groups + conv_group) * g.window_pixels + window_pixel) * g.taps() + tap) *
+      per_group + (channel - conv_group * per_group);
+}
+
 C10_HOST_DEVICE inline int64_t column_index(const DeformConv2dGeometry& g, const SampleIndex& s,
                                             int64_t channel) {
-  return ((s.n * g.in_channels + channel) * g.taps() + s.tap) * g.window_pixels +
-      (s.pixel - g.window_begin);
+  return column_index(g, s.n, s.pixel - g.window_begin, s.tap, channel);
 }
 
-// Start of the H * W plane of (block image, channel) in an input-shaped tensor.
+// Channel `channel` of grid pixel 0 of block image n in a channels-last (block, H, W, C_in)
+// tensor; grid pixel i of that channel is at i * C_in from there.
 template <typename scalar_t>
-C10_HOST_DEVICE inline scalar_t* plane_of(const DeformConv2dGeometry& g, scalar_t* data,
-                                          int64_t n, int64_t channel) {
-  return data + (n * g.in_channels + channel) * g.in_pixels();
+C10_HOST_DEVICE inline scalar_t* channel_of(const DeformConv2dGeometry& g, scalar_t* data,
+                                            int64_t n, int64_t channel) {
+  return data + n * g.in_pixels() * g.in_channels + channel;
 }
 
-// mask * bilinear(plane, sampled position): one columns entry.
+// mask * bilinear(input, sampled position) of one channel: one columns entry. `channel` points
+// at the channel's value at grid pixel 0 (channel_of). Every corner is read, outside ones at
+// index 0, and a zero weight is selected away rather than multiplied, so that an infinite
+// input value at a corner that takes no part cannot turn the sample into NaN. Without branches
+// a CPU loop over consecutive channels vectorises.
 template <typename scalar_t>
 C10_HOST_DEVICE inline scalar_t sample_with_plan(
-    const SamplingPlan<at::opmath_type<scalar_t>>& plan, const scalar_t* plane) {
+    const SamplingPlan<at::opmath_type<scalar_t>>& plan, const scalar_t* channel,
+    int64_t channel_stride) {
   using opmath_t = at::opmath_type<scalar_t>;
   opmath_t value = 0;
   for (int corner = 0; corner < 4; ++corner) {
-    // A zero weight is skipped rather than multiplied, so an infinite input value at a corner
-    // that does not take part cannot turn the sample into NaN.
-    if (plan.weight[corner] != opmath_t(0)) {
-      value += plan.weight[corner] * static_cast<opmath_t>(plane[plan.index[corner]]);
-    }
+    const opmath_t read = static_cast<opmath_t>(channel[plan.index[corner] * channel_stride]);
+    value += plan.weight[corner] != opmath_t(0) ? plan.weight[corner] * read : opmath_t(0);
   }
   return static_cast<scalar_t>(value);
 }
@@ -241,17 +255,23 @@ C10_HOST_DEVICE inline void scatter_add(scalar_t* address, scalar_t value) {
 #endif
 }
 
-// The adjoint of sample_with_plan: spreads the gradient of one columns entry onto the plane.
+// The adjoint of sample_with_plan for `channels` consecutive channels (1 on the GPU, a run on
+// the CPU): spreads their columns gradients onto the input gradient, `channel` pointing as in
+// sample_with_plan. Corners outside the image or of zero weight are skipped.
 template <typename scalar_t>
 C10_HOST_DEVICE inline void scatter_with_plan(
-    const SamplingPlan<at::opmath_type<scalar_t>>& plan, scalar_t grad_column,
-    scalar_t* grad_plane) {
+    const SamplingPlan<at::opmath_type<scalar_t>>& plan, const scalar_t* grad_columns,
+    int64_t channels, scalar_t* grad_channel, int64_t channel_stride) {
   using opmath_t = at::opmath_type<scalar_t>;
-  const opmath_t grad = static_cast<opmath_t>(grad_column);
   for (int corner = 0; corner < 4; ++corner) {
-    if (plan.weight[corner] != opmath_t(0)) {
-      scatter_add(grad_plane + plan.index[corner],
-                  static_cast<scalar_t>(plan.weight[corner] * grad));
+    const opmath_t weight = plan.weight[corner];
+    if (weight == opmath_t(0)) {
+      continue;
+    }
+    scalar_t* grad_corner = grad_channel + plan.index[corner] * channel_stride;
+    for (int64_t c = 0; c < channels; ++c) {
+      scatter_add(grad_corner + c,
+                  static_cast<scalar_t>(weight * static_cast<opmath_t>(grad_columns[c])));
     }
   }
 }
@@ -267,8 +287,15 @@ C10_HOST_DEVICE inline void scatter_with_plan(
 template <typename opmath_t>
 struct OffsetMaskGrad {
   BilinearCell<opmath_t> cell;
+  int64_t index[4];  // corner_indices of the cell
   opmath_t mask = 1;
-  opmath_t y = 0, x = 0, m = 0;  // the three sums above, without the factor m
+};
+
+// The three sums above, without the factor m. A launcher may keep several (one per vector lane
+// on the CPU) and add them up at the end.
+template <typename opmath_t>
+struct OffsetMaskGradSums {
+  opmath_t y = 0, x = 0, m = 0;
 };
 
 template <typename scalar_t>
@@ -280,44 +307,51 @@ C10_HOST_DEVICE inline OffsetMaskGrad<at::opmath_type<scalar_t>> start_offset_ma
   opmath_t y, x;
   sample_position(g, s, offset, mask, y, x, acc.mask);
   acc.cell = locate_cell(y, x, g.in_height, g.in_width);
+  corner_indices(acc.cell, g.in_width, acc.index);
   return acc;
 }
 
-// Adds channel `channel`'s share, read from grad_columns and the input plane.
+// Adds one channel's share: its columns gradient and its input values, `channel` pointing as in
+// sample_with_plan. The derivative needs the value of every corner inside the image, even one
+// of zero bilinear weight; corners outside read as 0. The caller skips samples outside.
 template <typename scalar_t>
 C10_HOST_DEVICE inline void accumulate_offset_mask_grad(
-    const DeformConv2dGeometry& g, const SampleIndex& s, int64_t channel,
-    const scalar_t* grad_columns, const scalar_t* input,
-    OffsetMaskGrad<at::opmath_type<scalar_t>>& acc) {
+    const OffsetMaskGrad<at::opmath_type<scalar_t>>& acc, scalar_t grad_column,
+    const scalar_t* channel, int64_t channel_stride,
+    OffsetMaskGradSums<at::opmath_type<scalar_t>>& sums) {
   using opmath_t = at::opmath_type<scalar_t>;
   const BilinearCell<opmath_t>& cell = acc.cell;
-  if (!cell.inside) {
-    return;
+  const bool valid[4] = {cell.top && cell.left, cell.top && cell.right,
+                         cell.bottom && cell.left, cell.bottom && cell.right};
+  opmath_t v[4];
+  for (int corner = 0; corner < 4; ++corner) {
+    const opmath_t read = static_cast<opmath_t>(channel[acc.index[corner] * channel_stride]);
+    v[corner] = valid[corner] ? read : opmath_t(0);
   }
-  const opmath_t grad = static_cast<opmath_t>(grad_columns[column_index(g, s, channel)]);
-  const CornerValues<opmath_t> v = read_corners(cell, plane_of(g, input, s.n, channel), g.in_width);
+  const opmath_t grad = static_cast<opmath_t>(grad_column);
   const opmath_t hy = opmath_t(1) - cell.ly;
   const opmath_t hx = opmath_t(1) - cell.lx;
-  acc.y += grad * (hx * (v.v10 - v.v00) + cell.lx * (v.v11 - v.v01));
-  acc.x += grad * (hy * (v.v01 - v.v00) + cell.ly * (v.v11 - v.v10));
-  acc.m += grad * (hy * (hx * v.v00 + cell.lx * v.v01) + cell.ly * (hx * v.v10 + cell.lx * v.v11));
+  sums.y += grad * (hx * (v[2] - v[0]) + cell.lx * (v[3] - v[1]));
+  sums.x += grad * (hy * (v[1] - v[0]) + cell.ly * (v[3] - v[2]));
+  sums.m += grad * (hy * (hx * v[0] + cell.lx * v[1]) + cell.ly * (hx * v[2] + cell.lx * v[3]));
 }
 
 // Writes the sample's offset and mask gradients; either pointer may be null (not asked for).
 template <typename scalar_t>
 C10_HOST_DEVICE inline void finish_offset_mask_grad(
     const DeformConv2dGeometry& g, const SampleIndex& s,
-    const OffsetMaskGrad<at::opmath_type<scalar_t>>& acc, scalar_t* grad_offset,
+    const OffsetMaskGrad<at::opmath_type<scalar_t>>& acc,
+    const OffsetMaskGradSums<at::opmath_type<scalar_t>>& sums, scalar_t* grad_offset,
     scalar_t* grad_mask) {
   const int64_t group_of_image = s.n * g.offset_groups + s.group;
   if (grad_offset != nullptr) {
     const int64_t y_at = (group_of_image * 2 * g.taps() + 2 * s.tap) * g.out_pixels() + s.pixel;
-    grad_offset[y_at] = static_cast<scalar_t>(acc.mask * acc.y);
-    grad_offset[y_at + g.out_pixels()] = static_cast<scalar_t>(acc.mask * acc.x);
+    grad_offset[y_at] = static_cast<scalar_t>(acc.mask * sums.y);
+    grad_offset[y_at + g.out_pixels()] = static_cast<scalar_t>(acc.mask * sums.x);
   }
   if (grad_mask != nullptr) {
     grad_mask[(group_of_image * g.taps() + s.tap) * g.out_pixels() + s.pixel] =
-        static_cast<scalar_t>(acc.m);
+        static_cast<scalar_t>(sums.m);
   }
 }
 

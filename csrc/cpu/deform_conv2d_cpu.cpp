@@ -1,160 +1,350 @@
 // CPU launchers: at::parallel_for over the shared element functions, and the CPU kernels of
 // the ops.
+//
+// A task makes the sampling plans of a few output pixels, then applies each plan to the
+// consecutive channels it serves (channels-last layouts, see deform_conv2d_kernel.cuh): those
+// loops are what the compiler vectorises, and the loops of each stage are compiled for
+// several instruction sets (DEFORMCONV_VECTOR_CLONES), chosen when the library loads.
 
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include <array>
+#include <algorithm>
+#include <vector>
 
 #include "../common/deform_conv2d_kernel.cuh"
 #include "../pytorch/deform_conv2d.h"
 
+// x86-64 builds with GCC carry an AVX-512, an AVX2 and a baseline copy of each stage; the
+// dynamic loader picks the best one for the CPU at hand, so a wheel built on one machine
+// stays correct on another. Elsewhere the compiler's default target is used.
+#if defined(__x86_64__) && defined(__ELF__) && defined(__GNUC__) && !defined(__clang__) && \
+    !defined(__SANITIZE_ADDRESS__)
+#define DEFORMCONV_VECTOR_CLONES \
+  __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define DEFORMCONV_VECTOR_CLONES
+#endif
+
 namespace deformconv {
 namespace {
 
-// The unit of CPU work: up to kPixelChunk consecutive output pixels of one (image, deform
-// group, tap). A task makes the sampling plans of its chunk once, then sweeps the chunk channel
-// by channel: each sweep reads one input plane and one contiguous stretch of one columns row,
-// which keeps the caches and the TLB on a few pages instead of one page per channel.
-constexpr int64_t kPixelChunk = 256;
-// col2im gives each task this many channels of one deform group of one image: the task owns
-// their gradient planes (no atomics, and a result that does not depend on the thread count)
-// and makes each sampling plan once for all of them.
-constexpr int64_t kCol2imChannelBlock = 16;
+// About this many sampling plans per task: enough work to amortise the task, few enough that
+// the plans stay in the L1 cache while their channels are swept.
+constexpr int64_t kPlansPerTask = 256;
 
-struct PixelChunk {
-  SampleIndex first;  // the chunk's first sample; the others follow in pixel
-  int64_t length;
+// Consecutive input channels that stay in one conv group, so that their columns entries are
+// consecutive too: entry (image n, window pixel p, tap k, channel first + i) is at
+// column_offset + n * image_stride + (p * K + k) * C_in / G + i.
+struct ChannelRun {
+  int64_t first;
+  int64_t count;
+  int64_t column_offset;
 };
 
-int64_t chunks_per_row(const DeformConv2dGeometry& g) {
-  return (g.window_pixels + kPixelChunk - 1) / kPixelChunk;
+std::vector<ChannelRun> channel_runs(const DeformConv2dGeometry& g, int64_t begin, int64_t end) {
+  std::vector<ChannelRun> runs;
+  const int64_t per_group = g.channels_per_group();
+  for (int64_t c = begin; c < end;) {
+    const int64_t stop = std::min(end, (c / per_group + 1) * per_group);
+    runs.push_back({c, stop - c, column_index(g, 0, 0, 0, c)});
+    c = stop;
+  }
+  return runs;
 }
 
-// Chunk `part` of row `row`, a row being the window's pixels of one (image, deform group,
-// tap): (n * G + g) * K + k.
-PixelChunk pixel_chunk(const DeformConv2dGeometry& g, int64_t row, int64_t part) {
-  const int64_t pixel = part * kPixelChunk;
-  return {decompose_sample_index(g, row * g.window_pixels + pixel),
-          std::min(kPixelChunk, g.window_pixels - pixel)};
+// The runs of each deform group's channels.
+std::vector<std::vector<ChannelRun>> runs_of_offset_groups(const DeformConv2dGeometry& g) {
+  std::vector<std::vector<ChannelRun>> runs;
+  for (int64_t group = 0; group < g.offset_groups; ++group) {
+    const int64_t first = first_channel(g, group);
+    runs.push_back(channel_runs(g, first, first + g.channels_per_offset_group()));
+  }
+  return runs;
 }
 
-int64_t rows_in(const DeformConv2dGeometry& g, int64_t batch) {
-  return batch * g.offset_groups * g.taps();
+// Where the columns entries of (image n, window pixel, tap) start, before a run's offset.
+int64_t columns_at(const DeformConv2dGeometry& g, int64_t n, int64_t window_pixel, int64_t tap) {
+  return n * g.window_pixels * g.taps() * g.in_channels +
+      (window_pixel * g.taps() + tap) * g.channels_per_group();
 }
 
-template <typename scalar_t>
-using PlanChunk = std::array<SamplingPlan<at::opmath_type<scalar_t>>, kPixelChunk>;
+// Output pixels per task when each pixel needs `plans_per_pixel` plans.
+int64_t pixels_per_task(int64_t plans_per_pixel) {
+  return std::max<int64_t>(1, kPlansPerTask / plans_per_pixel);
+}
 
-template <typename scalar_t>
-void make_plans(const DeformConv2dGeometry& g, const PixelChunk& chunk, const scalar_t* offset,
-                const scalar_t* mask, PlanChunk<scalar_t>& plans) {
-  SampleIndex s = chunk.first;
-  for (int64_t i = 0; i < chunk.length; ++i, next_pixel(g, s)) {
-    plans[i] = make_sampling_plan(g, s, offset, mask);
+// Calls make(index into a (pixels, offset groups in [group_begin, group_end), taps) array,
+// sample) for the samples of `pixels` window pixels from `first_pixel` on, stepping along
+// each (deform group, tap) row instead of dividing per sample.
+template <typename Make>
+void for_each_sample(const DeformConv2dGeometry& g, int64_t n, int64_t group_begin,
+                     int64_t group_end, int64_t first_pixel, int64_t pixels, Make&& make) {
+  const int64_t groups = group_end - group_begin;
+  for (int64_t group = group_begin; group < group_end; ++group) {
+    for (int64_t tap = 0; tap < g.taps(); ++tap) {
+      SampleIndex s = make_sample_index(g, n, group, tap, g.window_begin + first_pixel);
+      for (int64_t i = 0; i < pixels; ++i, next_pixel(g, s)) {
+        make((i * groups + group - group_begin) * g.taps() + tap, s);
+      }
+    }
   }
 }
 
-// Parallel over pixel chunks: every columns entry is written by exactly one task.
-void im2col_cpu(const DeformConv2dGeometry& g, int64_t batch, const at::Tensor& input,
-                const at::Tensor& offset, const at::Tensor& mask, at::Tensor& columns) {
-  DEFORMCONV_DISPATCH(input.scalar_type(), "deform_conv2d_im2col_cpu", [&] {
-    const scalar_t* input_data = input.const_data_ptr<scalar_t>();
-    const scalar_t* offset_data = offset.const_data_ptr<scalar_t>();
-    const scalar_t* mask_data = data_or_null<scalar_t>(mask);
-    scalar_t* columns_data = columns.mutable_data_ptr<scalar_t>();
-    const int64_t parts = chunks_per_row(g);
-    at::parallel_for(0, rows_in(g, batch) * parts, 1, [&](int64_t begin, int64_t end) {
-      PlanChunk<scalar_t> plans;
-      for (int64_t task = begin; task < end; ++task) {
-        const PixelChunk chunk = pixel_chunk(g, task / parts, task % parts);
-        make_plans(g, chunk, offset_data, mask_data, plans);
-        const int64_t first = first_channel(g, chunk.first.group);
-        for (int64_t c = first; c < first + g.channels_per_offset_group(); ++c) {
-          const scalar_t* plane = plane_of(g, input_data, chunk.first.n, c);
-          // The chunk's entries are consecutive in its columns row.
-          scalar_t* row = columns_data + column_index(g, chunk.first, c);
-          for (int64_t i = 0; i < chunk.length; ++i) {
-            row[i] = sample_with_plan(plans[i], plane);
-          }
-        }
-      }
-    });
-  });
-}
+template <typename scalar_t>
+struct Im2colTask {
+  const DeformConv2dGeometry& g;
+  const std::vector<std::vector<ChannelRun>>& runs;
+  const scalar_t* input;
+  const scalar_t* offset;
+  const scalar_t* mask;
+  scalar_t* columns;
+  int64_t pixels_per_task;
+  int64_t tasks_per_image;
+};
 
-// Parallel over (image, deform group, block of channels): see kCol2imChannelBlock. Within a
-// plane the adds come in a fixed order (tap, then pixel), whatever the partition.
-void col2im_cpu(const DeformConv2dGeometry& g, int64_t batch, const at::Tensor& grad_columns,
-                const at::Tensor& offset, const at::Tensor& mask, at::Tensor& grad_input) {
-  DEFORMCONV_DISPATCH(grad_columns.scalar_type(), "deform_conv2d_col2im_cpu", [&] {
-    const scalar_t* grad_columns_data = grad_columns.const_data_ptr<scalar_t>();
-    const scalar_t* offset_data = offset.const_data_ptr<scalar_t>();
-    const scalar_t* mask_data = data_or_null<scalar_t>(mask);
-    scalar_t* grad_input_data = grad_input.mutable_data_ptr<scalar_t>();
-    const int64_t channels = g.channels_per_offset_group();
-    const int64_t blocks = (channels + kCol2imChannelBlock - 1) / kCol2imChannelBlock;
-    const int64_t parts = chunks_per_row(g);
-    at::parallel_for(0, batch * g.offset_groups * blocks, 1, [&](int64_t begin, int64_t end) {
-      PlanChunk<scalar_t> plans;
-      for (int64_t task = begin; task < end; ++task) {
-        const int64_t group_of_image = task / blocks;  // n * offset_groups + deform group
-        const int64_t group_begin = first_channel(g, group_of_image % g.offset_groups);
-        const int64_t first = group_begin + (task % blocks) * kCol2imChannelBlock;
-        const int64_t last = std::min(first + kCol2imChannelBlock, group_begin + channels);
-        for (int64_t tap = 0; tap < g.taps(); ++tap) {
-          for (int64_t part = 0; part < parts; ++part) {
-            const PixelChunk chunk = pixel_chunk(g, group_of_image * g.taps() + tap, part);
-            make_plans(g, chunk, offset_data, mask_data, plans);
-            for (int64_t c = first; c < last; ++c) {
-              scalar_t* grad_plane = plane_of(g, grad_input_data, chunk.first.n, c);
-              const scalar_t* row = grad_columns_data + column_index(g, chunk.first, c);
-              for (int64_t i = 0; i < chunk.length; ++i) {
-                scatter_with_plan(plans[i], row[i], grad_plane);
-              }
+// Tasks [begin, end) of im2col, task = (image, stretch of window pixels): every columns entry
+// is written by exactly one task.
+template <typename scalar_t>
+DEFORMCONV_VECTOR_CLONES void im2col_tasks(const Im2colTask<scalar_t>& t, int64_t begin,
+                                           int64_t end) {
+  const DeformConv2dGeometry& g = t.g;
+  const int64_t K = g.taps();
+  const int64_t C = g.in_channels;
+  std::vector<SamplingPlan<at::opmath_type<scalar_t>>> plans(t.pixels_per_task * g.offset_groups * K);
+  for (int64_t task = begin; task < end; ++task) {
+    const int64_t n = task / t.tasks_per_image;
+    const int64_t first_pixel = (task % t.tasks_per_image) * t.pixels_per_task;
+    const int64_t pixels = std::min(t.pixels_per_task, g.window_pixels - first_pixel);
+    for_each_sample(g, n, 0, g.offset_groups, first_pixel, pixels,
+                    [&](int64_t at, const SampleIndex& s) {
+                      plans[at] = make_sampling_plan(g, s, t.offset, t.mask);
+                    });
+    for (int64_t i = 0; i < pixels; ++i) {
+      for (int64_t group = 0; group < g.offset_groups; ++group) {
+        for (int64_t tap = 0; tap < K; ++tap) {
+          const auto& plan = plans[(i * g.offset_groups + group) * K + tap];
+          const int64_t entries = columns_at(g, n, first_pixel + i, tap);
+          for (const ChannelRun& run : t.runs[group]) {
+            scalar_t* out = t.columns + run.column_offset + entries;
+            const scalar_t* in = channel_of(g, t.input, n, run.first);
+            for (int64_t c = 0; c < run.count; ++c) {
+              out[c] = sample_with_plan(plan, in + c, C);
             }
           }
         }
       }
-    });
+    }
+  }
+}
+
+void im2col_cpu(const DeformConv2dGeometry& g, int64_t batch, const at::Tensor& input,
+                const at::Tensor& offset, const at::Tensor& mask, at::Tensor& columns) {
+  const auto runs = runs_of_offset_groups(g);
+  const int64_t pixels = pixels_per_task(g.offset_groups * g.taps());
+  const int64_t tasks_per_image = (g.window_pixels + pixels - 1) / pixels;
+  DEFORMCONV_DISPATCH(input.scalar_type(), "deform_conv2d_im2col_cpu", [&] {
+    const Im2colTask<scalar_t> t{g, runs, input.const_data_ptr<scalar_t>(),
+                                 offset.const_data_ptr<scalar_t>(), data_or_null<scalar_t>(mask),
+                                 columns.mutable_data_ptr<scalar_t>(), pixels, tasks_per_image};
+    at::parallel_for(0, batch * tasks_per_image, 1,
+                     [&](int64_t begin, int64_t end) { im2col_tasks(t, begin, end); });
   });
 }
 
-// Parallel over pixel chunks; each sample's sums are accumulated channel by channel.
+template <typename scalar_t>
+struct Col2imTask {
+  const DeformConv2dGeometry& g;
+  const std::vector<std::vector<ChannelRun>>& runs_of_block;
+  const scalar_t* grad_columns;
+  const scalar_t* offset;
+  const scalar_t* mask;
+  scalar_t* grad_input;
+  int64_t blocks_per_group;
+};
+
+// Tasks [begin, end) of col2im, task = (image, block of channels of one deform group): the task
+// owns those channels' gradients, so no two tasks write the same address and no atomics are
+// needed. Every gradient element receives its adds in the order (window, pixel, tap, corner)
+// whatever the blocks, so the result does not depend on the number of threads.
+template <typename scalar_t>
+DEFORMCONV_VECTOR_CLONES void col2im_tasks(const Col2imTask<scalar_t>& t, int64_t begin,
+                                           int64_t end) {
+  const DeformConv2dGeometry& g = t.g;
+  const int64_t K = g.taps();
+  const int64_t pixels_per_chunk = pixels_per_task(K);
+  std::vector<SamplingPlan<at::opmath_type<scalar_t>>> plans(pixels_per_chunk * K);
+  for (int64_t task = begin; task < end; ++task) {
+    const int64_t blocks = g.offset_groups * t.blocks_per_group;
+    const int64_t n = task / blocks;
+    const int64_t block = task % blocks;
+    const int64_t group = block / t.blocks_per_group;
+    for (int64_t first_pixel = 0; first_pixel < g.window_pixels; first_pixel += pixels_per_chunk) {
+      const int64_t pixels = std::min(pixels_per_chunk, g.window_pixels - first_pixel);
+      for_each_sample(g, n, group, group + 1, first_pixel, pixels,
+                      [&](int64_t at, const SampleIndex& s) {
+                        plans[at] = make_sampling_plan(g, s, t.offset, t.mask);
+                      });
+      for (int64_t i = 0; i < pixels; ++i) {
+        for (int64_t tap = 0; tap < K; ++tap) {
+          const int64_t entries = columns_at(g, n, first_pixel + i, tap);
+          for (const ChannelRun& run : t.runs_of_block[block]) {
+            scatter_with_plan(plans[i * K + tap], t.grad_columns + run.column_offset + entries,
+                              run.count, channel_of(g, t.grad_input, n, run.first),
+                              g.in_channels);
+          }
+        }
+      }
+    }
+  }
+}
+
+// Channels per col2im task: whole cache lines of them, and about two tasks per thread, so that
+// the threads stay busy without remaking each plan for many small blocks.
+int64_t col2im_block_channels(const DeformConv2dGeometry& g, int64_t batch) {
+  constexpr int64_t kLine = 16;
+  const int64_t per_group = g.channels_per_offset_group();
+  const int64_t wanted_tasks = 2 * at::get_num_threads();
+  const int64_t blocks = std::clamp<int64_t>(
+      (wanted_tasks + batch * g.offset_groups - 1) / (batch * g.offset_groups), 1,
+      (per_group + kLine - 1) / kLine);
+  const int64_t channels = (per_group + blocks - 1) / blocks;
+  return std::min(per_group, (channels + kLine - 1) / kLine * kLine);
+}
+
+void col2im_cpu(const DeformConv2dGeometry& g, int64_t batch, const at::Tensor& grad_columns,
+                const at::Tensor& offset, const at::Tensor& mask, at::Tensor& grad_input) {
+  const int64_t per_group = g.channels_per_offset_group();
+  const int64_t block_channels = col2im_block_channels(g, batch);
+  const int64_t blocks_per_group = (per_group + block_channels - 1) / block_channels;
+  std::vector<std::vector<ChannelRun>> runs_of_block;
+  for (int64_t group = 0; group < g.offset_groups; ++group) {
+    for (int64_t b = 0; b < blocks_per_group; ++b) {
+      const int64_t first = first_channel(g, group) + b * block_channels;
+      runs_of_block.push_back(
+          channel_runs(g, first, std::min(first + block_channels, first_channel(g, group + 1))));
+    }
+  }
+  DEFORMCONV_DISPATCH(grad_columns.scalar_type(), "deform_conv2d_col2im_cpu", [&] {
+    const Col2imTask<scalar_t> t{g,
+                                 runs_of_block,
+                                 grad_columns.const_data_ptr<scalar_t>(),
+                                 offset.const_data_ptr<scalar_t>(),
+                                 data_or_null<scalar_t>(mask),
+                                 grad_input.mutable_data_ptr<scalar_t>(),
+                                 blocks_per_group};
+    at::parallel_for(0, batch * g.offset_groups * blocks_per_group, 1,
+                     [&](int64_t begin, int64_t end) { col2im_tasks(t, begin, end); });
+  });
+}
+
+template <typename scalar_t>
+struct OffsetMaskGradTask {
+  const DeformConv2dGeometry& g;
+  const std::vector<std::vector<ChannelRun>>& runs;
+  const scalar_t* grad_columns;
+  const scalar_t* input;
+  const scalar_t* offset;
+  const scalar_t* mask;
+  scalar_t* grad_offset;
+  scalar_t* grad_mask;
+  int64_t pixels_per_task;
+  int64_t tasks_per_image;
+};
+
+// One sample's sums over the channels of its deform group. Lane l accumulates the channels
+// l, l + kLanes, ... of each run, which lets the compiler keep the lanes in vector registers;
+// the lanes are added up in a fixed order, so the result does not depend on the machine.
+template <typename scalar_t>
+inline OffsetMaskGradSums<at::opmath_type<scalar_t>> offset_mask_grad_of_sample(
+    const DeformConv2dGeometry& g, int64_t n, int64_t entries,
+    const std::vector<ChannelRun>& runs, const OffsetMaskGrad<at::opmath_type<scalar_t>>& acc,
+    const scalar_t* grad_columns, const scalar_t* input) {
+  using opmath_t = at::opmath_type<scalar_t>;
+  constexpr int64_t kLanes = 16;
+  OffsetMaskGradSums<opmath_t> lanes[kLanes];
+  for (const ChannelRun& run : runs) {
+    const scalar_t* grad = grad_columns + run.column_offset + entries;
+    const scalar_t* in = channel_of(g, input, n, run.first);
+    int64_t c = 0;
+    for (; c + kLanes <= run.count; c += kLanes) {
+      for (int64_t lane = 0; lane < kLanes; ++lane) {
+        accumulate_offset_mask_grad(acc, grad[c + lane], in + c + lane, g.in_channels,
+                                    lanes[lane]);
+      }
+    }
+    for (int64_t lane = 0; c + lane < run.count; ++lane) {
+      accumulate_offset_mask_grad(acc, grad[c + lane], in + c + lane, g.in_channels, lanes[lane]);
+    }
+  }
+  OffsetMaskGradSums<opmath_t> total;
+  for (const auto& lane : lanes) {
+    total.y += lane.y;
+    total.x += lane.x;
+    total.m += lane.m;
+  }
+  return total;
+}
+
+// Tasks [begin, end) of the offset and mask gradients, task = (image, stretch of window
+// pixels); each sample writes only its own gradients.
+template <typename scalar_t>
+DEFORMCONV_VECTOR_CLONES void offset_mask_grad_tasks(const OffsetMaskGradTask<scalar_t>& t,
+                                                     int64_t begin, int64_t end) {
+  using opmath_t = at::opmath_type<scalar_t>;
+  const DeformConv2dGeometry& g = t.g;
+  const int64_t K = g.taps();
+  const int64_t samples = t.pixels_per_task * g.offset_groups * K;
+  std::vector<OffsetMaskGrad<opmath_t>> starts(samples);
+  std::vector<OffsetMaskGradSums<opmath_t>> sums(samples);
+  for (int64_t task = begin; task < end; ++task) {
+    const int64_t n = task / t.tasks_per_image;
+    const int64_t first_pixel = (task % t.tasks_per_image) * t.pixels_per_task;
+    const int64_t pixels = std::min(t.pixels_per_task, g.window_pixels - first_pixel);
+    for_each_sample(g, n, 0, g.offset_groups, first_pixel, pixels,
+                    [&](int64_t at, const SampleIndex& s) {
+                      starts[at] = start_offset_mask_grad(g, s, t.offset, t.mask);
+                    });
+    for (int64_t i = 0; i < pixels; ++i) {
+      for (int64_t group = 0; group < g.offset_groups; ++group) {
+        for (int64_t tap = 0; tap < K; ++tap) {
+          const int64_t at = (i * g.offset_groups + group) * K + tap;
+          sums[at] = starts[at].cell.inside
+              ? offset_mask_grad_of_sample(g, n, columns_at(g, n, first_pixel + i, tap),
+                                           t.runs[group], starts[at], t.grad_columns, t.input)
+              : OffsetMaskGradSums<opmath_t>{};
+        }
+      }
+    }
+    for_each_sample(g, n, 0, g.offset_groups, first_pixel, pixels,
+                    [&](int64_t at, const SampleIndex& s) {
+                      finish_offset_mask_grad(g, s, starts[at], sums[at], t.grad_offset,
+                                              t.grad_mask);
+                    });
+  }
+}
+
 void offset_mask_grad_cpu(const DeformConv2dGeometry& g, int64_t batch,
                           const at::Tensor& grad_columns, const at::Tensor& input,
                           const at::Tensor& offset, const at::Tensor& mask,
                           at::Tensor& grad_offset, at::Tensor& grad_mask) {
+  const auto runs = runs_of_offset_groups(g);
+  const int64_t pixels = pixels_per_task(g.offset_groups * g.taps());
+  const int64_t tasks_per_image = (g.window_pixels + pixels - 1) / pixels;
   DEFORMCONV_DISPATCH(input.scalar_type(), "deform_conv2d_offset_mask_grad_cpu", [&] {
-    const scalar_t* grad_columns_data = grad_columns.const_data_ptr<scalar_t>();
-    const scalar_t* input_data = input.const_data_ptr<scalar_t>();
-    const scalar_t* offset_data = offset.const_data_ptr<scalar_t>();
-    const scalar_t* mask_data = data_or_null<scalar_t>(mask);
-    scalar_t* grad_offset_data = mutable_data_or_null<scalar_t>(grad_offset);
-    scalar_t* grad_mask_data = mutable_data_or_null<scalar_t>(grad_mask);
-    const int64_t parts = chunks_per_row(g);
-    at::parallel_for(0, rows_in(g, batch) * parts, 1, [&](int64_t begin, int64_t end) {
-      std::array<SampleIndex, kPixelChunk> samples;
-      std::array<OffsetMaskGrad<at::opmath_type<scalar_t>>, kPixelChunk> sums;
-      for (int64_t task = begin; task < end; ++task) {
-        const PixelChunk chunk = pixel_chunk(g, task / parts, task % parts);
-        SampleIndex s = chunk.first;
-        for (int64_t i = 0; i < chunk.length; ++i, next_pixel(g, s)) {
-          samples[i] = s;
-          sums[i] = start_offset_mask_grad(g, s, offset_data, mask_data);
-        }
-        const int64_t first = first_channel(g, chunk.first.group);
-        for (int64_t c = first; c < first + g.channels_per_offset_group(); ++c) {
-          for (int64_t i = 0; i < chunk.length; ++i) {
-            accumulate_offset_mask_grad(g, samples[i], c, grad_columns_data, input_data, sums[i]);
-          }
-        }
-        for (int64_t i = 0; i < chunk.length; ++i) {
-          finish_offset_mask_grad(g, samples[i], sums[i], grad_offset_data, grad_mask_data);
-        }
-      }
-    });
+    const OffsetMaskGradTask<scalar_t> t{g,
+                                         runs,
+                                         grad_columns.const_data_ptr<scalar_t>(),
+                                         input.const_data_ptr<scalar_t>(),
+                                         offset.const_data_ptr<scalar_t>(),
+                                         data_or_null<scalar_t>(mask),
+                                         mutable_data_or_null<scalar_t>(grad_offset),
+                                         mutable_data_or_null<scalar_t>(grad_mask),
+                                         pixels,
+                                         tasks_per_image};
+    at::parallel_for(0, batch * tasks_per_image, 1,
+                     [&](int64_t begin, int64_t end) { offset_mask_grad_tasks(t, begin, end); });
   });
 }
 

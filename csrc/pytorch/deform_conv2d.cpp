@@ -68,11 +68,24 @@ at::Tensor columns_buffer(const DeformConv2dGeometry& g, const WorkSplit& w,
 }
 
 // The part of the columns buffer that holds `images` images of the current window, as
-// (images * G, C_in / G * K, window pixels).
+// (images * G, window pixels, K * C_in / G): one matrix per image and conv group.
 at::Tensor columns_of_window(const at::Tensor& columns, const DeformConv2dGeometry& g,
                              const WorkSplit& w, int64_t images) {
   return columns.narrow(0, 0, images * g.in_channels * g.taps() * g.window_pixels)
-      .view({images * w.groups, w.rows_per_group, g.window_pixels});
+      .view({images * w.groups, g.window_pixels, w.rows_per_group});
+}
+
+// The weight in the order of a columns row, per conv group: (G, C_out / G, K * C_in / G), its
+// last dimension (tap, channel) as the columns have it.
+at::Tensor weight_rows(const at::Tensor& weight, const WorkSplit& w) {
+  return weight.permute({0, 2, 3, 1}).contiguous().view(
+      {w.groups, w.out_per_group, w.rows_per_group});
+}
+
+// A block of images in the channels-last layout the launchers read, (images, H, W, C_in):
+// a view when the input is channels-last already, else a copy of the block only.
+at::Tensor channels_last_block(const at::Tensor& input, int64_t first, int64_t images) {
+  return input.narrow(0, first, images).permute({0, 2, 3, 1}).contiguous();
 }
 
 void check_pair(const char* name, c10::IntArrayRef values, int64_t minimum) {
@@ -246,29 +259,28 @@ at::Tensor deform_conv2d_forward(
   DeformConv2dGeometry g =
       check_deform_conv2d_arguments(input_arg, offset_arg, weight_arg, mask_arg, bias, stride,
                                     padding, dilation, groups, offset_groups, im2col_step);
-  const at::Tensor input = input_arg.contiguous();
   const at::Tensor offset = offset_arg.contiguous();
-  const at::Tensor weight = weight_arg.contiguous();
   const at::Tensor mask = mask_arg.has_value() ? mask_arg->contiguous() : at::Tensor();
 
-  const int64_t batch = input.size(0);
+  const int64_t batch = input_arg.size(0);
   at::Tensor output =
-      at::empty({batch, g.out_channels, g.out_height, g.out_width}, input.options());
+      at::empty({batch, g.out_channels, g.out_height, g.out_width}, input_arg.options());
   if (batch == 0) {
     return output;
   }
-  const WorkSplit w = split_work(g, batch, im2col_step, input.scalar_type(), launchers);
+  const WorkSplit w = split_work(g, batch, im2col_step, input_arg.scalar_type(), launchers);
   const auto [step, window, G, out_per_group, rows_per_group, P] = w;
-  at::Tensor columns = columns_buffer(g, w, input.options());
+  at::Tensor columns = columns_buffer(g, w, input_arg.options());
   // The per-group weight matrices repeated for every image of a block, so that one batched
-  // GEMM covers the whole block: (step * G, C_out / G, C_in / G * K).
-  const at::Tensor weight_batched = weight.reshape({1, G, out_per_group, rows_per_group})
+  // GEMM covers the whole block: (step * G, C_out / G, K * C_in / G).
+  const at::Tensor weight_batched = weight_rows(weight_arg, w)
+                                        .unsqueeze(0)
                                         .expand({step, G, out_per_group, rows_per_group})
                                         .reshape({step * G, out_per_group, rows_per_group});
 
   for (int64_t first = 0; first < batch; first += step) {
     const int64_t images = std::min(step, batch - first);
-    const at::Tensor input_block = input.narrow(0, first, images);
+    const at::Tensor input_block = channels_last_block(input_arg, first, images);
     const at::Tensor offset_block = offset.narrow(0, first, images);
     const at::Tensor mask_block = mask.defined() ? mask.narrow(0, first, images) : at::Tensor();
     const at::Tensor weight_block = weight_batched.narrow(0, 0, images * G);
@@ -277,7 +289,8 @@ at::Tensor deform_conv2d_forward(
     for (g.window_begin = 0; g.window_begin < P; g.window_begin += window) {
       g.window_pixels = std::min(window, P - g.window_begin);
       launchers.im2col(g, images, input_block, offset_block, mask_block, columns);
-      const at::Tensor columns_block = columns_of_window(columns, g, w, images);
+      // (images * G, K * C_in / G, window): the transposed columns, as the GEMM takes them.
+      const at::Tensor columns_block = columns_of_window(columns, g, w, images).transpose(1, 2);
       // (images * G, C_out / G, window) inside the output: rows P apart.
       at::Tensor output_window = output_block.narrow(2, g.window_begin, g.window_pixels);
       if (bias.has_value()) {
@@ -304,49 +317,60 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> deform_co
   const int64_t batch = input_arg.size(0);
 
   const at::Tensor grad_output = grad_output_arg.contiguous();
-  const at::Tensor input = input_arg.contiguous();
   const at::Tensor offset = offset_arg.contiguous();
-  const at::Tensor weight = weight_arg.contiguous();
   const at::Tensor mask = mask_arg.has_value() ? mask_arg->contiguous() : at::Tensor();
 
   const auto [want_input, want_offset, want_weight, want_mask_arg, want_bias] = output_mask;
   const bool want_mask = want_mask_arg && mask.defined();
-  // col2im adds into grad_input and the per-image GEMMs add into grad_weight; the offset and
-  // mask gradients are written in full, so they need no zero fill.
-  at::Tensor grad_input = want_input ? at::zeros_like(input) : at::Tensor();
+  // The input and weight gradients keep the memory format of input and weight; the offset and
+  // mask gradients are contiguous, and written in full, so they need no zero fill.
+  at::Tensor grad_input = want_input ? at::empty_like(input_arg) : at::Tensor();
   at::Tensor grad_offset = want_offset ? at::empty_like(offset) : at::Tensor();
-  at::Tensor grad_weight = want_weight ? at::zeros_like(weight) : at::Tensor();
+  at::Tensor grad_weight = want_weight ? at::empty_like(weight_arg) : at::Tensor();
   at::Tensor grad_mask = want_mask ? at::empty_like(mask) : at::Tensor();
   at::Tensor grad_bias = want_bias ? grad_output.sum({0, 2, 3}) : at::Tensor();
 
   const bool want_columns_grad = want_input || want_offset || want_mask;
   if (batch == 0 || !(want_columns_grad || want_weight)) {
+    if (want_input) grad_input.zero_();
+    if (want_weight) grad_weight.zero_();
     return {grad_input, grad_offset, grad_weight, grad_mask, grad_bias};
   }
 
-  const WorkSplit w = split_work(g, batch, im2col_step, input.scalar_type(), launchers);
+  const WorkSplit w = split_work(g, batch, im2col_step, input_arg.scalar_type(), launchers);
   const auto [step, window, G, out_per_group, rows_per_group, P] = w;
   // Holds the columns for the weight gradient, then the gradient of the columns.
-  at::Tensor columns = columns_buffer(g, w, input.options());
-  // Transposed per-group weights repeated per image: (step * G, C_in / G * K, C_out / G).
-  const at::Tensor weight_t_batched = want_columns_grad
-      ? weight.reshape({1, G, out_per_group, rows_per_group})
-            .transpose(2, 3)
-            .expand({step, G, rows_per_group, out_per_group})
-            .reshape({step * G, rows_per_group, out_per_group})
+  at::Tensor columns = columns_buffer(g, w, input_arg.options());
+  // Per-group weights repeated per image: (step * G, C_out / G, K * C_in / G).
+  const at::Tensor weight_batched = want_columns_grad
+      ? weight_rows(weight_arg, w)
+            .unsqueeze(0)
+            .expand({step, G, out_per_group, rows_per_group})
+            .reshape({step * G, out_per_group, rows_per_group})
       : at::Tensor();
-  at::Tensor grad_weight_grouped =
-      want_weight ? grad_weight.view({G, out_per_group, rows_per_group}) : at::Tensor();
+  // The weight gradient in the order of weight_rows; permuted into grad_weight at the end.
+  at::Tensor grad_weight_rows =
+      want_weight ? at::zeros({G, out_per_group, rows_per_group}, weight_arg.options())
+                  : at::Tensor();
 
   for (int64_t first = 0; first < batch; first += step) {
     const int64_t images = std::min(step, batch - first);
-    const at::Tensor input_block = input.narrow(0, first, images);
+    const at::Tensor input_block = channels_last_block(input_arg, first, images);
     const at::Tensor offset_block = offset.narrow(0, first, images);
     const at::Tensor mask_block = mask.defined() ? mask.narrow(0, first, images) : at::Tensor();
     const at::Tensor grad_output_block =
         grad_output.narrow(0, first, images).view({images, G, out_per_group, P});
+    // col2im adds into a zeroed channels-last gradient: grad_input's own memory when grad_input
+    // is channels-last, else a block-sized buffer copied into grad_input afterwards.
     at::Tensor grad_input_block =
-        want_input ? grad_input.narrow(0, first, images) : at::Tensor();
+        want_input ? grad_input.narrow(0, first, images).permute({0, 2, 3, 1}) : at::Tensor();
+    const bool grad_input_in_place = want_input && grad_input_block.is_contiguous();
+    if (want_input) {
+      if (!grad_input_in_place) {
+        grad_input_block = at::empty_like(input_block);
+      }
+      grad_input_block.zero_();
+    }
     at::Tensor grad_offset_block =
         want_offset ? grad_offset.narrow(0, first, images) : at::Tensor();
     at::Tensor grad_mask_block = want_mask ? grad_mask.narrow(0, first, images) : at::Tensor();
@@ -360,16 +384,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> deform_co
       if (want_weight) {
         launchers.im2col(g, images, input_block, offset_block, mask_block, columns);
         const at::Tensor columns_grouped =
-            columns_block.view({images, G, rows_per_group, g.window_pixels});
+            columns_block.view({images, G, g.window_pixels, rows_per_group});
         for (const auto n : c10::irange(images)) {
-          grad_weight_grouped.baddbmm_(grad_output_window[n],
-                                       columns_grouped[n].transpose(1, 2));
+          grad_weight_rows.baddbmm_(grad_output_window[n], columns_grouped[n]);
         }
       }
       if (want_columns_grad) {
         at::Tensor grad_columns = columns_block;  // the same buffer, reused
-        at::bmm_out(grad_columns, weight_t_batched.narrow(0, 0, images * G),
-                    grad_output_window.reshape({images * G, out_per_group, g.window_pixels}));
+        at::bmm_out(grad_columns,
+                    grad_output_window.reshape({images * G, out_per_group, g.window_pixels})
+                        .transpose(1, 2),
+                    weight_batched.narrow(0, 0, images * G));
         if (want_input) {
           launchers.col2im(g, images, columns, offset_block, mask_block, grad_input_block);
         }
@@ -379,6 +404,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> deform_co
         }
       }
     }
+    if (want_input && !grad_input_in_place) {
+      grad_input.narrow(0, first, images).copy_(grad_input_block.permute({0, 3, 1, 2}));
+    }
+  }
+  if (want_weight) {
+    grad_weight.copy_(grad_weight_rows.view({g.out_channels, g.kernel_h, g.kernel_w,
+                                             rows_per_group / g.taps()})
+                          .permute({0, 3, 1, 2}));
   }
   return {grad_input, grad_offset, grad_weight, grad_mask, grad_bias};
 }

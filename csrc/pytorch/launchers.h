@@ -2,9 +2,11 @@
 
 // The device-specific surface of deformconv: three launchers over the element functions of
 // common/deform_conv2d_kernel.cuh. The driver (deform_conv2d.h) is written once against this
-// table; cpu/ and cuda/ each fill it in. Every tensor is contiguous, allocated by the driver,
-// on the launcher's device, and holds one block of `batch` images; mask is undefined for
-// DCN v1.
+// table; cpu/ and cuda/ each fill it in. Every tensor is contiguous, allocated or laid out by
+// the driver, on the launcher's device, and holds one block of `batch` images; mask is
+// undefined for DCN v1. Input-shaped tensors are channels-last, (batch, H, W, C_in), and the
+// columns cover the geometry's window of output pixels in the layout of
+// deform_conv2d_kernel.cuh: (batch, G, window pixels, K, C_in / G).
 
 #include <ATen/core/Tensor.h>
 
@@ -17,10 +19,10 @@ struct DeformConv2dLaunchers {
   // pixels of a block of images so): about the cache of a CPU, or far more on a GPU, whose
   // GEMMs want large operands and whose allocator reuses memory.
   int64_t columns_tile_bytes;
-  // columns (batch, C_in * K, H_out * W_out) sampled from input (batch, C_in, H, W).
+  // columns sampled from input.
   void (*im2col)(const DeformConv2dGeometry& geometry, int64_t batch, const at::Tensor& input,
                  const at::Tensor& offset, const at::Tensor& mask, at::Tensor& columns);
-  // grad_input (batch, C_in, H, W) += the adjoint of im2col applied to grad_columns.
+  // grad_input += the adjoint of im2col applied to grad_columns.
   void (*col2im)(const DeformConv2dGeometry& geometry, int64_t batch,
                  const at::Tensor& grad_columns, const at::Tensor& offset,
                  const at::Tensor& mask, at::Tensor& grad_input);
