@@ -165,16 +165,29 @@ C10_HOST_DEVICE inline void sample_position(
       : static_cast<opmath_t>(mask[((s.n * g.offset_groups + s.group) * K + s.tap) * P + s.pixel]);
 }
 
+// The corners of a cell that lie inside the image; the derivative needs the value of each of
+// them, even one of zero bilinear weight. & rather than &&: no branches.
+template <typename opmath_t>
+C10_HOST_DEVICE inline void corners_inside(const BilinearCell<opmath_t>& cell, bool inside[4]) {
+  inside[0] = cell.top & cell.left;
+  inside[1] = cell.top & cell.right;
+  inside[2] = cell.bottom & cell.left;
+  inside[3] = cell.bottom & cell.right;
+}
+
 // The grid index of each corner of a cell, 0 for a corner outside the image (never read, but a
 // valid address to read).
 template <typename opmath_t>
 C10_HOST_DEVICE inline void corner_indices(const BilinearCell<opmath_t>& cell, int64_t width,
                                            int64_t index[4]) {
+  bool inside[4];
+  corners_inside(cell, inside);
   const int64_t top_left = cell.y0 * width + cell.x0;
-  index[0] = cell.top && cell.left ? top_left : 0;
-  index[1] = cell.top && cell.right ? top_left + 1 : 0;
-  index[2] = cell.bottom && cell.left ? top_left + width : 0;
-  index[3] = cell.bottom && cell.right ? top_left + width + 1 : 0;
+  const int64_t corner_index[4] = {top_left, top_left + 1, top_left + width,
+                                   top_left + width + 1};
+  for (int corner = 0; corner < 4; ++corner) {
+    index[corner] = inside[corner] ? corner_index[corner] : 0;
+  }
 }
 
 template <typename scalar_t>
@@ -187,13 +200,13 @@ C10_HOST_DEVICE inline SamplingPlan<at::opmath_type<scalar_t>> make_sampling_pla
   const BilinearCell<opmath_t> cell = locate_cell(y, x, g.in_height, g.in_width);
   const opmath_t hy = opmath_t(1) - cell.ly;
   const opmath_t hx = opmath_t(1) - cell.lx;
-  const bool valid[4] = {cell.top && cell.left, cell.top && cell.right,
-                         cell.bottom && cell.left, cell.bottom && cell.right};
+  bool inside[4];
+  corners_inside(cell, inside);
   const opmath_t corner_weight[4] = {hy * hx, hy * cell.lx, cell.ly * hx, cell.ly * cell.lx};
   SamplingPlan<opmath_t> plan;
   corner_indices(cell, g.in_width, plan.index);
   for (int corner = 0; corner < 4; ++corner) {
-    plan.weight[corner] = valid[corner] ? m * corner_weight[corner] : opmath_t(0);
+    plan.weight[corner] = inside[corner] ? m * corner_weight[corner] : opmath_t(0);
   }
   return plan;
 }
@@ -311,29 +324,38 @@ C10_HOST_DEVICE inline OffsetMaskGrad<at::opmath_type<scalar_t>> start_offset_ma
   return acc;
 }
 
-// Adds one channel's share: its columns gradient and its input values, `channel` pointing as in
-// sample_with_plan. The derivative needs the value of every corner inside the image, even one
-// of zero bilinear weight; corners outside read as 0. The caller skips samples outside.
+// Adds the share of one channel to the three sums: its columns gradient `grad` and its values
+// `v` at the cell's corners (0 outside). value_t is opmath_t, or, in the CPU launcher, a vector
+// of opmath_t holding consecutive channels (with the same arithmetic in every lane).
+template <typename opmath_t, typename value_t>
+C10_HOST_DEVICE inline void add_offset_mask_grad_terms(const BilinearCell<opmath_t>& cell,
+                                                       const value_t& grad, const value_t v[4],
+                                                       value_t& sum_y, value_t& sum_x,
+                                                       value_t& sum_m) {
+  const opmath_t hy = opmath_t(1) - cell.ly;
+  const opmath_t hx = opmath_t(1) - cell.lx;
+  sum_y += grad * (hx * (v[2] - v[0]) + cell.lx * (v[3] - v[1]));
+  sum_x += grad * (hy * (v[1] - v[0]) + cell.ly * (v[3] - v[2]));
+  sum_m += grad * (hy * (hx * v[0] + cell.lx * v[1]) + cell.ly * (hx * v[2] + cell.lx * v[3]));
+}
+
+// Adds one channel's share, `channel` pointing as in sample_with_plan. The caller skips
+// samples outside.
 template <typename scalar_t>
 C10_HOST_DEVICE inline void accumulate_offset_mask_grad(
     const OffsetMaskGrad<at::opmath_type<scalar_t>>& acc, scalar_t grad_column,
     const scalar_t* channel, int64_t channel_stride,
     OffsetMaskGradSums<at::opmath_type<scalar_t>>& sums) {
   using opmath_t = at::opmath_type<scalar_t>;
-  const BilinearCell<opmath_t>& cell = acc.cell;
-  const bool valid[4] = {cell.top && cell.left, cell.top && cell.right,
-                         cell.bottom && cell.left, cell.bottom && cell.right};
+  bool inside[4];
+  corners_inside(acc.cell, inside);
   opmath_t v[4];
   for (int corner = 0; corner < 4; ++corner) {
-    const opmath_t read = static_cast<opmath_t>(channel[acc.index[corner] * channel_stride]);
-    v[corner] = valid[corner] ? read : opmath_t(0);
+    v[corner] =
+        inside[corner] ? static_cast<opmath_t>(channel[acc.index[corner] * channel_stride]) : 0;
   }
-  const opmath_t grad = static_cast<opmath_t>(grad_column);
-  const opmath_t hy = opmath_t(1) - cell.ly;
-  const opmath_t hx = opmath_t(1) - cell.lx;
-  sums.y += grad * (hx * (v[2] - v[0]) + cell.lx * (v[3] - v[1]));
-  sums.x += grad * (hy * (v[1] - v[0]) + cell.ly * (v[3] - v[2]));
-  sums.m += grad * (hy * (hx * v[0] + cell.lx * v[1]) + cell.ly * (hx * v[2] + cell.lx * v[3]));
+  add_offset_mask_grad_terms(acc.cell, static_cast<opmath_t>(grad_column), v, sums.y, sums.x,
+                             sums.m);
 }
 
 // Writes the sample's offset and mask gradients; either pointer may be null (not asked for).

@@ -253,38 +253,71 @@ struct OffsetMaskGradTask {
   int64_t tasks_per_image;
 };
 
-// One sample's sums over the channels of its deform group. Lane l accumulates the channels
-// l, l + kLanes, ... of each run, which lets the compiler keep the lanes in vector registers;
-// the lanes are added up in a fixed order, so the result does not depend on the machine.
+// kLanes values of opmath_t in one GCC/Clang vector (lowered to what the target has: one
+// AVX-512 register of floats, two AVX2 ones, ...). Arithmetic on it is lane by lane, so the
+// offset/mask gradient sums run kLanes channels at a time through the shared
+// add_offset_mask_grad_terms; reductions are written with explicit lanes because the compiler
+// may not reorder floating-point sums by itself.
+constexpr int64_t kLanes = 16;
+template <typename opmath_t>
+struct LanesOf;
+template <>
+struct LanesOf<float> {
+  typedef float type __attribute__((vector_size(kLanes * sizeof(float))));
+};
+template <>
+struct LanesOf<double> {
+  typedef double type __attribute__((vector_size(kLanes * sizeof(double))));
+};
+
+// kLanes consecutive values from `data` (of any dtype) as opmath_t lanes. (An out-parameter:
+// returning a vector by value would give these inline helpers an ABI that differs per clone.)
+template <typename opmath_t, typename scalar_t>
+inline void load_lanes(const scalar_t* data, typename LanesOf<opmath_t>::type& lanes) {
+  for (int64_t lane = 0; lane < kLanes; ++lane) {
+    lanes[lane] = static_cast<opmath_t>(data[lane]);
+  }
+}
+
+// One sample's sums over the channels of its deform group: kLanes channels at a time in
+// vector lanes, the rest one by one; the lanes are added up in a fixed order, so the result
+// does not depend on the machine.
 template <typename scalar_t>
 inline OffsetMaskGradSums<at::opmath_type<scalar_t>> offset_mask_grad_of_sample(
     const DeformConv2dGeometry& g, int64_t n, int64_t entries,
     const std::vector<ChannelRun>& runs, const OffsetMaskGrad<at::opmath_type<scalar_t>>& acc,
     const scalar_t* grad_columns, const scalar_t* input) {
   using opmath_t = at::opmath_type<scalar_t>;
-  constexpr int64_t kLanes = 16;
-  OffsetMaskGradSums<opmath_t> lanes[kLanes];
+  using Lanes = typename LanesOf<opmath_t>::type;
+  bool inside[4];
+  corners_inside(acc.cell, inside);
+  Lanes sum_y = {}, sum_x = {}, sum_m = {};
+  OffsetMaskGradSums<opmath_t> rest;
   for (const ChannelRun& run : runs) {
     const scalar_t* grad = grad_columns + run.column_offset + entries;
     const scalar_t* in = channel_of(g, input, n, run.first);
     int64_t c = 0;
     for (; c + kLanes <= run.count; c += kLanes) {
-      for (int64_t lane = 0; lane < kLanes; ++lane) {
-        accumulate_offset_mask_grad(acc, grad[c + lane], in + c + lane, g.in_channels,
-                                    lanes[lane]);
+      Lanes grad_lanes, v[4];
+      load_lanes<opmath_t>(grad + c, grad_lanes);
+      for (int corner = 0; corner < 4; ++corner) {
+        v[corner] = Lanes{};
+        if (inside[corner]) {
+          load_lanes<opmath_t>(in + acc.index[corner] * g.in_channels + c, v[corner]);
+        }
       }
+      add_offset_mask_grad_terms(acc.cell, grad_lanes, v, sum_y, sum_x, sum_m);
     }
-    for (int64_t lane = 0; c + lane < run.count; ++lane) {
-      accumulate_offset_mask_grad(acc, grad[c + lane], in + c + lane, g.in_channels, lanes[lane]);
+    for (; c < run.count; ++c) {
+      accumulate_offset_mask_grad(acc, grad[c], in + c, g.in_channels, rest);
     }
   }
-  OffsetMaskGradSums<opmath_t> total;
-  for (const auto& lane : lanes) {
-    total.y += lane.y;
-    total.x += lane.x;
-    total.m += lane.m;
+  for (int64_t lane = 0; lane < kLanes; ++lane) {
+    rest.y += sum_y[lane];
+    rest.x += sum_x[lane];
+    rest.m += sum_m[lane];
   }
-  return total;
+  return rest;
 }
 
 // Tasks [begin, end) of the offset and mask gradients, task = (image, stretch of window
