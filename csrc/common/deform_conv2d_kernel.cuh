@@ -231,6 +231,22 @@ C10_HOST_DEVICE inline int64_t column_index(const DeformConv2dGeometry& g, const
   return column_index(g, s.n, s.pixel - g.window_begin, s.tap, channel);
 }
 
+// The inverse of column_index: the sample and the input channel of columns entry `index` of
+// the current window. (The GPU launchers run one thread per entry.)
+C10_HOST_DEVICE inline SampleIndex decompose_column_index(const DeformConv2dGeometry& g,
+                                                          int64_t index, int64_t& channel) {
+  const int64_t per_group = g.channels_per_group();
+  const int64_t channel_in_group = index % per_group;
+  index /= per_group;
+  const int64_t tap = index % g.taps();
+  index /= g.taps();
+  const int64_t pixel = g.window_begin + index % g.window_pixels;
+  index /= g.window_pixels;
+  channel = (index % g.groups) * per_group + channel_in_group;
+  return make_sample_index(g, index / g.groups, channel / g.channels_per_offset_group(), tap,
+                           pixel);
+}
+
 // Channel `channel` of grid pixel 0 of block image n in a channels-last (block, H, W, C_in)
 // tensor; grid pixel i of that channel is at i * C_in from there.
 template <typename scalar_t>

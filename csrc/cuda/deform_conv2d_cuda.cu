@@ -28,39 +28,37 @@ int64_t blocks_for(int64_t total) {
   for (int64_t index = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;        \
        index < (total); index += static_cast<int64_t>(blockDim.x) * gridDim.x)
 
-// One thread per sample (image, deform group, tap, output pixel): it makes the sampling plan
-// once and applies it to every channel of the deform group. Neighbouring threads take
-// neighbouring pixels, so their column reads and writes coalesce.
+// One thread per columns entry: neighbouring threads take neighbouring channels of one sample,
+// so their input reads and columns writes coalesce. Each remakes the sample's plan, which costs
+// a few arithmetic instructions next to the memory traffic.
 template <typename scalar_t>
 __global__ void im2col_kernel(DeformConv2dGeometry g, int64_t total, const scalar_t* input,
                               const scalar_t* offset, const scalar_t* mask, scalar_t* columns) {
   DEFORMCONV_GRID_STRIDE_LOOP(index, total) {
-    const SampleIndex s = decompose_sample_index(g, index);
+    int64_t channel;
+    const SampleIndex s = decompose_column_index(g, index, channel);
     const auto plan = make_sampling_plan(g, s, offset, mask);
-    const int64_t first = first_channel(g, s.group);
-    for (int64_t c = first; c < first + g.channels_per_offset_group(); ++c) {
-      columns[column_index(g, s, c)] = sample_with_plan(plan, plane_of(g, input, s.n, c));
-    }
+    columns[index] = sample_with_plan(plan, channel_of(g, input, s.n, channel), g.in_channels);
   }
 }
 
-// As im2col_kernel; samples of different threads hit the same input pixels, so
+// As im2col_kernel; entries of different threads hit the same input pixels, so
 // scatter_with_plan adds atomically (scatter_add under __CUDA_ARCH__).
 template <typename scalar_t>
 __global__ void col2im_kernel(DeformConv2dGeometry g, int64_t total,
                               const scalar_t* grad_columns, const scalar_t* offset,
                               const scalar_t* mask, scalar_t* grad_input) {
   DEFORMCONV_GRID_STRIDE_LOOP(index, total) {
-    const SampleIndex s = decompose_sample_index(g, index);
+    int64_t channel;
+    const SampleIndex s = decompose_column_index(g, index, channel);
     const auto plan = make_sampling_plan(g, s, offset, mask);
-    const int64_t first = first_channel(g, s.group);
-    for (int64_t c = first; c < first + g.channels_per_offset_group(); ++c) {
-      scatter_with_plan(plan, grad_columns[column_index(g, s, c)],
-                        plane_of(g, grad_input, s.n, c));
-    }
+    scatter_with_plan(plan, grad_columns + index, 1, channel_of(g, grad_input, s.n, channel),
+                      g.in_channels);
   }
 }
 
+// One thread per sample (image, deform group, tap, output pixel), summing over the channels of
+// its deform group.
 template <typename scalar_t>
 __global__ void offset_mask_grad_kernel(DeformConv2dGeometry g, int64_t total,
                                         const scalar_t* grad_columns, const scalar_t* input,
@@ -68,12 +66,16 @@ __global__ void offset_mask_grad_kernel(DeformConv2dGeometry g, int64_t total,
                                         scalar_t* grad_offset, scalar_t* grad_mask) {
   DEFORMCONV_GRID_STRIDE_LOOP(index, total) {
     const SampleIndex s = decompose_sample_index(g, index);
-    auto acc = start_offset_mask_grad(g, s, offset, mask);
-    const int64_t first = first_channel(g, s.group);
-    for (int64_t c = first; c < first + g.channels_per_offset_group(); ++c) {
-      accumulate_offset_mask_grad(g, s, c, grad_columns, input, acc);
+    const auto acc = start_offset_mask_grad(g, s, offset, mask);
+    OffsetMaskGradSums<at::opmath_type<scalar_t>> sums;
+    if (acc.cell.inside) {
+      const int64_t first = first_channel(g, s.group);
+      for (int64_t c = first; c < first + g.channels_per_offset_group(); ++c) {
+        accumulate_offset_mask_grad(acc, grad_columns[column_index(g, s, c)],
+                                    channel_of(g, input, s.n, c), g.in_channels, sums);
+      }
     }
-    finish_offset_mask_grad(g, s, acc, grad_offset, grad_mask);
+    finish_offset_mask_grad(g, s, acc, sums, grad_offset, grad_mask);
   }
 }
 
@@ -81,9 +83,13 @@ int64_t samples_in(const DeformConv2dGeometry& g, int64_t batch) {
   return batch * g.offset_groups * g.taps() * g.window_pixels;
 }
 
+int64_t columns_entries_in(const DeformConv2dGeometry& g, int64_t batch) {
+  return batch * g.in_channels * g.taps() * g.window_pixels;
+}
+
 void im2col_cuda(const DeformConv2dGeometry& g, int64_t batch, const at::Tensor& input,
                  const at::Tensor& offset, const at::Tensor& mask, at::Tensor& columns) {
-  const int64_t total = samples_in(g, batch);
+  const int64_t total = columns_entries_in(g, batch);
   DEFORMCONV_DISPATCH(input.scalar_type(), "deform_conv2d_im2col_cuda", [&] {
     im2col_kernel<scalar_t>
         <<<blocks_for(total), kThreadsPerBlock, 0, c10::cuda::getCurrentCUDAStream()>>>(
@@ -95,7 +101,7 @@ void im2col_cuda(const DeformConv2dGeometry& g, int64_t batch, const at::Tensor&
 
 void col2im_cuda(const DeformConv2dGeometry& g, int64_t batch, const at::Tensor& grad_columns,
                  const at::Tensor& offset, const at::Tensor& mask, at::Tensor& grad_input) {
-  const int64_t total = samples_in(g, batch);
+  const int64_t total = columns_entries_in(g, batch);
   DEFORMCONV_DISPATCH(grad_columns.scalar_type(), "deform_conv2d_col2im_cuda", [&] {
     col2im_kernel<scalar_t>
         <<<blocks_for(total), kThreadsPerBlock, 0, c10::cuda::getCurrentCUDAStream()>>>(
