@@ -129,10 +129,14 @@ def _deform_conv2d_backward_fake(grad_output, input, offset, weight, mask, strid
         _check_arguments(grad_output, input, offset, weight, mask, None, stride, padding,
                          dilation, groups, offset_groups, im2col_step)
     want_input, want_offset, want_weight, want_mask, want_bias = output_mask
+    # As the real kernel: grad_input and grad_weight keep the memory format of input and
+    # weight, grad_offset and grad_mask are contiguous.
+    contiguous = torch.contiguous_format
     return (
         torch.empty_like(input) if want_input else None,
-        torch.empty_like(offset) if want_offset else None,
+        torch.empty_like(offset, memory_format=contiguous) if want_offset else None,
         torch.empty_like(weight) if want_weight else None,
-        torch.empty_like(mask) if want_mask and mask is not None else None,
+        torch.empty_like(mask, memory_format=contiguous)
+        if want_mask and mask is not None else None,
         weight.new_empty((weight.shape[0],)) if want_bias else None,
     )

@@ -111,6 +111,28 @@ def test_opcheck_backward(output_mask, with_mask):
          list(geometry.dilation), geometry.groups, geometry.offset_groups, 0, output_mask))
 
 
+def test_opcheck_backward_strided_operands():
+    # The gradients' memory formats must be what the fake kernel says: grad_input and
+    # grad_weight keep the (channels-last) format of input and weight, grad_offset and
+    # grad_mask are contiguous whatever the offset and mask strides.
+    geometry = GEOMETRIES[2]
+    x, o, w, _, m = make_operands(geometry)
+    grad_output = torch.randn(geometry.batch, geometry.out_channels, *geometry.output_size(),
+                              dtype=torch.float64)
+    args = (grad_output, x.to(memory_format=torch.channels_last),
+            o.transpose(2, 3).contiguous().transpose(2, 3),
+            w.to(memory_format=torch.channels_last),
+            m.transpose(2, 3).contiguous().transpose(2, 3),
+            list(geometry.stride), list(geometry.padding), list(geometry.dilation),
+            geometry.groups, geometry.offset_groups, 0, [True] * 5)
+    torch.library.opcheck(torch.ops.deformconv.deform_conv2d_backward.default, args)
+    grad_input, grad_offset, grad_weight, grad_mask, _ = (
+        torch.ops.deformconv.deform_conv2d_backward(*args))
+    assert grad_input.is_contiguous(memory_format=torch.channels_last)
+    assert grad_weight.is_contiguous(memory_format=torch.channels_last)
+    assert grad_offset.is_contiguous() and grad_mask.is_contiguous()
+
+
 @pytest.mark.parametrize("cls,n_inputs", MODULES, ids=lambda v: getattr(v, "__name__", ""))
 def test_torch_compile_fullgraph_dynamic(cls, n_inputs):
     torch._dynamo.reset()

@@ -355,7 +355,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> deform_co
 
   for (int64_t first = 0; first < batch; first += step) {
     const int64_t images = std::min(step, batch - first);
-    const at::Tensor input_block = channels_last_block(input_arg, first, images);
+    // The input gradient alone needs no input values.
+    const at::Tensor input_block = want_weight || want_offset || want_mask
+        ? channels_last_block(input_arg, first, images)
+        : at::Tensor();
     const at::Tensor offset_block = offset.narrow(0, first, images);
     const at::Tensor mask_block = mask.defined() ? mask.narrow(0, first, images) : at::Tensor();
     const at::Tensor grad_output_block =
@@ -367,7 +370,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> deform_co
     const bool grad_input_in_place = want_input && grad_input_block.is_contiguous();
     if (want_input) {
       if (!grad_input_in_place) {
-        grad_input_block = at::empty_like(input_block);
+        grad_input_block =
+            at::empty({images, g.in_height, g.in_width, g.in_channels}, input_arg.options());
       }
       grad_input_block.zero_();
     }
