@@ -3,8 +3,9 @@
 For each shape, in one process and interleaved (each repeat times every contender once, so
 drifts in clock speed or load hit all of them alike), after warm-up: forward, and forward +
 backward, of deformconv, ``torchvision.ops.deform_conv2d`` on the same tensors (when installed)
-and a dense ``F.conv2d`` of the same geometry. Reports medians, the ratios, the GFLOP/s of the
-GEMM part, and the peak memory the CPU allocator saw during one forward. A benchmark, not a
+and a dense ``F.conv2d`` of the same geometry, and deformconv's GEMMs alone (gemm_steps).
+Reports medians, the ratios, the GFLOP/s of the GEMM part, and the peak memory the CPU
+allocator saw during one forward. A benchmark, not a
 test: nothing here asserts a time.
 """
 
@@ -113,6 +114,35 @@ def forward_backward_step(run: Callable, tensors) -> Callable[[], None]:
     return step
 
 
+def gemm_steps(shape: Shape, dtype: torch.dtype) -> Dict[str, Callable[[], None]]:
+    """The GEMMs of deformconv's im2col formulation alone, whole-size, on random columns in its
+    layout (per image and conv group, pixels x taps * channels): forward, the output; backward,
+    the columns gradient and the weight gradient. No im2col + GEMM implementation can beat
+    them, so they measure how much of the gap to a dense convolution is sampling and how much
+    is the GEMMs themselves."""
+    out_h, out_w = shape.output_size()
+    matrices = shape.batch * shape.groups
+    rows = shape.in_channels // shape.groups * shape.kernel * shape.kernel
+    out_per_group = shape.out_channels // shape.groups
+    columns = torch.randn(matrices, out_h * out_w, rows).to(dtype)
+    weight = torch.randn(shape.groups, out_per_group, rows).to(dtype).repeat(shape.batch, 1, 1)
+    grad_output = torch.randn(matrices, out_per_group, out_h * out_w).to(dtype)
+    # Results go to buffers allocated once: the allocation of a fresh columns-sized buffer
+    # (page faults) is not GEMM work.
+    output, grad_weight = torch.empty_like(grad_output), torch.empty_like(weight)
+    grad_columns = torch.empty_like(columns)
+
+    def forward():
+        torch.bmm(weight, columns.transpose(1, 2), out=output)
+
+    def forward_backward():
+        forward()
+        torch.bmm(grad_output.transpose(1, 2), weight, out=grad_columns)
+        torch.bmm(grad_output, columns, out=grad_weight)
+
+    return {"GEMMs alone forward": forward, "GEMMs alone forward+backward": forward_backward}
+
+
 def forward_step(run: Callable, tensors) -> Callable[[], None]:
     def step():
         with torch.no_grad():
@@ -160,12 +190,13 @@ def benchmark_shape(shape: Shape, args) -> dict:
     for name, run in runs.items():
         steps[f"{name} forward"] = forward_step(run, tensors)
         steps[f"{name} forward+backward"] = forward_backward_step(run, tensors)
+    steps.update(gemm_steps(shape, dtype))
     medians = time_interleaved(steps, args.repeats, args.warmup)
     result = {"shape": asdict(shape), "median_seconds": medians, "ratios": {},
               "gemm_gflops_per_second": {}, "peak_forward_bytes": {}}
     for phase in ("forward", "forward+backward"):
         ours = medians[f"deformconv {phase}"]
-        for other in ("torchvision", "dense"):
+        for other in ("torchvision", "dense", "GEMMs alone"):
             if f"{other} {phase}" in medians:
                 result["ratios"][f"{other}/deformconv {phase}"] = (
                     medians[f"{other} {phase}"] / ours)

@@ -84,8 +84,29 @@ at::Tensor weight_rows(const at::Tensor& weight, const WorkSplit& w) {
 
 // A block of images in the channels-last layout the launchers read, (images, H, W, C_in):
 // a view when the input is channels-last already, else a copy of the block only.
-at::Tensor channels_last_block(const at::Tensor& input, int64_t first, int64_t images) {
-  return input.narrow(0, first, images).permute({0, 2, 3, 1}).contiguous();
+at::Tensor channels_last_block(const DeformConv2dLaunchers& launchers, const at::Tensor& input,
+                               int64_t first, int64_t images) {
+  const at::Tensor block = input.narrow(0, first, images);
+  const at::Tensor channels_last = block.permute({0, 2, 3, 1});
+  if (channels_last.is_contiguous() || !block.is_contiguous()) {
+    return channels_last.contiguous();
+  }
+  at::Tensor copy = at::empty(channels_last.sizes(), block.options());
+  at::Tensor planes = copy.view({images, -1, block.size(1)});
+  launchers.transpose(block.view({images, block.size(1), -1}), planes);
+  return copy;
+}
+
+// Writes a channels-last block (images, H, W, C_in) into `block` of the same images, in the
+// block's own layout.
+void copy_from_channels_last(const DeformConv2dLaunchers& launchers,
+                             const at::Tensor& channels_last, at::Tensor block) {
+  if (block.is_contiguous()) {
+    at::Tensor planes = block.view({block.size(0), block.size(1), -1});
+    launchers.transpose(channels_last.view({block.size(0), -1, block.size(1)}), planes);
+  } else {
+    block.copy_(channels_last.permute({0, 3, 1, 2}));
+  }
 }
 
 void check_pair(const char* name, c10::IntArrayRef values, int64_t minimum) {
@@ -280,7 +301,7 @@ at::Tensor deform_conv2d_forward(
 
   for (int64_t first = 0; first < batch; first += step) {
     const int64_t images = std::min(step, batch - first);
-    const at::Tensor input_block = channels_last_block(input_arg, first, images);
+    const at::Tensor input_block = channels_last_block(launchers, input_arg, first, images);
     const at::Tensor offset_block = offset.narrow(0, first, images);
     const at::Tensor mask_block = mask.defined() ? mask.narrow(0, first, images) : at::Tensor();
     const at::Tensor weight_block = weight_batched.narrow(0, 0, images * G);
@@ -357,7 +378,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> deform_co
     const int64_t images = std::min(step, batch - first);
     // The input gradient alone needs no input values.
     const at::Tensor input_block = want_weight || want_offset || want_mask
-        ? channels_last_block(input_arg, first, images)
+        ? channels_last_block(launchers, input_arg, first, images)
         : at::Tensor();
     const at::Tensor offset_block = offset.narrow(0, first, images);
     const at::Tensor mask_block = mask.defined() ? mask.narrow(0, first, images) : at::Tensor();
@@ -409,7 +430,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> deform_co
       }
     }
     if (want_input && !grad_input_in_place) {
-      grad_input.narrow(0, first, images).copy_(grad_input_block.permute({0, 3, 1, 2}));
+      copy_from_channels_last(launchers, grad_input_block, grad_input.narrow(0, first, images));
     }
   }
   if (want_weight) {

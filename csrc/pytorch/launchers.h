@@ -31,6 +31,9 @@ struct DeformConv2dLaunchers {
                            const at::Tensor& grad_columns, const at::Tensor& input,
                            const at::Tensor& offset, const at::Tensor& mask,
                            at::Tensor& grad_offset, at::Tensor& grad_mask);
+  // dst (M, C, R) = src (M, R, C) with the last two dimensions swapped, both contiguous: the
+  // copies between the (C_in, H * W) planes of the user's tensors and channels-last.
+  void (*transpose)(const at::Tensor& src, at::Tensor& dst);
 };
 
 // The dtypes of every launcher: float32 and float64, and float16 and bfloat16 (arithmetic in
