@@ -284,23 +284,32 @@ C10_HOST_DEVICE inline void scatter_add(scalar_t* address, scalar_t value) {
 #endif
 }
 
-// The adjoint of sample_with_plan for `channels` consecutive channels (1 on the GPU, a run on
-// the CPU): spreads their columns gradients onto the input gradient, `channel` pointing as in
-// sample_with_plan. Corners outside the image or of zero weight are skipped.
+// The adjoint of sample_with_plan at one corner, for `channels` consecutive channels (1 on the
+// GPU, a run on the CPU): adds weight * columns gradient onto the input gradient, `channel`
+// pointing as in sample_with_plan. The caller skips corners of zero weight (outside the image
+// among them), so an infinite gradient cannot make NaN there.
+template <typename scalar_t>
+C10_HOST_DEVICE inline void scatter_corner(
+    const SamplingPlan<at::opmath_type<scalar_t>>& plan, int corner,
+    const scalar_t* grad_columns, int64_t channels, scalar_t* grad_channel,
+    int64_t channel_stride) {
+  using opmath_t = at::opmath_type<scalar_t>;
+  const opmath_t weight = plan.weight[corner];
+  scalar_t* grad_corner = grad_channel + plan.index[corner] * channel_stride;
+  for (int64_t c = 0; c < channels; ++c) {
+    scatter_add(grad_corner + c,
+                static_cast<scalar_t>(weight * static_cast<opmath_t>(grad_columns[c])));
+  }
+}
+
+// The adjoint of sample_with_plan, every corner.
 template <typename scalar_t>
 C10_HOST_DEVICE inline void scatter_with_plan(
     const SamplingPlan<at::opmath_type<scalar_t>>& plan, const scalar_t* grad_columns,
     int64_t channels, scalar_t* grad_channel, int64_t channel_stride) {
-  using opmath_t = at::opmath_type<scalar_t>;
   for (int corner = 0; corner < 4; ++corner) {
-    const opmath_t weight = plan.weight[corner];
-    if (weight == opmath_t(0)) {
-      continue;
-    }
-    scalar_t* grad_corner = grad_channel + plan.index[corner] * channel_stride;
-    for (int64_t c = 0; c < channels; ++c) {
-      scatter_add(grad_corner + c,
-                  static_cast<scalar_t>(weight * static_cast<opmath_t>(grad_columns[c])));
+    if (plan.weight[corner] != 0) {
+      scatter_corner(plan, corner, grad_columns, channels, grad_channel, channel_stride);
     }
   }
 }

@@ -11,6 +11,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <memory>
 #include <vector>
 
 #include "../common/deform_conv2d_kernel.cuh"
@@ -92,46 +93,73 @@ void for_each_sample(const DeformConv2dGeometry& g, int64_t n, int64_t group_beg
   }
 }
 
+// The sampling plans of every sample of the window, (image, window pixel, deform group, tap),
+// made in parallel once and then read by every channel that uses them. The driver counts
+// them in the window's scratch memory (kCpuLaunchers.plan_bytes_per_sample).
+template <typename opmath_t>
+using WindowPlans = std::unique_ptr<SamplingPlan<opmath_t>[]>;
+
+template <typename scalar_t>
+WindowPlans<at::opmath_type<scalar_t>> make_window_plans(const DeformConv2dGeometry& g,
+                                                         int64_t batch, const scalar_t* offset,
+                                                         const scalar_t* mask) {
+  const int64_t plans_per_pixel = g.offset_groups * g.taps();
+  // Not value-initialised: every plan is written below.
+  WindowPlans<at::opmath_type<scalar_t>> plans(
+      new SamplingPlan<at::opmath_type<scalar_t>>[batch * g.window_pixels * plans_per_pixel]);
+  const int64_t pixels = pixels_per_task(plans_per_pixel);
+  const int64_t tasks_per_image = (g.window_pixels + pixels - 1) / pixels;
+  at::parallel_for(0, batch * tasks_per_image, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t n = task / tasks_per_image;
+      const int64_t first_pixel = (task % tasks_per_image) * pixels;
+      auto* task_plans = plans.get() + (n * g.window_pixels + first_pixel) * plans_per_pixel;
+      for_each_sample(g, n, 0, g.offset_groups, first_pixel,
+                      std::min(pixels, g.window_pixels - first_pixel),
+                      [&](int64_t at, const SampleIndex& s) {
+                        task_plans[at] = make_sampling_plan(g, s, offset, mask);
+                      });
+    }
+  });
+  return plans;
+}
+
+// The plans of (image n, window pixel): offset_groups * K of them, deform group major.
+template <typename opmath_t>
+const SamplingPlan<opmath_t>* plans_of_pixel(const DeformConv2dGeometry& g,
+                                             const WindowPlans<opmath_t>& plans, int64_t n,
+                                             int64_t window_pixel) {
+  return plans.get() + (n * g.window_pixels + window_pixel) * g.offset_groups * g.taps();
+}
+
 template <typename scalar_t>
 struct Im2colTask {
   const DeformConv2dGeometry& g;
   const std::vector<std::vector<ChannelRun>>& runs;
+  const WindowPlans<at::opmath_type<scalar_t>>& plans;
   const scalar_t* input;
-  const scalar_t* offset;
-  const scalar_t* mask;
   scalar_t* columns;
-  int64_t pixels_per_task;
-  int64_t tasks_per_image;
 };
 
-// Tasks [begin, end) of im2col, task = (image, stretch of window pixels): every columns entry
-// is written by exactly one task.
+// Tasks [begin, end) of im2col, task = (image, window pixel): every columns entry is written by
+// exactly one task.
 template <typename scalar_t>
 DEFORMCONV_VECTOR_CLONES void im2col_tasks(const Im2colTask<scalar_t>& t, int64_t begin,
                                            int64_t end) {
   const DeformConv2dGeometry& g = t.g;
-  const int64_t K = g.taps();
-  const int64_t C = g.in_channels;
-  std::vector<SamplingPlan<at::opmath_type<scalar_t>>> plans(t.pixels_per_task * g.offset_groups * K);
   for (int64_t task = begin; task < end; ++task) {
-    const int64_t n = task / t.tasks_per_image;
-    const int64_t first_pixel = (task % t.tasks_per_image) * t.pixels_per_task;
-    const int64_t pixels = std::min(t.pixels_per_task, g.window_pixels - first_pixel);
-    for_each_sample(g, n, 0, g.offset_groups, first_pixel, pixels,
-                    [&](int64_t at, const SampleIndex& s) {
-                      plans[at] = make_sampling_plan(g, s, t.offset, t.mask);
-                    });
-    for (int64_t i = 0; i < pixels; ++i) {
-      for (int64_t group = 0; group < g.offset_groups; ++group) {
-        for (int64_t tap = 0; tap < K; ++tap) {
-          const auto& plan = plans[(i * g.offset_groups + group) * K + tap];
-          const int64_t entries = columns_at(g, n, first_pixel + i, tap);
-          for (const ChannelRun& run : t.runs[group]) {
-            scalar_t* out = t.columns + run.column_offset + entries;
-            const scalar_t* in = channel_of(g, t.input, n, run.first);
-            for (int64_t c = 0; c < run.count; ++c) {
-              out[c] = sample_with_plan(plan, in + c, C);
-            }
+    const int64_t n = task / g.window_pixels;
+    const int64_t pixel = task % g.window_pixels;
+    const auto* plans = plans_of_pixel(g, t.plans, n, pixel);
+    for (int64_t group = 0; group < g.offset_groups; ++group) {
+      for (int64_t tap = 0; tap < g.taps(); ++tap) {
+        const auto& plan = plans[group * g.taps() + tap];
+        const int64_t entries = columns_at(g, n, pixel, tap);
+        for (const ChannelRun& run : t.runs[group]) {
+          scalar_t* out = t.columns + run.column_offset + entries;
+          const scalar_t* in = channel_of(g, t.input, n, run.first);
+          for (int64_t c = 0; c < run.count; ++c) {
+            out[c] = sample_with_plan(plan, in + c, g.in_channels);
           }
         }
       }
@@ -142,13 +170,12 @@ DEFORMCONV_VECTOR_CLONES void im2col_tasks(const Im2colTask<scalar_t>& t, int64_
 void im2col_cpu(const DeformConv2dGeometry& g, int64_t batch, const at::Tensor& input,
                 const at::Tensor& offset, const at::Tensor& mask, at::Tensor& columns) {
   const auto runs = runs_of_offset_groups(g);
-  const int64_t pixels = pixels_per_task(g.offset_groups * g.taps());
-  const int64_t tasks_per_image = (g.window_pixels + pixels - 1) / pixels;
   DEFORMCONV_DISPATCH(input.scalar_type(), "deform_conv2d_im2col_cpu", [&] {
-    const Im2colTask<scalar_t> t{g, runs, input.const_data_ptr<scalar_t>(),
-                                 offset.const_data_ptr<scalar_t>(), data_or_null<scalar_t>(mask),
-                                 columns.mutable_data_ptr<scalar_t>(), pixels, tasks_per_image};
-    at::parallel_for(0, batch * tasks_per_image, 1,
+    const auto plans = make_window_plans(g, batch, offset.const_data_ptr<scalar_t>(),
+                                         data_or_null<scalar_t>(mask));
+    const Im2colTask<scalar_t> t{g, runs, plans, input.const_data_ptr<scalar_t>(),
+                                 columns.mutable_data_ptr<scalar_t>()};
+    at::parallel_for(0, batch * g.window_pixels, pixels_per_task(g.offset_groups * g.taps()),
                      [&](int64_t begin, int64_t end) { im2col_tasks(t, begin, end); });
   });
 }
@@ -156,43 +183,45 @@ void im2col_cpu(const DeformConv2dGeometry& g, int64_t batch, const at::Tensor& 
 template <typename scalar_t>
 struct Col2imTask {
   const DeformConv2dGeometry& g;
-  const std::vector<std::vector<ChannelRun>>& runs_of_block;
+  const std::vector<std::vector<ChannelRun>>& runs;
+  const WindowPlans<at::opmath_type<scalar_t>>& plans;
   const scalar_t* grad_columns;
-  const scalar_t* offset;
-  const scalar_t* mask;
   scalar_t* grad_input;
-  int64_t blocks_per_group;
+  int64_t rows_per_band;
+  int64_t bands;
 };
 
-// Tasks [begin, end) of col2im, task = (image, block of channels of one deform group): the task
-// owns those channels' gradients, so no two tasks write the same address and no atomics are
-// needed. Every gradient element receives its adds in the order (window, pixel, tap, corner)
-// whatever the blocks, so the result does not depend on the number of threads.
+// Tasks [begin, end) of col2im, task = (image, band of input rows): the task owns the gradient
+// of its rows, every channel of them, and adds into it the share of every plan corner that
+// falls there (a corner's row is known from its index, a band being a range of indices). No
+// two tasks write the same address, so no atomics are needed; each gradient element receives
+// its adds in the order (window, pixel, deform group, tap, corner) whatever the bands, so the
+// result does not depend on the number of threads.
 template <typename scalar_t>
 DEFORMCONV_VECTOR_CLONES void col2im_tasks(const Col2imTask<scalar_t>& t, int64_t begin,
                                            int64_t end) {
+  using opmath_t = at::opmath_type<scalar_t>;
   const DeformConv2dGeometry& g = t.g;
-  const int64_t K = g.taps();
-  const int64_t pixels_per_chunk = pixels_per_task(K);
-  std::vector<SamplingPlan<at::opmath_type<scalar_t>>> plans(pixels_per_chunk * K);
   for (int64_t task = begin; task < end; ++task) {
-    const int64_t blocks = g.offset_groups * t.blocks_per_group;
-    const int64_t n = task / blocks;
-    const int64_t block = task % blocks;
-    const int64_t group = block / t.blocks_per_group;
-    for (int64_t first_pixel = 0; first_pixel < g.window_pixels; first_pixel += pixels_per_chunk) {
-      const int64_t pixels = std::min(pixels_per_chunk, g.window_pixels - first_pixel);
-      for_each_sample(g, n, group, group + 1, first_pixel, pixels,
-                      [&](int64_t at, const SampleIndex& s) {
-                        plans[at] = make_sampling_plan(g, s, t.offset, t.mask);
-                      });
-      for (int64_t i = 0; i < pixels; ++i) {
-        for (int64_t tap = 0; tap < K; ++tap) {
-          const int64_t entries = columns_at(g, n, first_pixel + i, tap);
-          for (const ChannelRun& run : t.runs_of_block[block]) {
-            scatter_with_plan(plans[i * K + tap], t.grad_columns + run.column_offset + entries,
-                              run.count, channel_of(g, t.grad_input, n, run.first),
-                              g.in_channels);
+    const int64_t n = task / t.bands;
+    const int64_t band_begin = task % t.bands * t.rows_per_band * g.in_width;
+    const int64_t band_end = std::min(band_begin + t.rows_per_band * g.in_width, g.in_pixels());
+    for (int64_t pixel = 0; pixel < g.window_pixels; ++pixel) {
+      const auto* plans = plans_of_pixel(g, t.plans, n, pixel);
+      for (int64_t group = 0; group < g.offset_groups; ++group) {
+        for (int64_t tap = 0; tap < g.taps(); ++tap) {
+          const auto& plan = plans[group * g.taps() + tap];
+          const int64_t entries = columns_at(g, n, pixel, tap);
+          for (int corner = 0; corner < 4; ++corner) {
+            const int64_t index = plan.index[corner];
+            if (plan.weight[corner] == opmath_t(0) || index < band_begin || index >= band_end) {
+              continue;
+            }
+            for (const ChannelRun& run : t.runs[group]) {
+              scatter_corner(plan, corner, t.grad_columns + run.column_offset + entries,
+                             run.count, channel_of(g, t.grad_input, n, run.first),
+                             g.in_channels);
+            }
           }
         }
       }
@@ -200,41 +229,25 @@ DEFORMCONV_VECTOR_CLONES void col2im_tasks(const Col2imTask<scalar_t>& t, int64_
   }
 }
 
-// Channels per col2im task: whole cache lines of them, and about two tasks per thread, so that
-// the threads stay busy without remaking each plan for many small blocks.
-int64_t col2im_block_channels(const DeformConv2dGeometry& g, int64_t batch) {
-  constexpr int64_t kLine = 16;
-  const int64_t per_group = g.channels_per_offset_group();
-  const int64_t wanted_tasks = 2 * at::get_num_threads();
-  const int64_t blocks = std::clamp<int64_t>(
-      (wanted_tasks + batch * g.offset_groups - 1) / (batch * g.offset_groups), 1,
-      (per_group + kLine - 1) / kLine);
-  const int64_t channels = (per_group + blocks - 1) / blocks;
-  return std::min(per_group, (channels + kLine - 1) / kLine * kLine);
-}
-
 void col2im_cpu(const DeformConv2dGeometry& g, int64_t batch, const at::Tensor& grad_columns,
                 const at::Tensor& offset, const at::Tensor& mask, at::Tensor& grad_input) {
-  const int64_t per_group = g.channels_per_offset_group();
-  const int64_t block_channels = col2im_block_channels(g, batch);
-  const int64_t blocks_per_group = (per_group + block_channels - 1) / block_channels;
-  std::vector<std::vector<ChannelRun>> runs_of_block;
-  for (int64_t group = 0; group < g.offset_groups; ++group) {
-    for (int64_t b = 0; b < blocks_per_group; ++b) {
-      const int64_t first = first_channel(g, group) + b * block_channels;
-      runs_of_block.push_back(
-          channel_runs(g, first, std::min(first + block_channels, first_channel(g, group + 1))));
-    }
-  }
+  const auto runs = runs_of_offset_groups(g);
+  // About two bands per thread over the block's images: every task scans all the plans of its
+  // image, so many more bands would multiply that cost.
+  const int64_t wanted_bands = (2 * at::get_num_threads() + batch - 1) / batch;
+  const int64_t rows_per_band = (g.in_height + wanted_bands - 1) / wanted_bands;
+  const int64_t bands = (g.in_height + rows_per_band - 1) / rows_per_band;
   DEFORMCONV_DISPATCH(grad_columns.scalar_type(), "deform_conv2d_col2im_cpu", [&] {
+    const auto plans = make_window_plans(g, batch, offset.const_data_ptr<scalar_t>(),
+                                         data_or_null<scalar_t>(mask));
     const Col2imTask<scalar_t> t{g,
-                                 runs_of_block,
+                                 runs,
+                                 plans,
                                  grad_columns.const_data_ptr<scalar_t>(),
-                                 offset.const_data_ptr<scalar_t>(),
-                                 data_or_null<scalar_t>(mask),
                                  grad_input.mutable_data_ptr<scalar_t>(),
-                                 blocks_per_group};
-    at::parallel_for(0, batch * g.offset_groups * blocks_per_group, 1,
+                                 rows_per_band,
+                                 bands};
+    at::parallel_for(0, batch * bands, 1,
                      [&](int64_t begin, int64_t end) { col2im_tasks(t, begin, end); });
   });
 }
@@ -421,9 +434,14 @@ void transpose_cpu(const at::Tensor& src, at::Tensor& dst) {
   });
 }
 
-// 4 MiB of columns per window: within the last-level cache of a CPU.
-constexpr DeformConv2dLaunchers kCpuLaunchers{int64_t(4) << 20, im2col_cpu, col2im_cpu,
-                                              offset_mask_grad_cpu, transpose_cpu};
+// 4 MiB of scratch per window (columns and plans): within the last-level cache of a CPU. A
+// plan takes 48 bytes in float32, 64 in float64.
+constexpr DeformConv2dLaunchers kCpuLaunchers{int64_t(4) << 20,
+                                              sizeof(SamplingPlan<double>),
+                                              im2col_cpu,
+                                              col2im_cpu,
+                                              offset_mask_grad_cpu,
+                                              transpose_cpu};
 
 at::Tensor deform_conv2d_cpu(const at::Tensor& input, const at::Tensor& offset,
                              const at::Tensor& weight, const std::optional<at::Tensor>& mask,

@@ -132,7 +132,7 @@ void transpose_cuda(const at::Tensor& src, at::Tensor& dst) { dst.copy_(src.tran
 
 const DeformConv2dLaunchers& cuda_launchers() {
   // 256 MiB of columns per window: whole feature maps at detection resolutions in one GEMM.
-  static const DeformConv2dLaunchers launchers{int64_t(256) << 20, im2col_cuda, col2im_cuda,
+  static const DeformConv2dLaunchers launchers{int64_t(256) << 20, 0, im2col_cuda, col2im_cuda,
                                                offset_mask_grad_cuda, transpose_cuda};
   return launchers;
 }

@@ -32,10 +32,13 @@ int64_t images_per_block(const DeformConv2dGeometry& g, int64_t batch, int64_t i
 constexpr int64_t kMinWindowPixels = 512;
 
 int64_t pixels_per_window(const DeformConv2dGeometry& g, int64_t images, at::ScalarType dtype,
-                          int64_t tile_bytes) {
-  const int64_t bytes_per_pixel =
-      std::max<int64_t>(1, images * g.in_channels * g.taps() * c10::elementSize(dtype));
-  return std::min(g.out_pixels(), std::max(kMinWindowPixels, tile_bytes / bytes_per_pixel));
+                          const DeformConv2dLaunchers& launchers) {
+  const int64_t bytes_per_pixel = std::max<int64_t>(
+      1, images * g.taps() *
+          (g.in_channels * c10::elementSize(dtype) +
+           g.offset_groups * launchers.plan_bytes_per_sample));
+  return std::min(g.out_pixels(),
+                  std::max(kMinWindowPixels, launchers.columns_tile_bytes / bytes_per_pixel));
 }
 
 // How forward and backward split their work: blocks of `step` images, windows of `window`
@@ -53,7 +56,7 @@ WorkSplit split_work(const DeformConv2dGeometry& g, int64_t batch, int64_t im2co
                      at::ScalarType dtype, const DeformConv2dLaunchers& launchers) {
   WorkSplit w;
   w.step = images_per_block(g, batch, im2col_step, dtype);
-  w.window = pixels_per_window(g, w.step, dtype, launchers.columns_tile_bytes);
+  w.window = pixels_per_window(g, w.step, dtype, launchers);
   w.groups = g.groups;
   w.out_per_group = g.out_channels / g.groups;
   w.rows_per_group = g.in_channels / g.groups * g.taps();

@@ -15,10 +15,13 @@
 namespace deformconv {
 
 struct DeformConv2dLaunchers {
-  // Bytes of columns buffer to aim for per window of output pixels (the driver tiles the
+  // Bytes of columns buffer and scratch to aim for per window of output pixels (the driver tiles the
   // pixels of a block of images so): about the cache of a CPU, or far more on a GPU, whose
   // GEMMs want large operands and whose allocator reuses memory.
   int64_t columns_tile_bytes;
+  // Bytes of launcher scratch per sample (image, deform group, tap, pixel) of a window, which
+  // the tile budget covers too: the CPU keeps a sampling plan per sample.
+  int64_t plan_bytes_per_sample;
   // columns sampled from input.
   void (*im2col)(const DeformConv2dGeometry& geometry, int64_t batch, const at::Tensor& input,
                  const at::Tensor& offset, const at::Tensor& mask, at::Tensor& columns);
