@@ -350,18 +350,19 @@ C10_HOST_DEVICE inline OffsetMaskGrad<at::opmath_type<scalar_t>> start_offset_ma
 }
 
 // Adds the share of one channel to the three sums: its columns gradient `grad` and its values
-// `v` at the cell's corners (0 outside). value_t is opmath_t, or, in the CPU launcher, a vector
-// of opmath_t holding consecutive channels (with the same arithmetic in every lane).
+// v00, v01, v10, v11 at the cell's corners (0 outside). value_t is opmath_t, or, in the CPU
+// launcher, a vector of opmath_t holding consecutive channels (the same arithmetic in every
+// lane). Separate arguments rather than an array, so that vectors stay in registers.
 template <typename opmath_t, typename value_t>
-C10_HOST_DEVICE inline void add_offset_mask_grad_terms(const BilinearCell<opmath_t>& cell,
-                                                       const value_t& grad, const value_t v[4],
-                                                       value_t& sum_y, value_t& sum_x,
-                                                       value_t& sum_m) {
+C10_HOST_DEVICE inline void add_offset_mask_grad_terms(
+    const BilinearCell<opmath_t>& cell, const value_t& grad, const value_t& v00,
+    const value_t& v01, const value_t& v10, const value_t& v11, value_t& sum_y, value_t& sum_x,
+    value_t& sum_m) {
   const opmath_t hy = opmath_t(1) - cell.ly;
   const opmath_t hx = opmath_t(1) - cell.lx;
-  sum_y += grad * (hx * (v[2] - v[0]) + cell.lx * (v[3] - v[1]));
-  sum_x += grad * (hy * (v[1] - v[0]) + cell.ly * (v[3] - v[2]));
-  sum_m += grad * (hy * (hx * v[0] + cell.lx * v[1]) + cell.ly * (hx * v[2] + cell.lx * v[3]));
+  sum_y += grad * (hx * (v10 - v00) + cell.lx * (v11 - v01));
+  sum_x += grad * (hy * (v01 - v00) + cell.ly * (v11 - v10));
+  sum_m += grad * (hy * (hx * v00 + cell.lx * v01) + cell.ly * (hx * v10 + cell.lx * v11));
 }
 
 // Adds one channel's share, `channel` pointing as in sample_with_plan. The caller skips
@@ -379,8 +380,8 @@ C10_HOST_DEVICE inline void accumulate_offset_mask_grad(
     v[corner] =
         inside[corner] ? static_cast<opmath_t>(channel[acc.index[corner] * channel_stride]) : 0;
   }
-  add_offset_mask_grad_terms(acc.cell, static_cast<opmath_t>(grad_column), v, sums.y, sums.x,
-                             sums.m);
+  add_offset_mask_grad_terms(acc.cell, static_cast<opmath_t>(grad_column), v[0], v[1], v[2], v[3],
+                             sums.y, sums.x, sums.m);
 }
 
 // Writes the sample's offset and mask gradients; either pointer may be null (not asked for).

@@ -28,6 +28,14 @@
 #define DEFORMCONV_VECTOR_CLONES
 #endif
 
+// A helper of a cloned stage runs with the stage's instruction set only if it is inlined into
+// it, which the compiler's heuristics alone do not promise.
+#if defined(__GNUC__)
+#define DEFORMCONV_INLINE inline __attribute__((always_inline))
+#else
+#define DEFORMCONV_INLINE inline
+#endif
+
 namespace deformconv {
 namespace {
 
@@ -76,23 +84,6 @@ int64_t pixels_per_task(int64_t plans_per_pixel) {
   return std::max<int64_t>(1, kPlansPerTask / plans_per_pixel);
 }
 
-// Calls make(index into a (pixels, offset groups in [group_begin, group_end), taps) array,
-// sample) for the samples of `pixels` window pixels from `first_pixel` on, stepping along
-// each (deform group, tap) row instead of dividing per sample.
-template <typename Make>
-void for_each_sample(const DeformConv2dGeometry& g, int64_t n, int64_t group_begin,
-                     int64_t group_end, int64_t first_pixel, int64_t pixels, Make&& make) {
-  const int64_t groups = group_end - group_begin;
-  for (int64_t group = group_begin; group < group_end; ++group) {
-    for (int64_t tap = 0; tap < g.taps(); ++tap) {
-      SampleIndex s = make_sample_index(g, n, group, tap, g.window_begin + first_pixel);
-      for (int64_t i = 0; i < pixels; ++i, next_pixel(g, s)) {
-        make((i * groups + group - group_begin) * g.taps() + tap, s);
-      }
-    }
-  }
-}
-
 // The sampling plans of every sample of the window, (image, window pixel, deform group, tap),
 // made in parallel once and then read by every channel that uses them. The driver counts
 // them in the window's scratch memory (kCpuLaunchers.plan_bytes_per_sample).
@@ -113,12 +104,18 @@ WindowPlans<at::opmath_type<scalar_t>> make_window_plans(const DeformConv2dGeome
     for (int64_t task = begin; task < end; ++task) {
       const int64_t n = task / tasks_per_image;
       const int64_t first_pixel = (task % tasks_per_image) * pixels;
+      const int64_t task_pixels = std::min(pixels, g.window_pixels - first_pixel);
       auto* task_plans = plans.get() + (n * g.window_pixels + first_pixel) * plans_per_pixel;
-      for_each_sample(g, n, 0, g.offset_groups, first_pixel,
-                      std::min(pixels, g.window_pixels - first_pixel),
-                      [&](int64_t at, const SampleIndex& s) {
-                        task_plans[at] = make_sampling_plan(g, s, offset, mask);
-                      });
+      // Along each (deform group, tap) row, stepping the sample instead of dividing per sample.
+      for (int64_t group = 0; group < g.offset_groups; ++group) {
+        for (int64_t tap = 0; tap < g.taps(); ++tap) {
+          SampleIndex s = make_sample_index(g, n, group, tap, g.window_begin + first_pixel);
+          for (int64_t i = 0; i < task_pixels; ++i, next_pixel(g, s)) {
+            task_plans[i * plans_per_pixel + group * g.taps() + tap] =
+                make_sampling_plan(g, s, offset, mask);
+          }
+        }
+      }
     }
   });
   return plans;
@@ -286,7 +283,7 @@ struct LanesOf<double> {
 // kLanes consecutive values from `data` (of any dtype) as opmath_t lanes. (An out-parameter:
 // returning a vector by value would give these inline helpers an ABI that differs per clone.)
 template <typename opmath_t, typename scalar_t>
-inline void load_lanes(const scalar_t* data, typename LanesOf<opmath_t>::type& lanes) {
+DEFORMCONV_INLINE void load_lanes(const scalar_t* data, typename LanesOf<opmath_t>::type& lanes) {
   for (int64_t lane = 0; lane < kLanes; ++lane) {
     lanes[lane] = static_cast<opmath_t>(data[lane]);
   }
@@ -296,7 +293,7 @@ inline void load_lanes(const scalar_t* data, typename LanesOf<opmath_t>::type& l
 // vector lanes, the rest one by one; the lanes are added up in a fixed order, so the result
 // does not depend on the machine.
 template <typename scalar_t>
-inline OffsetMaskGradSums<at::opmath_type<scalar_t>> offset_mask_grad_of_sample(
+DEFORMCONV_INLINE OffsetMaskGradSums<at::opmath_type<scalar_t>> offset_mask_grad_of_sample(
     const DeformConv2dGeometry& g, int64_t n, int64_t entries,
     const std::vector<ChannelRun>& runs, const OffsetMaskGrad<at::opmath_type<scalar_t>>& acc,
     const scalar_t* grad_columns, const scalar_t* input) {
@@ -309,17 +306,22 @@ inline OffsetMaskGradSums<at::opmath_type<scalar_t>> offset_mask_grad_of_sample(
   for (const ChannelRun& run : runs) {
     const scalar_t* grad = grad_columns + run.column_offset + entries;
     const scalar_t* in = channel_of(g, input, n, run.first);
+    const scalar_t* corner_0 = in + acc.index[0] * g.in_channels;
+    const scalar_t* corner_1 = in + acc.index[1] * g.in_channels;
+    const scalar_t* corner_2 = in + acc.index[2] * g.in_channels;
+    const scalar_t* corner_3 = in + acc.index[3] * g.in_channels;
     int64_t c = 0;
     for (; c + kLanes <= run.count; c += kLanes) {
-      Lanes grad_lanes, v[4];
+      // Corners outside read index 0 (a valid address) and are then replaced by 0.
+      Lanes grad_lanes, v00, v01, v10, v11;
       load_lanes<opmath_t>(grad + c, grad_lanes);
-      for (int corner = 0; corner < 4; ++corner) {
-        v[corner] = Lanes{};
-        if (inside[corner]) {
-          load_lanes<opmath_t>(in + acc.index[corner] * g.in_channels + c, v[corner]);
-        }
-      }
-      add_offset_mask_grad_terms(acc.cell, grad_lanes, v, sum_y, sum_x, sum_m);
+      load_lanes<opmath_t>(corner_0 + c, v00);
+      load_lanes<opmath_t>(corner_1 + c, v01);
+      load_lanes<opmath_t>(corner_2 + c, v10);
+      load_lanes<opmath_t>(corner_3 + c, v11);
+      add_offset_mask_grad_terms(acc.cell, grad_lanes, inside[0] ? v00 : Lanes{},
+                                 inside[1] ? v01 : Lanes{}, inside[2] ? v10 : Lanes{},
+                                 inside[3] ? v11 : Lanes{}, sum_y, sum_x, sum_m);
     }
     for (; c < run.count; ++c) {
       accumulate_offset_mask_grad(acc, grad[c], in + c, g.in_channels, rest);
@@ -334,40 +336,30 @@ inline OffsetMaskGradSums<at::opmath_type<scalar_t>> offset_mask_grad_of_sample(
 }
 
 // Tasks [begin, end) of the offset and mask gradients, task = (image, stretch of window
-// pixels); each sample writes only its own gradients.
+// pixels); each sample is located, summed over its channels and written in one go, and writes
+// only its own gradients.
 template <typename scalar_t>
 DEFORMCONV_VECTOR_CLONES void offset_mask_grad_tasks(const OffsetMaskGradTask<scalar_t>& t,
                                                      int64_t begin, int64_t end) {
   using opmath_t = at::opmath_type<scalar_t>;
   const DeformConv2dGeometry& g = t.g;
-  const int64_t K = g.taps();
-  const int64_t samples = t.pixels_per_task * g.offset_groups * K;
-  std::vector<OffsetMaskGrad<opmath_t>> starts(samples);
-  std::vector<OffsetMaskGradSums<opmath_t>> sums(samples);
   for (int64_t task = begin; task < end; ++task) {
     const int64_t n = task / t.tasks_per_image;
     const int64_t first_pixel = (task % t.tasks_per_image) * t.pixels_per_task;
     const int64_t pixels = std::min(t.pixels_per_task, g.window_pixels - first_pixel);
-    for_each_sample(g, n, 0, g.offset_groups, first_pixel, pixels,
-                    [&](int64_t at, const SampleIndex& s) {
-                      starts[at] = start_offset_mask_grad(g, s, t.offset, t.mask);
-                    });
-    for (int64_t i = 0; i < pixels; ++i) {
-      for (int64_t group = 0; group < g.offset_groups; ++group) {
-        for (int64_t tap = 0; tap < K; ++tap) {
-          const int64_t at = (i * g.offset_groups + group) * K + tap;
-          sums[at] = starts[at].cell.inside
+    for (int64_t group = 0; group < g.offset_groups; ++group) {
+      for (int64_t tap = 0; tap < g.taps(); ++tap) {
+        SampleIndex s = make_sample_index(g, n, group, tap, g.window_begin + first_pixel);
+        for (int64_t i = 0; i < pixels; ++i, next_pixel(g, s)) {
+          const auto acc = start_offset_mask_grad(g, s, t.offset, t.mask);
+          const auto sums = acc.cell.inside
               ? offset_mask_grad_of_sample(g, n, columns_at(g, n, first_pixel + i, tap),
-                                           t.runs[group], starts[at], t.grad_columns, t.input)
+                                           t.runs[group], acc, t.grad_columns, t.input)
               : OffsetMaskGradSums<opmath_t>{};
+          finish_offset_mask_grad(g, s, acc, sums, t.grad_offset, t.grad_mask);
         }
       }
     }
-    for_each_sample(g, n, 0, g.offset_groups, first_pixel, pixels,
-                    [&](int64_t at, const SampleIndex& s) {
-                      finish_offset_mask_grad(g, s, starts[at], sums[at], t.grad_offset,
-                                              t.grad_mask);
-                    });
   }
 }
 
