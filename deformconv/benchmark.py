@@ -235,15 +235,24 @@ def plot(results: List[dict], path: str) -> None:
     figure, axis = plt.subplots(figsize=(max(6, 1.6 * len(names)), 4.5))
     width = 0.8 / max(1, len(series))
     for i, key in enumerate(series):
-        values = [r["ratios"].get(key, 0.0) for r in results]
-        axis.bar([x + i * width for x in range(len(names))], values, width, label=key)
+        values = [r["ratios"].get(key, float("nan")) for r in results]
+        # Bars from parity (1) to the ratio, up where deformconv is faster, down where slower.
+        axis.bar([x + i * width for x in range(len(names))], [v - 1 for v in values], width,
+                 bottom=1.0, label=key)
+    # Logarithmic: ratios span 0.2x to 40x, and 1/2 is as far below 1 as 2 is above.
+    axis.set_yscale("log")
+    known = [v for r in results for v in r["ratios"].values()]
+    axis.set_ylim(min(known + [1.0]) / 1.5, max(known + [1.0]) * 4)
     axis.axhline(1.0, color="black", linewidth=0.8)
+    # The CPU issue's targets against dense: forward at most 1.5x, forward+backward at most 2x.
+    axis.axhline(1 / 1.5, color="tab:green", linewidth=0.8, linestyle="--")
+    axis.axhline(1 / 2.0, color="tab:red", linewidth=0.8, linestyle="--")
     axis.set_xticks([x + width * (len(series) - 1) / 2 for x in range(len(names))])
     axis.set_xticklabels(names)
     axis.set_ylabel("time of other / time of deformconv (higher: deformconv faster)")
     axis.set_title(f"deformconv on CPU, {torch.get_num_threads()} threads, torch "
                    f"{torch.__version__}")
-    axis.legend(fontsize=8)
+    axis.legend(fontsize=7, ncol=3, loc="upper left")
     figure.tight_layout()
     figure.savefig(path, dpi=120)
 
