@@ -1,10 +1,10 @@
 // CPU launchers: at::parallel_for over the shared element functions, and the CPU kernels of
 // the ops.
 //
-// A task makes the sampling plans of a few output pixels, then applies each plan to the
-// consecutive channels it serves (channels-last layouts, see deform_conv2d_kernel.cuh): those
-// loops are what the compiler vectorises, and the loops of each stage are compiled for
-// several instruction sets (DEFORMCONV_VECTOR_CLONES), chosen when the library loads.
+// The sampling plans of a window are made once, in parallel; each stage then applies a plan to
+// the consecutive channels it serves (channels-last layouts, see deform_conv2d_kernel.cuh).
+// Those loops over channels are what runs vectorised, and each stage is compiled for several
+// instruction sets (DEFORMCONV_VECTOR_CLONES), chosen when the library loads.
 
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -39,8 +39,8 @@
 namespace deformconv {
 namespace {
 
-// About this many sampling plans per task: enough work to amortise the task, few enough that
-// the plans stay in the L1 cache while their channels are swept.
+// About this many samples per task when plans are made or offset gradients summed: enough
+// work to amortise a task, and tasks enough to balance the threads.
 constexpr int64_t kPlansPerTask = 256;
 
 // Consecutive input channels that stay in one conv group, so that their columns entries are
