@@ -8,10 +8,10 @@
 
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
 #include <torch/library.h>
 
 #include <algorithm>
-#include <memory>
 #include <vector>
 
 #include "../common/deform_conv2d_kernel.cuh"
@@ -85,38 +85,46 @@ int64_t pixels_per_task(int64_t plans_per_pixel) {
 }
 
 // The sampling plans of every sample of the window, (image, window pixel, deform group, tap),
-// made in parallel once and then read by every channel that uses them. The driver counts
-// them in the window's scratch memory (kCpuLaunchers.plan_bytes_per_sample).
+// made in parallel once per window (make_plans_cpu) and then read by every channel that uses
+// them, in im2col and in col2im. They live in a byte tensor, plan_bytes_per_sample each at
+// most, which the driver counts in the window's scratch memory.
 template <typename opmath_t>
-using WindowPlans = std::unique_ptr<SamplingPlan<opmath_t>[]>;
+const SamplingPlan<opmath_t>* plans_of(const WindowSampling& sampling) {
+  return reinterpret_cast<const SamplingPlan<opmath_t>*>(sampling.plans.const_data_ptr());
+}
 
-template <typename scalar_t>
-WindowPlans<at::opmath_type<scalar_t>> make_window_plans(const DeformConv2dGeometry& g,
-                                                         int64_t batch, const scalar_t* offset,
-                                                         const scalar_t* mask) {
+at::Tensor make_plans_cpu(const DeformConv2dGeometry& g, int64_t batch, const at::Tensor& offset,
+                          const at::Tensor& mask) {
   const int64_t plans_per_pixel = g.offset_groups * g.taps();
-  // Not value-initialised: every plan is written below.
-  WindowPlans<at::opmath_type<scalar_t>> plans(
-      new SamplingPlan<at::opmath_type<scalar_t>>[batch * g.window_pixels * plans_per_pixel]);
   const int64_t pixels = pixels_per_task(plans_per_pixel);
   const int64_t tasks_per_image = (g.window_pixels + pixels - 1) / pixels;
-  at::parallel_for(0, batch * tasks_per_image, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t n = task / tasks_per_image;
-      const int64_t first_pixel = (task % tasks_per_image) * pixels;
-      const int64_t task_pixels = std::min(pixels, g.window_pixels - first_pixel);
-      auto* task_plans = plans.get() + (n * g.window_pixels + first_pixel) * plans_per_pixel;
-      // Along each (deform group, tap) row, stepping the sample instead of dividing per sample.
-      for (int64_t group = 0; group < g.offset_groups; ++group) {
-        for (int64_t tap = 0; tap < g.taps(); ++tap) {
-          SampleIndex s = make_sample_index(g, n, group, tap, g.window_begin + first_pixel);
-          for (int64_t i = 0; i < task_pixels; ++i, next_pixel(g, s)) {
-            task_plans[i * plans_per_pixel + group * g.taps() + tap] =
-                make_sampling_plan(g, s, offset, mask);
+  at::Tensor plans;
+  DEFORMCONV_DISPATCH(offset.scalar_type(), "deform_conv2d_plans_cpu", [&] {
+    using Plan = SamplingPlan<at::opmath_type<scalar_t>>;
+    plans = at::empty({batch * g.window_pixels * plans_per_pixel * int64_t(sizeof(Plan))},
+                      offset.options().dtype(at::kByte));
+    Plan* plan_data = reinterpret_cast<Plan*>(plans.mutable_data_ptr());
+    const scalar_t* offset_data = offset.const_data_ptr<scalar_t>();
+    const scalar_t* mask_data = data_or_null<scalar_t>(mask);
+    at::parallel_for(0, batch * tasks_per_image, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t task = begin; task < end; ++task) {
+        const int64_t n = task / tasks_per_image;
+        const int64_t first_pixel = (task % tasks_per_image) * pixels;
+        const int64_t task_pixels = std::min(pixels, g.window_pixels - first_pixel);
+        Plan* task_plans = plan_data + (n * g.window_pixels + first_pixel) * plans_per_pixel;
+        // Along each (deform group, tap) row, stepping the sample instead of dividing per
+        // sample.
+        for (int64_t group = 0; group < g.offset_groups; ++group) {
+          for (int64_t tap = 0; tap < g.taps(); ++tap) {
+            SampleIndex s = make_sample_index(g, n, group, tap, g.window_begin + first_pixel);
+            for (int64_t i = 0; i < task_pixels; ++i, next_pixel(g, s)) {
+              task_plans[i * plans_per_pixel + group * g.taps() + tap] =
+                  make_sampling_plan(g, s, offset_data, mask_data);
+            }
           }
         }
       }
-    }
+    });
   });
   return plans;
 }
@@ -124,16 +132,16 @@ WindowPlans<at::opmath_type<scalar_t>> make_window_plans(const DeformConv2dGeome
 // The plans of (image n, window pixel): offset_groups * K of them, deform group major.
 template <typename opmath_t>
 const SamplingPlan<opmath_t>* plans_of_pixel(const DeformConv2dGeometry& g,
-                                             const WindowPlans<opmath_t>& plans, int64_t n,
+                                             const SamplingPlan<opmath_t>* plans, int64_t n,
                                              int64_t window_pixel) {
-  return plans.get() + (n * g.window_pixels + window_pixel) * g.offset_groups * g.taps();
+  return plans + (n * g.window_pixels + window_pixel) * g.offset_groups * g.taps();
 }
 
 template <typename scalar_t>
 struct Im2colTask {
   const DeformConv2dGeometry& g;
   const std::vector<std::vector<ChannelRun>>& runs;
-  const WindowPlans<at::opmath_type<scalar_t>>& plans;
+  const SamplingPlan<at::opmath_type<scalar_t>>* plans;
   const scalar_t* input;
   scalar_t* columns;
 };
@@ -165,12 +173,11 @@ DEFORMCONV_VECTOR_CLONES void im2col_tasks(const Im2colTask<scalar_t>& t, int64_
 }
 
 void im2col_cpu(const DeformConv2dGeometry& g, int64_t batch, const at::Tensor& input,
-                const at::Tensor& offset, const at::Tensor& mask, at::Tensor& columns) {
+                const WindowSampling& sampling, at::Tensor& columns) {
   const auto runs = runs_of_offset_groups(g);
   DEFORMCONV_DISPATCH(input.scalar_type(), "deform_conv2d_im2col_cpu", [&] {
-    const auto plans = make_window_plans(g, batch, offset.const_data_ptr<scalar_t>(),
-                                         data_or_null<scalar_t>(mask));
-    const Im2colTask<scalar_t> t{g, runs, plans, input.const_data_ptr<scalar_t>(),
+    const Im2colTask<scalar_t> t{g, runs, plans_of<at::opmath_type<scalar_t>>(sampling),
+                                 input.const_data_ptr<scalar_t>(),
                                  columns.mutable_data_ptr<scalar_t>()};
     at::parallel_for(0, batch * g.window_pixels, pixels_per_task(g.offset_groups * g.taps()),
                      [&](int64_t begin, int64_t end) { im2col_tasks(t, begin, end); });
@@ -181,7 +188,7 @@ template <typename scalar_t>
 struct Col2imTask {
   const DeformConv2dGeometry& g;
   const std::vector<std::vector<ChannelRun>>& runs;
-  const WindowPlans<at::opmath_type<scalar_t>>& plans;
+  const SamplingPlan<at::opmath_type<scalar_t>>* plans;
   const scalar_t* grad_columns;
   scalar_t* grad_input;
   int64_t rows_per_band;
@@ -227,7 +234,7 @@ DEFORMCONV_VECTOR_CLONES void col2im_tasks(const Col2imTask<scalar_t>& t, int64_
 }
 
 void col2im_cpu(const DeformConv2dGeometry& g, int64_t batch, const at::Tensor& grad_columns,
-                const at::Tensor& offset, const at::Tensor& mask, at::Tensor& grad_input) {
+                const WindowSampling& sampling, at::Tensor& grad_input) {
   const auto runs = runs_of_offset_groups(g);
   // About two bands per thread over the block's images: every task scans all the plans of its
   // image, so many more bands would multiply that cost.
@@ -235,11 +242,9 @@ void col2im_cpu(const DeformConv2dGeometry& g, int64_t batch, const at::Tensor& 
   const int64_t rows_per_band = (g.in_height + wanted_bands - 1) / wanted_bands;
   const int64_t bands = (g.in_height + rows_per_band - 1) / rows_per_band;
   DEFORMCONV_DISPATCH(grad_columns.scalar_type(), "deform_conv2d_col2im_cpu", [&] {
-    const auto plans = make_window_plans(g, batch, offset.const_data_ptr<scalar_t>(),
-                                         data_or_null<scalar_t>(mask));
     const Col2imTask<scalar_t> t{g,
                                  runs,
-                                 plans,
+                                 plans_of<at::opmath_type<scalar_t>>(sampling),
                                  grad_columns.const_data_ptr<scalar_t>(),
                                  grad_input.mutable_data_ptr<scalar_t>(),
                                  rows_per_band,
@@ -365,8 +370,8 @@ DEFORMCONV_VECTOR_CLONES void offset_mask_grad_tasks(const OffsetMaskGradTask<sc
 
 void offset_mask_grad_cpu(const DeformConv2dGeometry& g, int64_t batch,
                           const at::Tensor& grad_columns, const at::Tensor& input,
-                          const at::Tensor& offset, const at::Tensor& mask,
-                          at::Tensor& grad_offset, at::Tensor& grad_mask) {
+                          const WindowSampling& sampling, at::Tensor& grad_offset,
+                          at::Tensor& grad_mask) {
   const auto runs = runs_of_offset_groups(g);
   const int64_t pixels = pixels_per_task(g.offset_groups * g.taps());
   const int64_t tasks_per_image = (g.window_pixels + pixels - 1) / pixels;
@@ -375,8 +380,8 @@ void offset_mask_grad_cpu(const DeformConv2dGeometry& g, int64_t batch,
                                          runs,
                                          grad_columns.const_data_ptr<scalar_t>(),
                                          input.const_data_ptr<scalar_t>(),
-                                         offset.const_data_ptr<scalar_t>(),
-                                         data_or_null<scalar_t>(mask),
+                                         sampling.offset.const_data_ptr<scalar_t>(),
+                                         data_or_null<scalar_t>(sampling.mask),
                                          mutable_data_or_null<scalar_t>(grad_offset),
                                          mutable_data_or_null<scalar_t>(grad_mask),
                                          pixels,
@@ -430,6 +435,7 @@ void transpose_cpu(const at::Tensor& src, at::Tensor& dst) {
 // plan takes 48 bytes in float32, 64 in float64.
 constexpr DeformConv2dLaunchers kCpuLaunchers{int64_t(4) << 20,
                                               sizeof(SamplingPlan<double>),
+                                              make_plans_cpu,
                                               im2col_cpu,
                                               col2im_cpu,
                                               offset_mask_grad_cpu,

@@ -87,8 +87,12 @@ int64_t columns_entries_in(const DeformConv2dGeometry& g, int64_t batch) {
   return batch * g.in_channels * g.taps() * g.window_pixels;
 }
 
+// The CUDA launchers make no window plans (sampling.plans is undefined): each thread makes the
+// plan of its own sample.
 void im2col_cuda(const DeformConv2dGeometry& g, int64_t batch, const at::Tensor& input,
-                 const at::Tensor& offset, const at::Tensor& mask, at::Tensor& columns) {
+                 const WindowSampling& sampling, at::Tensor& columns) {
+  const at::Tensor& offset = sampling.offset;
+  const at::Tensor& mask = sampling.mask;
   const int64_t total = columns_entries_in(g, batch);
   DEFORMCONV_DISPATCH(input.scalar_type(), "deform_conv2d_im2col_cuda", [&] {
     im2col_kernel<scalar_t>
@@ -100,7 +104,9 @@ void im2col_cuda(const DeformConv2dGeometry& g, int64_t batch, const at::Tensor&
 }
 
 void col2im_cuda(const DeformConv2dGeometry& g, int64_t batch, const at::Tensor& grad_columns,
-                 const at::Tensor& offset, const at::Tensor& mask, at::Tensor& grad_input) {
+                 const WindowSampling& sampling, at::Tensor& grad_input) {
+  const at::Tensor& offset = sampling.offset;
+  const at::Tensor& mask = sampling.mask;
   const int64_t total = columns_entries_in(g, batch);
   DEFORMCONV_DISPATCH(grad_columns.scalar_type(), "deform_conv2d_col2im_cuda", [&] {
     col2im_kernel<scalar_t>
@@ -113,8 +119,10 @@ void col2im_cuda(const DeformConv2dGeometry& g, int64_t batch, const at::Tensor&
 
 void offset_mask_grad_cuda(const DeformConv2dGeometry& g, int64_t batch,
                            const at::Tensor& grad_columns, const at::Tensor& input,
-                           const at::Tensor& offset, const at::Tensor& mask,
-                           at::Tensor& grad_offset, at::Tensor& grad_mask) {
+                           const WindowSampling& sampling, at::Tensor& grad_offset,
+                           at::Tensor& grad_mask) {
+  const at::Tensor& offset = sampling.offset;
+  const at::Tensor& mask = sampling.mask;
   const int64_t total = samples_in(g, batch);
   DEFORMCONV_DISPATCH(input.scalar_type(), "deform_conv2d_offset_mask_grad_cuda", [&] {
     offset_mask_grad_kernel<scalar_t>
@@ -132,8 +140,13 @@ void transpose_cuda(const at::Tensor& src, at::Tensor& dst) { dst.copy_(src.tran
 
 const DeformConv2dLaunchers& cuda_launchers() {
   // 256 MiB of columns per window: whole feature maps at detection resolutions in one GEMM.
-  static const DeformConv2dLaunchers launchers{int64_t(256) << 20, 0, im2col_cuda, col2im_cuda,
-                                               offset_mask_grad_cuda, transpose_cuda};
+  static const DeformConv2dLaunchers launchers{int64_t(256) << 20,
+                                               0,
+                                               nullptr,
+                                               im2col_cuda,
+                                               col2im_cuda,
+                                               offset_mask_grad_cuda,
+                                               transpose_cuda};
   return launchers;
 }
 

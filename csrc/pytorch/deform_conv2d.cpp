@@ -125,6 +125,16 @@ at::Tensor channels_last_block(const DeformConv2dLaunchers& launchers, const at:
   return copy;
 }
 
+// The sampling of the current window of a block: its plans made once, for every launcher.
+WindowSampling window_sampling(const DeformConv2dLaunchers& launchers,
+                               const DeformConv2dGeometry& g, int64_t images,
+                               const at::Tensor& offset_block, const at::Tensor& mask_block) {
+  return {offset_block, mask_block,
+          launchers.make_plans != nullptr
+              ? launchers.make_plans(g, images, offset_block, mask_block)
+              : at::Tensor()};
+}
+
 // Writes a channels-last block (images, H, W, C_in) into `block` of the same images, in the
 // block's own layout.
 void copy_from_channels_last(const DeformConv2dLaunchers& launchers,
@@ -337,7 +347,8 @@ at::Tensor deform_conv2d_forward(
         output.narrow(0, first, images).view({images * G, out_per_group, P});
     for (g.window_begin = 0; g.window_begin < P; g.window_begin += window) {
       g.window_pixels = std::min(window, P - g.window_begin);
-      launchers.im2col(g, images, input_block, offset_block, mask_block, columns);
+      launchers.im2col(g, images, input_block,
+                       window_sampling(launchers, g, images, offset_block, mask_block), columns);
       // (images * G, K * C_in / G, window): the transposed columns, as the GEMM takes them.
       const at::Tensor columns_block = columns_of_window(columns, g, w, images).transpose(1, 2);
       // (images * G, C_out / G, window) inside the output: rows P apart.
@@ -434,8 +445,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> deform_co
       // (images, G, C_out / G, window) inside grad_output: rows P apart.
       const at::Tensor grad_output_window =
           grad_output_block.narrow(3, g.window_begin, g.window_pixels);
+      // Plans only for im2col and col2im: the offset and mask gradients locate their samples
+      // themselves.
+      const WindowSampling sampling =
+          want_weight || want_input
+              ? window_sampling(launchers, g, images, offset_block, mask_block)
+              : WindowSampling{offset_block, mask_block, at::Tensor()};
       if (want_weight) {
-        launchers.im2col(g, images, input_block, offset_block, mask_block, columns);
+        launchers.im2col(g, images, input_block, sampling, columns);
         const at::Tensor columns_grouped =
             columns_block.view({images, G, g.window_pixels, rows_per_group});
         for (const auto n : c10::irange(images)) {
@@ -449,10 +466,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> deform_co
                         .transpose(1, 2),
                     weight_batched.narrow(0, 0, images * G));
         if (want_input) {
-          launchers.col2im(g, images, columns, offset_block, mask_block, grad_input_block);
+          launchers.col2im(g, images, columns, sampling, grad_input_block);
         }
         if (want_offset || want_mask) {
-          launchers.offset_mask_grad(g, images, columns, input_block, offset_block, mask_block,
+          launchers.offset_mask_grad(g, images, columns, input_block, sampling,
                                      grad_offset_block, grad_mask_block);
         }
       }

@@ -14,26 +14,38 @@
 
 namespace deformconv {
 
+// Where the samples of one window come from: the block's offset and mask (mask undefined for
+// DCN v1), and the plans the launchers made of them for this window (make_plans), which
+// im2col and col2im of the window share; undefined where the launchers make none.
+struct WindowSampling {
+  at::Tensor offset;
+  at::Tensor mask;
+  at::Tensor plans;
+};
+
 struct DeformConv2dLaunchers {
-  // Bytes of columns buffer and scratch to aim for per window of output pixels (the driver tiles the
-  // pixels of a block of images so): about the cache of a CPU, or far more on a GPU, whose
-  // GEMMs want large operands and whose allocator reuses memory.
+  // Bytes of columns buffer and scratch to aim for per window of output pixels (the driver
+  // tiles the pixels of a block of images so): about the cache of a CPU, or far more on a GPU,
+  // whose GEMMs want large operands and whose allocator reuses memory.
   int64_t columns_tile_bytes;
-  // Bytes of launcher scratch per sample (image, deform group, tap, pixel) of a window, which
-  // the tile budget covers too: the CPU keeps a sampling plan per sample.
+  // Bytes of plans per sample (image, deform group, tap, pixel) of a window, which the tile
+  // budget covers too.
   int64_t plan_bytes_per_sample;
+  // The window's sampling plans, or null where each thread makes its own (CUDA).
+  at::Tensor (*make_plans)(const DeformConv2dGeometry& geometry, int64_t batch,
+                           const at::Tensor& offset, const at::Tensor& mask);
   // columns sampled from input.
   void (*im2col)(const DeformConv2dGeometry& geometry, int64_t batch, const at::Tensor& input,
-                 const at::Tensor& offset, const at::Tensor& mask, at::Tensor& columns);
+                 const WindowSampling& sampling, at::Tensor& columns);
   // grad_input += the adjoint of im2col applied to grad_columns.
   void (*col2im)(const DeformConv2dGeometry& geometry, int64_t batch,
-                 const at::Tensor& grad_columns, const at::Tensor& offset,
-                 const at::Tensor& mask, at::Tensor& grad_input);
+                 const at::Tensor& grad_columns, const WindowSampling& sampling,
+                 at::Tensor& grad_input);
   // grad_offset and grad_mask (each may be undefined: not asked for) from grad_columns.
   void (*offset_mask_grad)(const DeformConv2dGeometry& geometry, int64_t batch,
                            const at::Tensor& grad_columns, const at::Tensor& input,
-                           const at::Tensor& offset, const at::Tensor& mask,
-                           at::Tensor& grad_offset, at::Tensor& grad_mask);
+                           const WindowSampling& sampling, at::Tensor& grad_offset,
+                           at::Tensor& grad_mask);
   // dst (M, C, R) = src (M, R, C) with the last two dimensions swapped, both contiguous: the
   // copies between the (C_in, H * W) planes of the user's tensors and channels-last.
   void (*transpose)(const at::Tensor& src, at::Tensor& dst);
