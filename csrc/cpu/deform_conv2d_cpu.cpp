@@ -8,7 +8,6 @@
 
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
-#include <ATen/ops/empty.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -86,23 +85,22 @@ int64_t pixels_per_task(int64_t plans_per_pixel) {
 
 // The sampling plans of every sample of the window, (image, window pixel, deform group, tap),
 // made in parallel once per window (make_plans_cpu) and then read by every channel that uses
-// them, in im2col and in col2im. They live in a byte tensor, plan_bytes_per_sample each at
-// most, which the driver counts in the window's scratch memory.
+// them, in im2col and in col2im. They live in the driver's byte buffer, plan_bytes_per_sample
+// each at most, which it counts in the window's scratch memory.
 template <typename opmath_t>
 const SamplingPlan<opmath_t>* plans_of(const WindowSampling& sampling) {
   return reinterpret_cast<const SamplingPlan<opmath_t>*>(sampling.plans.const_data_ptr());
 }
 
-at::Tensor make_plans_cpu(const DeformConv2dGeometry& g, int64_t batch, const at::Tensor& offset,
-                          const at::Tensor& mask) {
+void make_plans_cpu(const DeformConv2dGeometry& g, int64_t batch, const at::Tensor& offset,
+                    const at::Tensor& mask, at::Tensor& plans) {
   const int64_t plans_per_pixel = g.offset_groups * g.taps();
   const int64_t pixels = pixels_per_task(plans_per_pixel);
   const int64_t tasks_per_image = (g.window_pixels + pixels - 1) / pixels;
-  at::Tensor plans;
   DEFORMCONV_DISPATCH(offset.scalar_type(), "deform_conv2d_plans_cpu", [&] {
     using Plan = SamplingPlan<at::opmath_type<scalar_t>>;
-    plans = at::empty({batch * g.window_pixels * plans_per_pixel * int64_t(sizeof(Plan))},
-                      offset.options().dtype(at::kByte));
+    TORCH_INTERNAL_ASSERT(plans.numel() >=
+                          batch * g.window_pixels * plans_per_pixel * int64_t(sizeof(Plan)));
     Plan* plan_data = reinterpret_cast<Plan*>(plans.mutable_data_ptr());
     const scalar_t* offset_data = offset.const_data_ptr<scalar_t>();
     const scalar_t* mask_data = data_or_null<scalar_t>(mask);
@@ -126,7 +124,6 @@ at::Tensor make_plans_cpu(const DeformConv2dGeometry& g, int64_t batch, const at
       }
     });
   });
-  return plans;
 }
 
 // The plans of (image n, window pixel): offset_groups * K of them, deform group major.

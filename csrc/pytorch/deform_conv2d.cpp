@@ -125,14 +125,27 @@ at::Tensor channels_last_block(const DeformConv2dLaunchers& launchers, const at:
   return copy;
 }
 
-// The sampling of the current window of a block: its plans made once, for every launcher.
+// The buffer of one window's sampling plans, allocated once per call; undefined where the
+// launchers make none.
+at::Tensor plans_buffer(const DeformConv2dLaunchers& launchers, const DeformConv2dGeometry& g,
+                        const WorkSplit& w, const at::TensorOptions& options) {
+  if (launchers.make_plans == nullptr) {
+    return at::Tensor();
+  }
+  return scratch_empty(
+      {w.step * w.window * g.offset_groups * g.taps() * launchers.plan_bytes_per_sample},
+      options.dtype(at::kByte));
+}
+
+// The sampling of the current window of a block, its plans made once for every launcher.
 WindowSampling window_sampling(const DeformConv2dLaunchers& launchers,
                                const DeformConv2dGeometry& g, int64_t images,
-                               const at::Tensor& offset_block, const at::Tensor& mask_block) {
-  return {offset_block, mask_block,
-          launchers.make_plans != nullptr
-              ? launchers.make_plans(g, images, offset_block, mask_block)
-              : at::Tensor()};
+                               const at::Tensor& offset_block, const at::Tensor& mask_block,
+                               at::Tensor& plans) {
+  if (launchers.make_plans != nullptr) {
+    launchers.make_plans(g, images, offset_block, mask_block, plans);
+  }
+  return {offset_block, mask_block, plans};
 }
 
 // Writes a channels-last block (images, H, W, C_in) into `block` of the same images, in the
@@ -330,6 +343,7 @@ at::Tensor deform_conv2d_forward(
   const WorkSplit w = split_work(g, batch, im2col_step, input_arg.scalar_type(), launchers);
   const auto [step, window, G, out_per_group, rows_per_group, P] = w;
   at::Tensor columns = columns_buffer(g, w, input_arg.options());
+  at::Tensor plans = plans_buffer(launchers, g, w, input_arg.options());
   // The per-group weight matrices repeated for every image of a block, so that one batched
   // GEMM covers the whole block: (step * G, C_out / G, K * C_in / G).
   const at::Tensor weight_batched = weight_rows(weight_arg, w)
@@ -348,7 +362,8 @@ at::Tensor deform_conv2d_forward(
     for (g.window_begin = 0; g.window_begin < P; g.window_begin += window) {
       g.window_pixels = std::min(window, P - g.window_begin);
       launchers.im2col(g, images, input_block,
-                       window_sampling(launchers, g, images, offset_block, mask_block), columns);
+                       window_sampling(launchers, g, images, offset_block, mask_block, plans),
+                       columns);
       // (images * G, K * C_in / G, window): the transposed columns, as the GEMM takes them.
       const at::Tensor columns_block = columns_of_window(columns, g, w, images).transpose(1, 2);
       // (images * G, C_out / G, window) inside the output: rows P apart.
@@ -401,6 +416,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> deform_co
   const auto [step, window, G, out_per_group, rows_per_group, P] = w;
   // Holds the columns for the weight gradient, then the gradient of the columns.
   at::Tensor columns = columns_buffer(g, w, input_arg.options());
+  at::Tensor plans = plans_buffer(launchers, g, w, input_arg.options());
   // Per-group weights repeated per image: (step * G, C_out / G, K * C_in / G).
   const at::Tensor weight_batched = want_columns_grad
       ? weight_rows(weight_arg, w)
@@ -449,7 +465,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> deform_co
       // themselves.
       const WindowSampling sampling =
           want_weight || want_input
-              ? window_sampling(launchers, g, images, offset_block, mask_block)
+              ? window_sampling(launchers, g, images, offset_block, mask_block, plans)
               : WindowSampling{offset_block, mask_block, at::Tensor()};
       if (want_weight) {
         launchers.im2col(g, images, input_block, sampling, columns);

@@ -15,8 +15,9 @@
 namespace deformconv {
 
 // Where the samples of one window come from: the block's offset and mask (mask undefined for
-// DCN v1), and the plans the launchers made of them for this window (make_plans), which
-// im2col and col2im of the window share; undefined where the launchers make none.
+// DCN v1), and the plans the launchers made of them for this window (make_plans, into a buffer
+// the driver allocates once per call), which im2col and col2im of the window share; undefined
+// where the launchers make none.
 struct WindowSampling {
   at::Tensor offset;
   at::Tensor mask;
@@ -31,9 +32,10 @@ struct DeformConv2dLaunchers {
   // Bytes of plans per sample (image, deform group, tap, pixel) of a window, which the tile
   // budget covers too.
   int64_t plan_bytes_per_sample;
-  // The window's sampling plans, or null where each thread makes its own (CUDA).
-  at::Tensor (*make_plans)(const DeformConv2dGeometry& geometry, int64_t batch,
-                           const at::Tensor& offset, const at::Tensor& mask);
+  // Fills `plans` (bytes, plan_bytes_per_sample per sample of the window at least) with the
+  // window's sampling plans; null where each thread makes its own (CUDA).
+  void (*make_plans)(const DeformConv2dGeometry& geometry, int64_t batch,
+                     const at::Tensor& offset, const at::Tensor& mask, at::Tensor& plans);
   // columns sampled from input.
   void (*im2col)(const DeformConv2dGeometry& geometry, int64_t batch, const at::Tensor& input,
                  const WindowSampling& sampling, at::Tensor& columns);
