@@ -83,6 +83,32 @@ int64_t pixels_per_task(int64_t plans_per_pixel) {
   return std::max<int64_t>(1, kPlansPerTask / plans_per_pixel);
 }
 
+// The window's pixels of each image cut into stretches of pixels_per_task pixels: the tasks of
+// the stages that walk the samples along (deform group, tap) rows.
+struct PixelStretches {
+  int64_t pixels;     // per stretch; the last of an image may be shorter
+  int64_t per_image;  // stretches per image
+};
+
+PixelStretches pixel_stretches(const DeformConv2dGeometry& g) {
+  const int64_t pixels = pixels_per_task(g.offset_groups * g.taps());
+  return {pixels, (g.window_pixels + pixels - 1) / pixels};
+}
+
+// Stretch `task`: block image n, window pixels [first_pixel, first_pixel + pixels).
+struct PixelStretch {
+  int64_t n;
+  int64_t first_pixel;
+  int64_t pixels;
+};
+
+PixelStretch stretch_of(const DeformConv2dGeometry& g, const PixelStretches& stretches,
+                        int64_t task) {
+  const int64_t first_pixel = task % stretches.per_image * stretches.pixels;
+  return {task / stretches.per_image, first_pixel,
+          std::min(stretches.pixels, g.window_pixels - first_pixel)};
+}
+
 // The sampling plans of every sample of the window, (image, window pixel, deform group, tap),
 // made in parallel once per window (make_plans_cpu) and then read by every channel that uses
 // them, in im2col and in col2im. They live in the driver's byte buffer, plan_bytes_per_sample
@@ -95,8 +121,7 @@ const SamplingPlan<opmath_t>* plans_of(const WindowSampling& sampling) {
 void make_plans_cpu(const DeformConv2dGeometry& g, int64_t batch, const at::Tensor& offset,
                     const at::Tensor& mask, at::Tensor& plans) {
   const int64_t plans_per_pixel = g.offset_groups * g.taps();
-  const int64_t pixels = pixels_per_task(plans_per_pixel);
-  const int64_t tasks_per_image = (g.window_pixels + pixels - 1) / pixels;
+  const PixelStretches stretches = pixel_stretches(g);
   DEFORMCONV_DISPATCH(offset.scalar_type(), "deform_conv2d_plans_cpu", [&] {
     using Plan = SamplingPlan<at::opmath_type<scalar_t>>;
     TORCH_INTERNAL_ASSERT(plans.numel() >=
@@ -104,18 +129,16 @@ void make_plans_cpu(const DeformConv2dGeometry& g, int64_t batch, const at::Tens
     Plan* plan_data = reinterpret_cast<Plan*>(plans.mutable_data_ptr());
     const scalar_t* offset_data = offset.const_data_ptr<scalar_t>();
     const scalar_t* mask_data = data_or_null<scalar_t>(mask);
-    at::parallel_for(0, batch * tasks_per_image, 1, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, batch * stretches.per_image, 1, [&](int64_t begin, int64_t end) {
       for (int64_t task = begin; task < end; ++task) {
-        const int64_t n = task / tasks_per_image;
-        const int64_t first_pixel = (task % tasks_per_image) * pixels;
-        const int64_t task_pixels = std::min(pixels, g.window_pixels - first_pixel);
+        const auto [n, first_pixel, pixels] = stretch_of(g, stretches, task);
         Plan* task_plans = plan_data + (n * g.window_pixels + first_pixel) * plans_per_pixel;
         // Along each (deform group, tap) row, stepping the sample instead of dividing per
         // sample.
         for (int64_t group = 0; group < g.offset_groups; ++group) {
           for (int64_t tap = 0; tap < g.taps(); ++tap) {
             SampleIndex s = make_sample_index(g, n, group, tap, g.window_begin + first_pixel);
-            for (int64_t i = 0; i < task_pixels; ++i, next_pixel(g, s)) {
+            for (int64_t i = 0; i < pixels; ++i, next_pixel(g, s)) {
               task_plans[i * plans_per_pixel + group * g.taps() + tap] =
                   make_sampling_plan(g, s, offset_data, mask_data);
             }
@@ -261,8 +284,7 @@ struct OffsetMaskGradTask {
   const scalar_t* mask;
   scalar_t* grad_offset;
   scalar_t* grad_mask;
-  int64_t pixels_per_task;
-  int64_t tasks_per_image;
+  PixelStretches stretches;
 };
 
 // kLanes values of opmath_t in one GCC/Clang vector (lowered to what the target has: one
@@ -346,9 +368,7 @@ DEFORMCONV_VECTOR_CLONES void offset_mask_grad_tasks(const OffsetMaskGradTask<sc
   using opmath_t = at::opmath_type<scalar_t>;
   const DeformConv2dGeometry& g = t.g;
   for (int64_t task = begin; task < end; ++task) {
-    const int64_t n = task / t.tasks_per_image;
-    const int64_t first_pixel = (task % t.tasks_per_image) * t.pixels_per_task;
-    const int64_t pixels = std::min(t.pixels_per_task, g.window_pixels - first_pixel);
+    const auto [n, first_pixel, pixels] = stretch_of(g, t.stretches, task);
     for (int64_t group = 0; group < g.offset_groups; ++group) {
       for (int64_t tap = 0; tap < g.taps(); ++tap) {
         SampleIndex s = make_sample_index(g, n, group, tap, g.window_begin + first_pixel);
@@ -370,8 +390,7 @@ void offset_mask_grad_cpu(const DeformConv2dGeometry& g, int64_t batch,
                           const WindowSampling& sampling, at::Tensor& grad_offset,
                           at::Tensor& grad_mask) {
   const auto runs = runs_of_offset_groups(g);
-  const int64_t pixels = pixels_per_task(g.offset_groups * g.taps());
-  const int64_t tasks_per_image = (g.window_pixels + pixels - 1) / pixels;
+  const PixelStretches stretches = pixel_stretches(g);
   DEFORMCONV_DISPATCH(input.scalar_type(), "deform_conv2d_offset_mask_grad_cpu", [&] {
     const OffsetMaskGradTask<scalar_t> t{g,
                                          runs,
@@ -381,9 +400,8 @@ void offset_mask_grad_cpu(const DeformConv2dGeometry& g, int64_t batch,
                                          data_or_null<scalar_t>(sampling.mask),
                                          mutable_data_or_null<scalar_t>(grad_offset),
                                          mutable_data_or_null<scalar_t>(grad_mask),
-                                         pixels,
-                                         tasks_per_image};
-    at::parallel_for(0, batch * tasks_per_image, 1,
+                                         stretches};
+    at::parallel_for(0, batch * stretches.per_image, 1,
                      [&](int64_t begin, int64_t end) { offset_mask_grad_tasks(t, begin, end); });
   });
 }
