@@ -8,14 +8,26 @@ from torch import Tensor
 IntOrPair = Union[int, Tuple[int, int], List[int]]
 
 
+@torch.jit.unused
+def _check_pair(name: str, value: IntOrPair) -> None:
+    # Python only: under TorchScript the argument's type has been checked already.
+    if (not isinstance(value, (tuple, list)) or len(value) != 2
+            or not all(isinstance(v, int) for v in value)):
+        raise ValueError(f"deform_conv2d(): expected {name} to be an int or a pair of ints, "
+                         f"but got {value!r}")
+
+
 def _pair(name: str, value: IntOrPair) -> List[int]:
     if isinstance(value, int):
         return [value, value]
-    values = list(value)
-    if len(values) != 2 or not all(isinstance(v, int) for v in values):
-        raise ValueError(f"deform_conv2d(): expected {name} to be an int or a pair of ints, "
-                         f"but got {value!r}")
-    return values
+    if not torch.jit.is_scripting():
+        _check_pair(name, value)
+    if isinstance(value, list):
+        if len(value) != 2:
+            raise ValueError("deform_conv2d(): expected " + name + " to be an int or a pair of "
+                             "ints, but got a list of " + str(len(value)))
+        return value
+    return [value[0], value[1]]
 
 
 def deform_conv2d(
@@ -27,7 +39,6 @@ def deform_conv2d(
     padding: IntOrPair = 0,
     dilation: IntOrPair = 1,
     mask: Optional[Tensor] = None,
-    *,
     im2col_step: int = 0,
 ) -> Tensor:
     r"""Deformable convolution: DCN v1, or v2 ("modulated") when ``mask`` is given.
