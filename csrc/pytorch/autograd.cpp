@@ -65,6 +65,43 @@ class DeformConv2dFunction : public torch::autograd::Function<DeformConv2dFuncti
   }
 };
 
+// The gradients are not differentiable themselves: double backward would need the second
+// derivatives of bilinear sampling, which no kernel here computes. With create_graph=True the
+// first backward still works; differentiating its results stops here with a message that names
+// the op, instead of an error from deep inside the GEMMs. Autograd outputs must be defined
+// tensors, so forward returns only the gradients that were computed, in order.
+class DeformConv2dBackwardFunction
+    : public torch::autograd::Function<DeformConv2dBackwardFunction> {
+ public:
+  static variable_list forward(AutogradContext* /*ctx*/, const at::Tensor& grad_output,
+                               const at::Tensor& input, const at::Tensor& offset,
+                               const at::Tensor& weight, const std::optional<at::Tensor>& mask,
+                               c10::IntArrayRef stride, c10::IntArrayRef padding,
+                               c10::IntArrayRef dilation, int64_t groups, int64_t offset_groups,
+                               int64_t im2col_step, std::array<bool, 5> output_mask) {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    auto [grad_input, grad_offset, grad_weight, grad_mask, grad_bias] =
+        deform_conv2d_backward_op().call(grad_output, input, offset, weight, mask, stride,
+                                         padding, dilation, groups, offset_groups, im2col_step,
+                                         output_mask);
+    variable_list computed;
+    for (const at::Tensor& grad : {grad_input, grad_offset, grad_weight, grad_mask, grad_bias}) {
+      if (grad.defined()) {
+        computed.push_back(grad);
+      }
+    }
+    return computed;
+  }
+
+  static variable_list backward(AutogradContext* /*ctx*/, variable_list /*grad_outputs*/) {
+    TORCH_CHECK_NOT_IMPLEMENTED(
+        false,
+        "deform_conv2d: double backward is not supported (the gradients of deform_conv2d "
+        "were themselves differentiated, e.g. after backward(create_graph=True) or "
+        "torch.autograd.grad(..., create_graph=True))");
+  }
+};
+
 at::Tensor deform_conv2d_autograd(const at::Tensor& input, const at::Tensor& offset,
                                   const at::Tensor& weight, const std::optional<at::Tensor>& mask,
                                   const std::optional<at::Tensor>& bias, c10::IntArrayRef stride,
@@ -76,8 +113,41 @@ at::Tensor deform_conv2d_autograd(const at::Tensor& input, const at::Tensor& off
 
 }  // namespace
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
+deform_conv2d_backward_autograd(const at::Tensor& grad_output, const at::Tensor& input,
+                                const at::Tensor& offset, const at::Tensor& weight,
+                                const std::optional<at::Tensor>& mask, c10::IntArrayRef stride,
+                                c10::IntArrayRef padding, c10::IntArrayRef dilation,
+                                int64_t groups, int64_t offset_groups, int64_t im2col_step,
+                                std::array<bool, 5> output_mask) {
+  const bool differentiated =
+      at::GradMode::is_enabled() &&
+      (grad_output.requires_grad() || input.requires_grad() || offset.requires_grad() ||
+       weight.requires_grad() || (mask.has_value() && mask->requires_grad()));
+  if (!differentiated) {  // the usual backward: no graph of the gradients to record
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    return deform_conv2d_backward_op().call(grad_output, input, offset, weight, mask, stride,
+                                            padding, dilation, groups, offset_groups,
+                                            im2col_step, output_mask);
+  }
+  const variable_list computed = DeformConv2dBackwardFunction::apply(
+      grad_output, input, offset, weight, mask, stride, padding, dilation, groups,
+      offset_groups, im2col_step, output_mask);
+  // Back into the op's five slots: the backward op computes a gradient iff output_mask asks
+  // for it, except the mask's, which needs a mask.
+  std::array<at::Tensor, 5> grads;
+  size_t next = 0;
+  for (size_t slot = 0; slot < grads.size(); ++slot) {
+    if (output_mask[slot] && (slot != 3 || mask.has_value())) {
+      grads[slot] = computed.at(next++);
+    }
+  }
+  return {grads[0], grads[1], grads[2], grads[3], grads[4]};
+}
+
 TORCH_LIBRARY_IMPL(deformconv, Autograd, m) {
   m.impl("deform_conv2d", TORCH_FN(deform_conv2d_autograd));
+  m.impl("deform_conv2d_backward", TORCH_FN(deform_conv2d_backward_autograd));
 }
 
 }  // namespace deformconv
