@@ -79,6 +79,56 @@ def test_torchscript_round_trip(cls, n_inputs, mode):
     assert_same(outputs_and_grads(loaded, inputs), expected)
 
 
+def deform_conv2d_in_user_code(x: torch.Tensor, offset: torch.Tensor, weight: torch.Tensor,
+                               bias: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    # Every form of the geometry arguments TorchScript can pass: an int, a tuple, a list;
+    # positional and keyword; v2 then v1; im2col_step given and left out.
+    v2 = deformconv.deform_conv2d(x, offset, weight, bias, 1, (1, 1), [1, 1], mask, 1)
+    v1 = deformconv.deform_conv2d(x, offset, weight, padding=1)
+    return v2 + v1
+
+
+def test_torchscript_scripts_a_function_calling_deform_conv2d():
+    geometry = GEOMETRIES[1]  # 3x3, padding 1
+    x, o, w, b, m = make_operands(geometry)
+    scripted = torch.jit.script(deform_conv2d_in_user_code)
+    buffer = io.BytesIO()
+    torch.jit.save(scripted, buffer)
+    buffer.seek(0)
+    loaded = torch.jit.load(buffer)
+    expected = deform_conv2d_in_user_code(x, o, w, b, m)
+    torch.testing.assert_close(scripted(x, o, w, b, m), expected, rtol=0, atol=0)
+    torch.testing.assert_close(loaded(x, o, w, b, m), expected, rtol=0, atol=0)
+
+
+def test_torchscript_rejects_a_pair_of_the_wrong_length():
+    @torch.jit.script
+    def three_strides(x: torch.Tensor, offset: torch.Tensor, weight: torch.Tensor):
+        return deformconv.deform_conv2d(x, offset, weight, stride=[1, 1, 1])
+
+    x, o, w, _, _ = make_operands(GEOMETRIES[0])
+    with pytest.raises(torch.jit.Error, match="expected stride to be an int or a pair"):
+        three_strides(x, o, w)
+
+
+@pytest.mark.parametrize("with_mask", [False, True])
+def test_double_backward_is_refused_by_name(with_mask):
+    geometry = GEOMETRIES[1]
+    x, o, w, b, m = make_operands(geometry, with_mask=with_mask)
+    leaves = [t.requires_grad_() for t in (x, o, w, b, m) if t is not None]
+    out = deformconv.deform_conv2d(x, o, w, b, 1, 1, 1, m)
+    # create_graph=True alone is fine: the first-order gradients are the usual ones.
+    first = torch.autograd.grad(out.pow(2).sum(), leaves, create_graph=True)
+    usual = torch.autograd.grad(deformconv.deform_conv2d(x, o, w, b, 1, 1, 1, m).pow(2).sum(),
+                                leaves)
+    for with_graph, without in zip(first, usual):
+        torch.testing.assert_close(with_graph, without, rtol=0, atol=0)
+    # Differentiating them again is what is not supported.
+    with pytest.raises(NotImplementedError,
+                       match="deform_conv2d: double backward is not supported"):
+        torch.autograd.grad(sum(g.sum() for g in first), leaves)
+
+
 def opcheck_samples():
     geometry = GEOMETRIES[2]
     for with_mask in (False, True):
