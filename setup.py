@@ -1,22 +1,36 @@
-"""Build of the deformconv extension.
+"""Build of the deformconv extension against the torch installed where it is built.
 
-The CPU kernels are always built. The CUDA kernels are built when nvcc and a CUDA build of
-torch are both present, unless DEFORMCONV_WITH_CUDA says otherwise:
-    DEFORMCONV_WITH_CUDA=1   require the CUDA kernels (fail if they cannot be built)
+The CPU kernels are always built. The CUDA kernels are built when a CUDA build of torch and a
+CUDA toolkit of the same major version are present, unless DEFORMCONV_WITH_CUDA says otherwise:
+    DEFORMCONV_WITH_CUDA=1   require the CUDA kernels (stop at once if they cannot be built)
     DEFORMCONV_WITH_CUDA=0   CPU kernels only
-torch's build helper honours TORCH_CUDA_ARCH_LIST (GPU architectures) and MAX_JOBS (parallel
-compile jobs). DEFORMCONV_SANITIZE=1 compiles the C++ with AddressSanitizer and
-UndefinedBehaviorSanitizer (tools/run_sanitized_tests.sh uses it).
+    (unset or auto)          CUDA kernels when possible, else the CPU kernels, saying why
+The toolkit is CUDA_HOME (or CUDA_PATH) if it holds include/cuda_runtime.h, else the one that the
+nvcc on PATH belongs to, else /usr/local/cuda. The GPU architectures are TORCH_CUDA_ARCH_LIST if
+set, else those of the visible GPUs, else (a build machine without a GPU) those that torch itself
+was built for. MAX_JOBS bounds the parallel compile jobs. DEFORMCONV_SANITIZE=1 compiles the C++
+with AddressSanitizer and UndefinedBehaviorSanitizer (tools/run_sanitized_tests.sh uses it).
+
+Making an sdist or reading the metadata needs no torch; compiling does, and it must be the torch
+the extension will run with, so pip's build isolation (which would hide it, or install another)
+is refused with the command to use instead.
 """
 
 import os
 import re
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 from setuptools import setup
-from torch.utils import cpp_extension
 
 ROOT = Path(__file__).parent
+TORCH_REQUIREMENT = "torch>=2.4"
+# setuptools commands that compile the extension; anything else (sdist, egg_info, dist_info)
+# only writes metadata or copies files.
+COMPILING_COMMANDS = {"build", "build_ext", "bdist_wheel", "editable_wheel", "develop", "install",
+                      "bdist_egg"}
 
 
 def read_version():
@@ -24,38 +38,162 @@ def read_version():
     return re.search(r'^__version__ = "([^"]+)"', text, re.MULTILINE).group(1)
 
 
-def want_cuda():
-    switch = os.environ.get("DEFORMCONV_WITH_CUDA", "auto").strip().lower()
-    available = cpp_extension.CUDA_HOME is not None and _torch_has_cuda()
-    if switch in ("1", "true", "on", "yes"):
-        if not available:
-            raise RuntimeError(
-                "DEFORMCONV_WITH_CUDA=1, but the CUDA kernels cannot be built: "
-                f"CUDA_HOME={cpp_extension.CUDA_HOME}, torch.version.cuda={_torch_cuda_version()}"
-            )
-        return True
-    if switch in ("0", "false", "off", "no"):
-        return False
-    if switch != "auto":
-        raise RuntimeError(f"DEFORMCONV_WITH_CUDA must be 0, 1 or auto, got {switch!r}")
-    return available
+def say(message: str) -> None:
+    print(f"deformconv build: {message}", file=sys.stderr, flush=True)
 
 
-def _torch_cuda_version():
-    import torch
+def import_torch():
+    try:
+        import torch
+    except ImportError:
+        sys.exit(
+            "deformconv build: torch is not importable here. deformconv compiles against the "
+            "torch it will run with, so that torch must be installed first, and visible to the "
+            "build:\n"
+            "    pip install torch ninja \"setuptools>=77\" wheel\n"
+            "    pip install --no-build-isolation .\n"
+            "If torch is installed already, pip's build isolation is hiding it: add "
+            "--no-build-isolation."
+        )
+    return torch
 
-    return torch.version.cuda
+
+def cuda_switch() -> str:
+    value = os.environ.get("DEFORMCONV_WITH_CUDA", "auto").strip().lower()
+    for meaning, spellings in (("1", ("1", "true", "on", "yes")),
+                               ("0", ("0", "false", "off", "no")), ("auto", ("auto", ""))):
+        if value in spellings:
+            return meaning
+    sys.exit(f"deformconv build: DEFORMCONV_WITH_CUDA must be 0, 1 or auto, got {value!r}")
 
 
-def _torch_has_cuda():
-    return _torch_cuda_version() is not None
+def has_cuda_headers(path) -> bool:
+    return path is not None and (Path(path) / "include" / "cuda_runtime.h").is_file()
+
+
+def toolkit_of_nvcc():
+    """The toolkit that the nvcc on PATH belongs to. PATH may hold a symlink or a wrapper script
+    outside the toolkit (then its parent has no headers), so follow the link and, failing that,
+    ask nvcc where it runs from (its dry run prints _HERE_, the toolkit's bin directory)."""
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        return None
+    linked = Path(nvcc).resolve().parent.parent
+    if has_cuda_headers(linked):
+        return linked
+    try:
+        dry_run = subprocess.run([nvcc, "--dryrun", "-c", "-x", "cu", os.devnull, "-o", os.devnull],
+                                 capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    here = re.search(r"^#\$ _HERE_=(.+)$", dry_run.stdout + dry_run.stderr, re.MULTILINE)
+    return Path(here.group(1).strip()).resolve().parent if here else None
+
+
+def find_cuda_home(notes):
+    for variable in ("CUDA_HOME", "CUDA_PATH"):
+        value = os.environ.get(variable)
+        if value:
+            if has_cuda_headers(value):
+                return Path(value)
+            notes.append(f"{variable}={value} ignored: it has no include/cuda_runtime.h")
+    for candidate in (toolkit_of_nvcc(), Path("/usr/local/cuda")):
+        if has_cuda_headers(candidate):
+            return candidate
+    return None
+
+
+def nvcc_release(cuda_home: Path):
+    """(major, minor) of the toolkit's nvcc, or None if it does not run."""
+    try:
+        out = subprocess.run([str(cuda_home / "bin" / "nvcc"), "--version"], capture_output=True,
+                             text=True, timeout=60).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    found = re.search(r"release (\d+)\.(\d+)", out)
+    return (int(found.group(1)), int(found.group(2))) if found else None
+
+
+def supported_gpu_codes(cuda_home: Path):
+    out = subprocess.run([str(cuda_home / "bin" / "nvcc"), "--list-gpu-code"],
+                         capture_output=True, text=True, timeout=60).stdout
+    return set(out.split())
+
+
+def architectures_of_torch(torch, cuda_home: Path, notes):
+    """torch's own list ("sm_90", "compute_90" for PTX) as TORCH_CUDA_ARCH_LIST entries
+    ("9.0", "9.0+PTX"), keeping those this nvcc can compile."""
+    supported = supported_gpu_codes(cuda_home)
+    real = [a for a in torch.cuda.get_arch_list() if a.startswith("sm_")]
+    ptx = {a.replace("compute_", "sm_") for a in torch.cuda.get_arch_list()
+           if a.startswith("compute_")}
+    archs = []
+    for code in real + sorted(ptx - set(real)):
+        if code not in supported:
+            notes.append(f"{code} left out: this nvcc cannot compile it")
+            continue
+        digits = code[len("sm_"):]
+        entry = f"{digits[:-1]}.{digits[-1]}"
+        archs.append(entry + "+PTX" if code in ptx else entry)
+    return archs
+
+
+def plan_cuda(torch):
+    """(CUDA kernels built?, the arch list or the reason they are not) per the switch."""
+    switch = cuda_switch()
+    if switch == "0":
+        return False, "DEFORMCONV_WITH_CUDA=0"
+    notes = []
+    problem = None
+    cuda_home = find_cuda_home(notes)
+    if torch.version.cuda is None:
+        problem = (f"torch {torch.__version__} is a CPU-only build; install a CUDA build of torch "
+                   "for the CUDA kernels")
+    elif cuda_home is None:
+        problem = ("no CUDA toolkit found (no CUDA_HOME or CUDA_PATH with "
+                   "include/cuda_runtime.h, no nvcc on PATH, nothing in /usr/local/cuda); "
+                   "install the CUDA toolkit or set CUDA_HOME to its directory")
+    else:
+        release = nvcc_release(cuda_home)
+        torch_major = int(torch.version.cuda.split(".")[0])
+        if release is None:
+            problem = f"{cuda_home / 'bin' / 'nvcc'} does not run"
+        elif release[0] != torch_major:
+            problem = (f"the toolkit in {cuda_home} is CUDA {release[0]}.{release[1]}, but torch "
+                       f"was built with CUDA {torch.version.cuda}; install a CUDA {torch_major}.x "
+                       "toolkit and set CUDA_HOME to it, or a torch built for "
+                       f"CUDA {release[0]}")
+    archs = os.environ.get("TORCH_CUDA_ARCH_LIST", "").strip()
+    if problem is None and not archs:
+        if torch.cuda.is_available():
+            archs = ";".join(sorted({"{}.{}".format(*torch.cuda.get_device_capability(i))
+                                     for i in range(torch.cuda.device_count())}))
+            notes.append(f"architectures of the visible GPUs: {archs}")
+        else:
+            archs = ";".join(architectures_of_torch(torch, cuda_home, notes))
+            notes.append(f"no GPU visible: the architectures torch {torch.__version__} was "
+                         f"built for: {archs or 'none that this nvcc compiles'}")
+            if not archs:
+                problem = "this nvcc compiles none of the architectures torch was built for"
+    for note in notes:
+        say(note)
+    if problem is not None:
+        if switch == "1":
+            sys.exit(f"deformconv build: DEFORMCONV_WITH_CUDA=1, but the CUDA kernels cannot be "
+                     f"built: {problem}.")
+        return False, problem
+    # torch's build helper reads both when it is imported and when it compiles.
+    os.environ["CUDA_HOME"] = str(cuda_home)
+    os.environ["TORCH_CUDA_ARCH_LIST"] = archs
+    say(f"CUDA kernels for {archs}, toolkit {cuda_home}")
+    return True, archs
 
 
 def sources(pattern):
     return sorted(str(p.relative_to(ROOT)) for p in ROOT.glob(pattern))
 
 
-def extension(with_cuda: bool):
+def extension(cpp_extension, with_cuda: bool):
     common = (
         ["csrc/deformconv.cpp", "csrc/python/module.cpp"]
         + sources("csrc/pytorch/*.cpp")
@@ -83,20 +221,39 @@ def extension(with_cuda: bool):
     )
 
 
-def write_build_info(with_cuda: bool) -> None:
-    """deformconv/_build_info.py: what `python -m deformconv info` reports about this build."""
-    archs = os.environ.get("TORCH_CUDA_ARCH_LIST", "torch's default") if with_cuda else ""
-    (ROOT / "deformconv" / "_build_info.py").write_text(
-        "# Written by setup.py at build time.\n"
-        f"CUDA_ARCH_LIST = {archs!r}\n"
-    )
+def build_options():
+    """setup() arguments for compiling the extension against the torch installed here."""
+    torch = import_torch()
+    with_cuda, archs_or_reason = plan_cuda(torch)
+    if not with_cuda:
+        say(f"CPU kernels only: {archs_or_reason}")
+    from torch.utils import cpp_extension
+
+    class BuildExtension(cpp_extension.BuildExtension):
+        """Writes deformconv/_build_info.py beside the compiled _C: what `python -m deformconv
+        info` reports, and the torch version that the import checks against."""
+
+        def run(self):
+            super().run()
+            target = Path(self.get_ext_fullpath("deformconv._C")).parent / "_build_info.py"
+            target.write_text(
+                "# Written by setup.py when _C was compiled.\n"
+                f"TORCH_VERSION = {torch.__version__!r}\n"
+                f"CUDA_ARCH_LIST = {archs_or_reason if with_cuda else ''!r}\n"
+                f"CPU_ONLY_REASON = {None if with_cuda else archs_or_reason!r}\n"
+            )
+
+    # The wheel holds machine code linked against this torch's C++ ABI: it needs exactly it.
+    public_version = torch.__version__.split("+")[0]
+    return {
+        "ext_modules": [extension(cpp_extension, with_cuda)],
+        "cmdclass": {"build_ext": BuildExtension.with_options(use_ninja=True)},
+        "install_requires": [f"torch=={public_version}"],
+    }
 
 
-WITH_CUDA = want_cuda()
-write_build_info(WITH_CUDA)
-
+compiling = bool(COMPILING_COMMANDS.intersection(sys.argv[1:]))
 setup(
     version=read_version(),
-    ext_modules=[extension(WITH_CUDA)],
-    cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)},
+    **(build_options() if compiling else {"install_requires": [TORCH_REQUIREMENT]}),
 )
