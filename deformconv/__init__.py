@@ -9,6 +9,25 @@ __version__ = "0.1.0"
 
 import torch
 
+
+def _check_torch_version() -> None:
+    """_C is machine code linked against the C++ ABI of the torch it was compiled with; under any
+    other torch it would fail to load with an undefined symbol, or worse."""
+    try:
+        from ._build_info import TORCH_VERSION
+    except ImportError:  # not built by setup.py: nothing recorded to check against
+        return
+    if TORCH_VERSION != torch.__version__:
+        raise ImportError(
+            f"deformconv {__version__} was compiled against torch {TORCH_VERSION}, but torch "
+            f"{torch.__version__} is installed. Rebuild it against this torch from its source "
+            "folder (pip install --no-build-isolation --force-reinstall --no-deps .), or install "
+            f"torch {TORCH_VERSION}."
+        )
+
+
+_check_torch_version()
+
 from . import _C  # noqa: F401  (loads the library, which registers torch.ops.deformconv.*)
 from .convert import convert_to_deformable
 from .modules import (

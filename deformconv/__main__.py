@@ -11,18 +11,22 @@ def info() -> int:
 
     import deformconv
 
+    try:
+        from . import _build_info
+    except ImportError:  # built by other means than setup.py
+        _build_info = None
     cuda = deformconv.cuda_compiled()
     print(f"deformconv {deformconv.__version__}")
     print(f"torch {torch.__version__} (CUDA {torch.version.cuda or 'none'}), "
           f"Python {platform.python_version()}")
-    print(f"CUDA kernels compiled: {'yes' if cuda else 'no'}")
     if cuda:
-        try:
-            from ._build_info import CUDA_ARCH_LIST
-        except ImportError:  # built by other means than setup.py
-            CUDA_ARCH_LIST = "unknown"
-        print(f"CUDA architectures compiled: {CUDA_ARCH_LIST}")
+        print("CUDA kernels compiled: yes")
+        archs = _build_info.CUDA_ARCH_LIST if _build_info else "unknown"
+        print(f"CUDA architectures compiled: {archs}")
         print(f"CUDA devices: {torch.cuda.device_count()}")
+    else:
+        reason = _build_info.CPU_ONLY_REASON if _build_info else "unknown"
+        print(f"CUDA kernels compiled: no, CPU kernels only ({reason})")
     print("dtypes: cpu float32 float64 float16 bfloat16"
           + ("; cuda float32 float64 float16 bfloat16" if cuda else ""))
     print(f"CPU threads: {torch.get_num_threads()}")
