@@ -13,7 +13,7 @@ with AddressSanitizer and UndefinedBehaviorSanitizer (tools/run_sanitized_tests.
 
 Making an sdist or reading the metadata needs no torch; compiling does, and it must be the torch
 the extension will run with, so pip's build isolation (which would hide it, or install another)
-is refused with the command to use instead.
+is refused at once, with the command to use instead (build_backend.py).
 """
 
 import os
@@ -26,11 +26,12 @@ from pathlib import Path
 from setuptools import setup
 
 ROOT = Path(__file__).parent
-TORCH_REQUIREMENT = "torch>=2.4"
-# setuptools commands that compile the extension; anything else (sdist, egg_info, dist_info)
-# only writes metadata or copies files.
+# setuptools commands that compile the extension; the others (sdist, egg_info, dist_info) only
+# write metadata or copy files.
 COMPILING_COMMANDS = {"build", "build_ext", "bdist_wheel", "editable_wheel", "develop", "install",
                       "bdist_egg"}
+# dist_info writes the metadata that pip puts in the wheel it builds next.
+WHEEL_METADATA_COMMANDS = COMPILING_COMMANDS | {"dist_info"}
 
 
 def read_version():
@@ -40,22 +41,6 @@ def read_version():
 
 def say(message: str) -> None:
     print(f"deformconv build: {message}", file=sys.stderr, flush=True)
-
-
-def import_torch():
-    try:
-        import torch
-    except ImportError:
-        sys.exit(
-            "deformconv build: torch is not importable here. deformconv compiles against the "
-            "torch it will run with, so that torch must be installed first, and visible to the "
-            "build:\n"
-            "    pip install torch ninja \"setuptools>=77\" wheel\n"
-            "    pip install --no-build-isolation .\n"
-            "If torch is installed already, pip's build isolation is hiding it: add "
-            "--no-build-isolation."
-        )
-    return torch
 
 
 def cuda_switch() -> str:
@@ -223,7 +208,8 @@ def extension(cpp_extension, with_cuda: bool):
 
 def build_options():
     """setup() arguments for compiling the extension against the torch installed here."""
-    torch = import_torch()
+    import torch  # build_backend.py has checked that it imports, for PEP 517 builds
+
     with_cuda, archs_or_reason = plan_cuda(torch)
     if not with_cuda:
         say(f"CPU kernels only: {archs_or_reason}")
@@ -243,17 +229,25 @@ def build_options():
                 f"CPU_ONLY_REASON = {None if with_cuda else archs_or_reason!r}\n"
             )
 
-    # The wheel holds machine code linked against this torch's C++ ABI: it needs exactly it.
-    public_version = torch.__version__.split("+")[0]
     return {
         "ext_modules": [extension(cpp_extension, with_cuda)],
         "cmdclass": {"build_ext": BuildExtension.with_options(use_ninja=True)},
-        "install_requires": [f"torch=={public_version}"],
     }
 
 
-compiling = bool(COMPILING_COMMANDS.intersection(sys.argv[1:]))
+def torch_requirement(commands) -> str:
+    """A wheel holds machine code linked against the C++ ABI of the torch it was compiled with,
+    and needs exactly that torch; an sdist builds against any recent one."""
+    if not WHEEL_METADATA_COMMANDS.intersection(commands):
+        return "torch>=2.4"
+    import torch
+
+    return "torch==" + torch.__version__.split("+")[0]
+
+
+commands = sys.argv[1:]
 setup(
     version=read_version(),
-    **(build_options() if compiling else {"install_requires": [TORCH_REQUIREMENT]}),
+    install_requires=[torch_requirement(commands)],
+    **(build_options() if COMPILING_COMMANDS.intersection(commands) else {}),
 )

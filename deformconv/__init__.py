@@ -7,6 +7,8 @@
 
 __version__ = "0.1.0"
 
+from pathlib import Path
+
 import torch
 
 
@@ -28,7 +30,19 @@ def _check_torch_version() -> None:
 
 _check_torch_version()
 
-from . import _C  # noqa: F401  (loads the library, which registers torch.ops.deformconv.*)
+try:
+    from . import _C  # noqa: F401  (loads the library, which registers torch.ops.deformconv.*)
+except ImportError as error:
+    if any(Path(__file__).parent.glob("_C.*")):
+        raise
+    # Typically a repository checkout: `python -m ...` or `python -c ...` from its root finds
+    # the source folder before the installed package.
+    raise ImportError(
+        f"deformconv's compiled extension _C is missing from {Path(__file__).parent}, which is "
+        "probably its source folder, found before the installed package because Python runs "
+        "from the repository root. Run from another directory, or install in editable mode "
+        "(pip install --no-build-isolation -e .), which builds _C there."
+    ) from error
 from .convert import convert_to_deformable
 from .modules import (
     DeformConv2d,
