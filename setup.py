@@ -100,9 +100,11 @@ def nvcc_release(cuda_home: Path):
 
 
 def supported_gpu_codes(cuda_home: Path):
-    out = subprocess.run([str(cuda_home / "bin" / "nvcc"), "--list-gpu-code"],
-                         capture_output=True, text=True, timeout=60).stdout
-    return set(out.split())
+    listing = subprocess.run([str(cuda_home / "bin" / "nvcc"), "--list-gpu-code"],
+                             capture_output=True, text=True, timeout=60)
+    if listing.returncode != 0:
+        raise RuntimeError(f"nvcc --list-gpu-code failed: {listing.stderr.strip()}")
+    return set(listing.stdout.split())
 
 
 def architectures_of_torch(torch, cuda_home: Path, notes):
@@ -155,11 +157,15 @@ def plan_cuda(torch):
                                      for i in range(torch.cuda.device_count())}))
             notes.append(f"architectures of the visible GPUs: {archs}")
         else:
-            archs = ";".join(architectures_of_torch(torch, cuda_home, notes))
-            notes.append(f"no GPU visible: the architectures torch {torch.__version__} was "
-                         f"built for: {archs or 'none that this nvcc compiles'}")
-            if not archs:
-                problem = "this nvcc compiles none of the architectures torch was built for"
+            try:
+                archs = ";".join(architectures_of_torch(torch, cuda_home, notes))
+            except RuntimeError as error:
+                problem = str(error)
+            else:
+                notes.append(f"no GPU visible: the architectures torch {torch.__version__} was "
+                             f"built for: {archs or 'none that this nvcc compiles'}")
+                if not archs:
+                    problem = "this nvcc compiles none of the architectures torch was built for"
     for note in notes:
         say(note)
     if problem is not None:
@@ -216,17 +222,36 @@ def build_options():
     from torch.utils import cpp_extension
 
     class BuildExtension(cpp_extension.BuildExtension):
-        """Writes deformconv/_build_info.py beside the compiled _C: what `python -m deformconv
-        info` reports, and the torch version that the import checks against."""
+        """Falls back to the CPU kernels if the CUDA ones fail to compile in auto mode (a host
+        compiler that this nvcc refuses, say), and writes deformconv/_build_info.py beside the
+        compiled _C: what `python -m deformconv info` reports, and the torch version that the
+        import checks against."""
+
+        cpu_only_reason = None if with_cuda else archs_or_reason
+
+        def build_extensions(self):
+            try:
+                super().build_extensions()
+            except Exception as error:
+                if self.cpu_only_reason is not None or cuda_switch() == "1":
+                    raise
+                first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
+                self.cpu_only_reason = f"the CUDA kernels failed to compile: {first_line}"
+                say(f"CPU kernels only: {self.cpu_only_reason}")
+                # In place: setuptools has annotated the Extension object already.
+                (compiled,) = self.extensions
+                vars(compiled).update(vars(extension(cpp_extension, with_cuda=False)))
+                super().build_extensions()
 
         def run(self):
             super().run()
             target = Path(self.get_ext_fullpath("deformconv._C")).parent / "_build_info.py"
+            archs = archs_or_reason if self.cpu_only_reason is None else ""
             target.write_text(
                 "# Written by setup.py when _C was compiled.\n"
                 f"TORCH_VERSION = {torch.__version__!r}\n"
-                f"CUDA_ARCH_LIST = {archs_or_reason if with_cuda else ''!r}\n"
-                f"CPU_ONLY_REASON = {None if with_cuda else archs_or_reason!r}\n"
+                f"CUDA_ARCH_LIST = {archs!r}\n"
+                f"CPU_ONLY_REASON = {self.cpu_only_reason!r}\n"
             )
 
     return {
