@@ -33,7 +33,7 @@ _check_torch_version()
 try:
     from . import _C  # noqa: F401  (loads the library, which registers torch.ops.deformconv.*)
 except ImportError as error:
-    if any(Path(__file__).parent.glob("_C.*")):
+    if any(Path(__file__).parent.glob("_C.*.so")):
         raise
     # Typically a repository checkout: `python -m ...` or `python -c ...` from its root finds
     # the source folder before the installed package.

@@ -7,7 +7,7 @@ REPOSITORY = TESTS.parent
 # `python -m pytest` puts the working directory first on sys.path. From the repository root,
 # the source folder deformconv/ would then shadow the installed package, and unless it was
 # built in place (an editable install, or `setup.py build_ext --inplace`) it has no compiled _C.
-if not any((REPOSITORY / "deformconv").glob("_C*.so")):
+if not any((REPOSITORY / "deformconv").glob("_C.*.so")):
     sys.path[:] = [entry for entry in sys.path
                    if Path(entry or ".").resolve() != REPOSITORY]
 
