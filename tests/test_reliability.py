@@ -163,6 +163,9 @@ def ddp_worker(rank, world_size, init_file, result_file):
     train(model, x[shard], target[shard])
     if rank == 0:
         torch.save(model.module.state_dict(), result_file)
+    # Both ranks leave the group together: a rank that tears gloo down while the other still
+    # works can take that one down with it ("terminate called without an active exception").
+    dist.barrier()
     dist.destroy_process_group()
 
 
