@@ -1,0 +1,32 @@
+#pragma once
+
+// The op schemas, one string each: declared by TORCH_LIBRARY(deformconv) in deformconv.cpp, and
+// under another namespace by the test suite's CUDA emulation library (tests/cuda_emulation).
+
+namespace deformconv::schemas {
+
+// DCN v1 without a mask, v2 with one. Shapes: input (N, C_in, H, W); offset
+// (N, 2 * offset_groups * kH * kW, H_out, W_out), y before x for each tap; weight
+// (C_out, C_in / groups, kH, kW); mask (N, offset_groups * kH * kW, H_out, W_out);
+// bias (C_out). im2col_step: images per im2col block, 0 for automatic.
+inline constexpr const char* kDeformConv2d =
+    "deform_conv2d(Tensor input, Tensor offset, Tensor weight, Tensor? mask, Tensor? bias, "
+    "SymInt[2] stride, SymInt[2] padding, SymInt[2] dilation, int groups, int offset_groups, "
+    "int im2col_step) -> Tensor";
+
+// Gradients of (input, offset, weight, mask, bias); output_mask selects which are computed,
+// the others are returned undefined (None in Python).
+inline constexpr const char* kDeformConv2dBackward =
+    "deform_conv2d_backward(Tensor grad_output, Tensor input, Tensor offset, Tensor weight, "
+    "Tensor? mask, SymInt[2] stride, SymInt[2] padding, SymInt[2] dilation, int groups, "
+    "int offset_groups, int im2col_step, bool[5] output_mask) "
+    "-> (Tensor, Tensor, Tensor, Tensor, Tensor)";
+
+// The checks of deform_conv2d (grad_output absent) or of deform_conv2d_backward (present),
+// reading no tensor data; returns the output shape. For the fake kernels.
+inline constexpr const char* kCheckArguments =
+    "_check_arguments(Tensor? grad_output, Tensor input, Tensor offset, Tensor weight, "
+    "Tensor? mask, Tensor? bias, SymInt[2] stride, SymInt[2] padding, SymInt[2] dilation, "
+    "int groups, int offset_groups, int im2col_step) -> int[]";
+
+}  // namespace deformconv::schemas
