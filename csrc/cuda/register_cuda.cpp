@@ -1,50 +1,41 @@
-// CUDA kernels of the ops: the device-neutral driver with the CUDA launchers, under a guard
-// for the input's device (without it, work on a second GPU runs on the first: mmcv once
-// returned zeros there).
+// Registration of the ops' CUDA kernels (ops_cuda.cpp) with the CUDA launchers.
 
-#include <ATen/Context.h>
-#include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
-#include "../pytorch/deform_conv2d.h"
 #include "deform_conv2d_cuda.h"
 
 namespace deformconv {
 namespace {
 
-at::Tensor deform_conv2d_cuda(const at::Tensor& input, const at::Tensor& offset,
-                              const at::Tensor& weight, const std::optional<at::Tensor>& mask,
-                              const std::optional<at::Tensor>& bias, c10::IntArrayRef stride,
-                              c10::IntArrayRef padding, c10::IntArrayRef dilation,
-                              int64_t groups, int64_t offset_groups, int64_t im2col_step) {
-  // Before the guard, which needs input on a CUDA device: never touch memory of another device.
-  check_same_device(input, offset, weight, mask, bias);
-  const c10::cuda::CUDAGuard device_guard(input.device());
-  return deform_conv2d_forward(cuda_launchers(), input, offset, weight, mask, bias, stride,
-                               padding, dilation, groups, offset_groups, im2col_step);
+at::Tensor deform_conv2d_cuda_kernel(const at::Tensor& input, const at::Tensor& offset,
+                                     const at::Tensor& weight,
+                                     const std::optional<at::Tensor>& mask,
+                                     const std::optional<at::Tensor>& bias,
+                                     c10::IntArrayRef stride, c10::IntArrayRef padding,
+                                     c10::IntArrayRef dilation, int64_t groups,
+                                     int64_t offset_groups, int64_t im2col_step) {
+  return deform_conv2d_cuda(cuda_launchers(), input, offset, weight, mask, bias, stride, padding,
+                            dilation, groups, offset_groups, im2col_step);
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> deform_conv2d_backward_cuda(
-    const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& offset,
-    const at::Tensor& weight, const std::optional<at::Tensor>& mask, c10::IntArrayRef stride,
-    c10::IntArrayRef padding, c10::IntArrayRef dilation, int64_t groups, int64_t offset_groups,
-    int64_t im2col_step, std::array<bool, 5> output_mask) {
-  check_same_device(input, offset, weight, mask, std::nullopt);
-  if (output_mask[0]) {
-    // The input gradient is a scatter with atomic adds, whose order varies from run to run.
-    at::globalContext().alertNotDeterministic("deform_conv2d_backward_cuda (input gradient)");
-  }
-  const c10::cuda::CUDAGuard device_guard(input.device());
-  return deform_conv2d_backward(cuda_launchers(), grad_output, input, offset, weight, mask,
-                                stride, padding, dilation, groups, offset_groups, im2col_step,
-                                output_mask);
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
+deform_conv2d_backward_cuda_kernel(const at::Tensor& grad_output, const at::Tensor& input,
+                                   const at::Tensor& offset, const at::Tensor& weight,
+                                   const std::optional<at::Tensor>& mask,
+                                   c10::IntArrayRef stride, c10::IntArrayRef padding,
+                                   c10::IntArrayRef dilation, int64_t groups,
+                                   int64_t offset_groups, int64_t im2col_step,
+                                   std::array<bool, 5> output_mask) {
+  return deform_conv2d_backward_cuda(cuda_launchers(), grad_output, input, offset, weight, mask,
+                                     stride, padding, dilation, groups, offset_groups,
+                                     im2col_step, output_mask);
 }
 
 }  // namespace
 
 TORCH_LIBRARY_IMPL(deformconv, CUDA, m) {
-  m.impl("deform_conv2d", TORCH_FN(deform_conv2d_cuda));
-  m.impl("deform_conv2d_backward", TORCH_FN(deform_conv2d_backward_cuda));
+  m.impl("deform_conv2d", TORCH_FN(deform_conv2d_cuda_kernel));
+  m.impl("deform_conv2d_backward", TORCH_FN(deform_conv2d_backward_cuda_kernel));
 }
 
 }  // namespace deformconv
