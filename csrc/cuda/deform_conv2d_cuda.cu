@@ -12,6 +12,7 @@
 
 #include "../common/deform_conv2d_kernel.cuh"
 #include "deform_conv2d_cuda.h"
+#include "launch.cuh"
 
 namespace deformconv {
 namespace {
@@ -95,8 +96,8 @@ void im2col_cuda(const DeformConv2dGeometry& g, int64_t batch, const at::Tensor&
   const at::Tensor& mask = sampling.mask;
   const int64_t total = columns_entries_in(g, batch);
   DEFORMCONV_DISPATCH(input.scalar_type(), "deform_conv2d_im2col_cuda", [&] {
-    im2col_kernel<scalar_t>
-        <<<blocks_for(total), kThreadsPerBlock, 0, c10::cuda::getCurrentCUDAStream()>>>(
+    DEFORMCONV_LAUNCH(im2col_kernel<scalar_t>, blocks_for(total), kThreadsPerBlock,
+                      c10::cuda::getCurrentCUDAStream())(
             g, total, input.const_data_ptr<scalar_t>(), offset.const_data_ptr<scalar_t>(),
             data_or_null<scalar_t>(mask), columns.mutable_data_ptr<scalar_t>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -109,8 +110,8 @@ void col2im_cuda(const DeformConv2dGeometry& g, int64_t batch, const at::Tensor&
   const at::Tensor& mask = sampling.mask;
   const int64_t total = columns_entries_in(g, batch);
   DEFORMCONV_DISPATCH(grad_columns.scalar_type(), "deform_conv2d_col2im_cuda", [&] {
-    col2im_kernel<scalar_t>
-        <<<blocks_for(total), kThreadsPerBlock, 0, c10::cuda::getCurrentCUDAStream()>>>(
+    DEFORMCONV_LAUNCH(col2im_kernel<scalar_t>, blocks_for(total), kThreadsPerBlock,
+                      c10::cuda::getCurrentCUDAStream())(
             g, total, grad_columns.const_data_ptr<scalar_t>(), offset.const_data_ptr<scalar_t>(),
             data_or_null<scalar_t>(mask), grad_input.mutable_data_ptr<scalar_t>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -125,8 +126,8 @@ void offset_mask_grad_cuda(const DeformConv2dGeometry& g, int64_t batch,
   const at::Tensor& mask = sampling.mask;
   const int64_t total = samples_in(g, batch);
   DEFORMCONV_DISPATCH(input.scalar_type(), "deform_conv2d_offset_mask_grad_cuda", [&] {
-    offset_mask_grad_kernel<scalar_t>
-        <<<blocks_for(total), kThreadsPerBlock, 0, c10::cuda::getCurrentCUDAStream()>>>(
+    DEFORMCONV_LAUNCH(offset_mask_grad_kernel<scalar_t>, blocks_for(total), kThreadsPerBlock,
+                      c10::cuda::getCurrentCUDAStream())(
             g, total, grad_columns.const_data_ptr<scalar_t>(), input.const_data_ptr<scalar_t>(),
             offset.const_data_ptr<scalar_t>(), data_or_null<scalar_t>(mask),
             mutable_data_or_null<scalar_t>(grad_offset), mutable_data_or_null<scalar_t>(grad_mask));
