@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Builds the CPU extension with AddressSanitizer and UndefinedBehaviorSanitizer in a scratch copy
-# of the repository and runs the CPU test suite against it, with the sanitizer runtime loaded
-# into Python. Any out-of-bounds access or undefined behaviour in the C++ aborts the run.
+# Builds the CPU extension and the CUDA emulation (tests/emulated_cuda.py) with AddressSanitizer
+# and UndefinedBehaviorSanitizer in a scratch copy of the repository and runs the CPU test suite
+# against them, with the sanitizer runtime loaded into Python. Any out-of-bounds access or
+# undefined behaviour in the C++ aborts the run.
 #   bash tools/run_sanitized_tests.sh [pytest arguments]
 # Needs the build and test dependencies of the current Python (requirements-dev.txt).
 set -euo pipefail
@@ -11,8 +12,12 @@ trap 'rm -rf "$scratch"' EXIT
 git -C "$repo" ls-files -z | (cd "$repo" && xargs -0 cp --parents -t "$scratch")
 
 cd "$scratch"
-DEFORMCONV_WITH_CUDA=0 DEFORMCONV_SANITIZE=1 MAX_JOBS="${MAX_JOBS:-2}" \
-  python setup.py build_ext --inplace > build.log 2>&1 || { tail -40 build.log; exit 1; }
+export DEFORMCONV_SANITIZE=1 MAX_JOBS="${MAX_JOBS:-2}"
+DEFORMCONV_WITH_CUDA=0 python setup.py build_ext --inplace > build.log 2>&1 \
+  || { tail -40 build.log; exit 1; }
+# The CUDA launchers under emulation (tests/test_cuda_emulation.py), sanitized as well; built
+# now, so that the compilers do not run with the sanitizer runtime preloaded.
+python tests/emulated_cuda.py >> build.log 2>&1 || { tail -40 build.log; exit 1; }
 
 # Python itself is not built with ASan: preload the runtime. Leak checking is off (the
 # interpreter keeps memory until exit by design); UBSan findings abort with a stack trace.

@@ -1,0 +1,102 @@
+// The CUDA kernels of the ops, run on the CPU: csrc/cuda/deform_conv2d_cuda.cu itself, compiled
+// as C++ in this translation unit, with ops_cuda.cpp and the driver beside it (see
+// tests/emulated_cuda.py for the build). They are declared again as torch.ops.deformconv_emulated.*
+// at the CPU key, with the CUDA launchers, whose window budget the tests may shrink; plus ops
+// to set the emulator and read its bookkeeping.
+
+#include <torch/library.h>
+
+#include "../../csrc/cuda/deform_conv2d_cuda.cu"
+#include "../../csrc/schemas.h"
+
+namespace deformconv {
+namespace {
+
+// The CUDA launchers, with the window budget that `configure` sets (0: theirs).
+DeformConv2dLaunchers& emulated_launchers() {
+  static DeformConv2dLaunchers launchers = cuda_launchers();
+  return launchers;
+}
+
+at::Tensor emulated_forward(const at::Tensor& input, const at::Tensor& offset,
+                            const at::Tensor& weight, const std::optional<at::Tensor>& mask,
+                            const std::optional<at::Tensor>& bias, c10::IntArrayRef stride,
+                            c10::IntArrayRef padding, c10::IntArrayRef dilation, int64_t groups,
+                            int64_t offset_groups, int64_t im2col_step) {
+  return deform_conv2d_cuda(emulated_launchers(), input, offset, weight, mask, bias, stride,
+                            padding, dilation, groups, offset_groups, im2col_step);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> emulated_backward(
+    const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& offset,
+    const at::Tensor& weight, const std::optional<at::Tensor>& mask, c10::IntArrayRef stride,
+    c10::IntArrayRef padding, c10::IntArrayRef dilation, int64_t groups, int64_t offset_groups,
+    int64_t im2col_step, std::array<bool, 5> output_mask) {
+  return deform_conv2d_backward_cuda(emulated_launchers(), grad_output, input, offset, weight,
+                                     mask, stride, padding, dilation, groups, offset_groups,
+                                     im2col_step, output_mask);
+}
+
+void configure(int64_t block_order, int64_t thread_order, int64_t grid_cap, int64_t seed,
+               int64_t current_stream, int64_t columns_tile_bytes) {
+  TORCH_CHECK(block_order >= 0 && block_order <= 2 && thread_order >= 0 && thread_order <= 2,
+              "orders are 0 (forward), 1 (reverse) or 2 (shuffled)");
+  cuda_emulation::Settings& s = cuda_emulation::settings();
+  s.block_order = static_cast<cuda_emulation::Order>(block_order);
+  s.thread_order = static_cast<cuda_emulation::Order>(thread_order);
+  s.grid_cap = grid_cap;
+  s.seed = static_cast<uint64_t>(seed);
+  s.current_stream = current_stream;
+  emulated_launchers().columns_tile_bytes =
+      columns_tile_bytes > 0 ? columns_tile_bytes : cuda_launchers().columns_tile_bytes;
+}
+
+// [launches, launch checks, launches off the current stream, launches outside a device guard,
+// invalid launches, launches not followed by their check], then cleared.
+std::vector<int64_t> take_bookkeeping() {
+  cuda_emulation::Bookkeeping& record = cuda_emulation::bookkeeping();
+  std::vector<int64_t> counts = {record.launches,
+                                 record.launch_checks,
+                                 record.launches_off_the_current_stream,
+                                 record.launches_outside_a_device_guard,
+                                 record.invalid_launches,
+                                 record.launches_not_checked + (record.check_due ? 1 : 0)};
+  record = cuda_emulation::Bookkeeping();
+  return counts;
+}
+
+__global__ void count_threads_kernel(int64_t* count) { ++*count; }
+
+// A launch of `blocks` x `threads_per_block` threads, checked as the launchers check theirs:
+// how many threads ran, or the launch error. For the tests of the emulator's limits.
+int64_t probe_launch(int64_t blocks, int64_t threads_per_block) {
+  int64_t count = 0;
+  DEFORMCONV_LAUNCH(count_threads_kernel, blocks, threads_per_block,
+                    c10::cuda::getCurrentCUDAStream())(&count);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return count;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(deformconv_emulated, m) {
+  m.def(schemas::kDeformConv2d);
+  m.def(schemas::kDeformConv2dBackward);
+  m.def("configure(int block_order, int thread_order, int grid_cap, int seed, "
+        "int current_stream, int columns_tile_bytes) -> ()");
+  m.def("take_bookkeeping() -> int[]");
+  m.def("probe_launch(int blocks, int threads_per_block) -> int");
+}
+
+TORCH_LIBRARY_IMPL(deformconv_emulated, CPU, m) {
+  m.impl("deform_conv2d", TORCH_FN(emulated_forward));
+  m.impl("deform_conv2d_backward", TORCH_FN(emulated_backward));
+}
+
+TORCH_LIBRARY_IMPL(deformconv_emulated, CompositeExplicitAutograd, m) {
+  m.impl("configure", TORCH_FN(configure));
+  m.impl("take_bookkeeping", TORCH_FN(take_bookkeeping));
+  m.impl("probe_launch", TORCH_FN(probe_launch));
+}
+
+}  // namespace deformconv

@@ -1,0 +1,40 @@
+"""Builds and loads tests/cuda_emulation: the project's real CUDA launchers and CUDA kernels of
+the ops (csrc/cuda), compiled as C++ against a small CUDA emulator and run on CPU tensors, as
+torch.ops.deformconv_emulated.*. Built once into torch's extension cache; ninja rebuilds what
+changed in csrc/ or tests/cuda_emulation. DEFORMCONV_SANITIZE=1 builds it with AddressSanitizer
+and UndefinedBehaviorSanitizer (tools/run_sanitized_tests.sh).
+
+    python tests/emulated_cuda.py     # build only
+"""
+
+import os
+from pathlib import Path
+
+import torch
+from torch.utils import cpp_extension
+
+ROOT = Path(__file__).resolve().parent.parent
+EMULATION = ROOT / "tests" / "cuda_emulation"
+SANITIZER_FLAGS = ["-fsanitize=address,undefined", "-fno-sanitize-recover=undefined",
+                   "-fno-omit-frame-pointer", "-g"]
+
+
+def load():
+    sanitize = os.environ.get("DEFORMCONV_SANITIZE", "0") == "1"
+    extra = SANITIZER_FLAGS if sanitize else []
+    cpp_extension.load(
+        name="deformconv_cuda_emulation" + ("_sanitized" if sanitize else ""),
+        sources=[str(EMULATION / "emulated_ops.cpp"), str(ROOT / "csrc" / "cuda" / "ops_cuda.cpp"),
+                 str(ROOT / "csrc" / "pytorch" / "deform_conv2d.cpp")],
+        # Ahead of torch's own headers: the shims of c10/cuda.
+        extra_include_paths=[str(EMULATION / "include")],
+        extra_cflags=["-O1" if sanitize else "-O2", "-fopenmp", "-DDEFORMCONV_CUDA_EMULATION",
+                      "-include", str(EMULATION / "cuda_emulation.h")] + extra,
+        extra_ldflags=["-fopenmp"] + extra,
+        is_python_module=False,
+    )
+    return torch.ops.deformconv_emulated
+
+
+if __name__ == "__main__":
+    load()

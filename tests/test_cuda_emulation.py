@@ -1,0 +1,213 @@
+"""The CUDA launchers and the CUDA kernels of the ops, executed on the CPU by emulation
+(tests/cuda_emulation, built by tests/emulated_cuda.py): the real csrc/cuda sources compiled as
+C++, every block and thread of every launch run in turn. Checked against the CPU op and the
+pure-PyTorch reference: forward and all gradients, dtypes, several windows per block, block and
+thread orders, grid caps, memory layouts, every output_mask, and the launch bookkeeping (current
+stream, device guard, launch check, the runtime's launch limits)."""
+
+import itertools
+
+import pytest
+import torch
+
+import deformconv  # noqa: F401  (registers torch.ops.deformconv, the CPU op compared against)
+from cases import GEOMETRIES, Geometry, forward_and_grads, make_operands
+from emulated_cuda import load
+from reference import deform_conv2d_reference
+
+FORWARD, REVERSE, SHUFFLED = 0, 1, 2
+STREAM = 7  # the current stream the tests set; every launch must be on it
+
+
+@pytest.fixture(scope="module")
+def emulated():
+    return load()
+
+
+@pytest.fixture(autouse=True)
+def emulator_settings(emulated):
+    set_emulator(emulated)
+    emulated.take_bookkeeping()
+    yield
+    set_emulator(emulated)
+
+
+def set_emulator(emulated, *, block_order=FORWARD, thread_order=FORWARD, grid_cap=0, seed=0,
+                 columns_tile_bytes=0):
+    emulated.configure(block_order, thread_order, grid_cap, seed, STREAM, columns_tile_bytes)
+
+
+def run_op(ops, operands, geometry, grad_output, *, im2col_step=0, output_mask=(True,) * 5):
+    """Forward and backward of one op namespace: (output, [the five gradients or None])."""
+    x, o, w, b, m = operands
+    geometry_args = (list(geometry.stride), list(geometry.padding), list(geometry.dilation),
+                     geometry.groups, geometry.offset_groups, im2col_step)
+    out = ops.deform_conv2d(x, o, w, m, b, *geometry_args)
+    grads = ops.deform_conv2d_backward(grad_output, x, o, w, m, *geometry_args,
+                                       list(output_mask))
+    return out, list(grads)
+
+
+def grad_output_for(operands, geometry):
+    batch = operands[0].shape[0]
+    generator = torch.Generator().manual_seed(1)
+    return torch.randn(batch, geometry.out_channels, *geometry.output_size(),
+                       generator=generator, dtype=torch.float64).to(operands[0].dtype)
+
+
+def assert_same_results(actual, expected, **tolerance):
+    out, grads = actual
+    expected_out, expected_grads = expected
+    torch.testing.assert_close(out, expected_out, **tolerance)
+    for name, a, e in zip(("input", "offset", "weight", "mask", "bias"), grads, expected_grads):
+        if e is None:
+            assert a is None, name
+        else:
+            torch.testing.assert_close(a, e, **tolerance, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def assert_launches_well_kept(emulated, *, expect_launches=True):
+    launches, checks, off_stream, outside_guard, invalid, unchecked = emulated.take_bookkeeping()
+    assert launches > 0 or not expect_launches
+    assert checks == launches, "every launch must be followed by its launch check"
+    assert off_stream == 0, "every launch must be on the current stream"
+    assert outside_guard == 0, "every launch must be inside the device guard"
+    assert invalid == 0 and unchecked == 0
+
+
+# A slice of the geometry grid: every geometry of the CPU tests, v1 and v2, with and without
+# bias, batches that no step divides, and an empty batch.
+GRID = [(geometry, with_mask, with_bias, batch, step)
+        for geometry in GEOMETRIES
+        for with_mask, with_bias in ((False, False), (True, True), (True, False))
+        for batch, step in ((None, 0), (3, 2))] + [
+    (GEOMETRIES[1], True, True, 0, 0), (GEOMETRIES[4], True, True, 5, 3)]
+
+
+@pytest.mark.parametrize(
+    "geometry,with_mask,with_bias,batch,step", GRID,
+    ids=lambda v: str(v) if isinstance(v, Geometry) else repr(v))
+def test_matches_cpu_op_and_reference(emulated, geometry, with_mask, with_bias, batch, step):
+    operands = make_operands(geometry, with_mask=with_mask, with_bias=with_bias, batch=batch)
+    grad_output = grad_output_for(operands, geometry)
+    ours = run_op(emulated, operands, geometry, grad_output, im2col_step=step)
+    assert_launches_well_kept(emulated, expect_launches=operands[0].shape[0] > 0)
+    cpu = run_op(torch.ops.deformconv, operands, geometry, grad_output, im2col_step=step)
+    assert_same_results(ours, cpu, atol=1e-12, rtol=1e-12)
+
+    # The reference gives the gradients of the operands present, in (x, o, w, b, m) order.
+    ref_out, ref_grads = forward_and_grads(deform_conv2d_reference, *operands, geometry)
+    x, o, w, b, m = operands
+    present = [ours[1][0], ours[1][1], ours[1][2]] + ([ours[1][4]] if b is not None else []) + (
+        [ours[1][3]] if m is not None else [])
+    torch.testing.assert_close(ours[0], ref_out, atol=1e-10, rtol=1e-10)
+    for a, e in zip(present, ref_grads):
+        torch.testing.assert_close(a, e, atol=1e-10, rtol=1e-10)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_lower_precisions(emulated, dtype):
+    # Error against the float64 result within a small multiple of what the CPU op makes at the
+    # same precision (the two accumulate in different orders).
+    geometry = GEOMETRIES[4]
+    exact_operands = make_operands(geometry)
+    grad_output = grad_output_for(exact_operands, geometry)
+    exact = run_op(torch.ops.deformconv, exact_operands, geometry, grad_output)
+    low = [None if t is None else t.to(dtype) for t in exact_operands]
+    ours = run_op(emulated, low, geometry, grad_output.to(dtype))
+    cpu = run_op(torch.ops.deformconv, low, geometry, grad_output.to(dtype))
+    for a, c, e in zip([ours[0]] + ours[1], [cpu[0]] + cpu[1], [exact[0]] + exact[1]):
+        assert a.dtype == dtype
+        our_error = (a.double() - e).abs().max().item()
+        cpu_error = (c.double() - e).abs().max().item()
+        assert our_error <= 3 * cpu_error + 1e-6 * e.abs().max().item()
+
+
+def test_several_windows_per_block(emulated):
+    # With a window budget of one byte the driver tiles the 1,600 output pixels into windows of
+    # its minimum, 512 pixels: 4 windows per block, the last of 64.
+    geometry = Geometry("windows", 3, 8, 6, 40, 40, (3, 3), padding=(1, 1), groups=2,
+                        offset_groups=2)
+    operands = make_operands(geometry)
+    grad_output = grad_output_for(operands, geometry)
+    whole = run_op(emulated, operands, geometry, grad_output, im2col_step=2)
+    set_emulator(emulated, columns_tile_bytes=1)
+    tiled = run_op(emulated, operands, geometry, grad_output, im2col_step=2)
+    assert_launches_well_kept(emulated)
+    assert_same_results(tiled, whole, atol=1e-12, rtol=1e-12)
+    cpu = run_op(torch.ops.deformconv, operands, geometry, grad_output, im2col_step=2)
+    assert_same_results(tiled, cpu, atol=1e-12, rtol=1e-12)
+
+
+@pytest.mark.parametrize("block_order,thread_order,grid_cap", [
+    (REVERSE, REVERSE, 0), (SHUFFLED, SHUFFLED, 0), (FORWARD, FORWARD, 1), (SHUFFLED, REVERSE, 3),
+])
+def test_results_do_not_depend_on_block_and_thread_order_or_grid_size(
+        emulated, block_order, thread_order, grid_cap):
+    geometry = GEOMETRIES[2]
+    operands = make_operands(geometry, batch=3)
+    grad_output = grad_output_for(operands, geometry)
+    baseline = run_op(emulated, operands, geometry, grad_output)
+    set_emulator(emulated, block_order=block_order, thread_order=thread_order, grid_cap=grid_cap,
+                 seed=12345)
+    varied = run_op(emulated, operands, geometry, grad_output)
+    assert_launches_well_kept(emulated)
+    # Each output, weight, offset and mask entry is made by one thread: bitwise the same. The
+    # input gradient adds atomically, in an order that follows the threads.
+    out, grads = varied
+    assert torch.equal(out, baseline[0])
+    for index in (1, 2, 3, 4):
+        assert torch.equal(grads[index], baseline[1][index])
+    torch.testing.assert_close(grads[0], baseline[1][0], atol=1e-13, rtol=1e-13)
+
+
+def test_channels_last_and_non_contiguous_operands(emulated):
+    geometry = GEOMETRIES[1]
+    input, offset, weight, bias, mask = operands = make_operands(geometry)
+    grad_output = grad_output_for(operands, geometry)
+    expected = run_op(emulated, operands, geometry, grad_output)
+    strided = (
+        input.to(memory_format=torch.channels_last),
+        offset.transpose(2, 3).contiguous().transpose(2, 3),
+        weight.to(memory_format=torch.channels_last),
+        torch.stack([bias, bias], dim=1)[:, 0],
+        mask.transpose(0, 1).contiguous().transpose(0, 1),
+    )
+    assert not any(t.is_contiguous() for t in strided)
+    ours = run_op(emulated, strided, geometry,
+                  grad_output.to(memory_format=torch.channels_last))
+    assert_launches_well_kept(emulated)
+    assert_same_results(ours, expected, atol=1e-12, rtol=1e-12)
+
+
+@pytest.mark.parametrize("with_mask", [False, True], ids=["v1", "v2"])
+def test_every_output_mask(emulated, with_mask):
+    geometry = GEOMETRIES[2]
+    operands = make_operands(geometry, with_mask=with_mask)
+    grad_output = grad_output_for(operands, geometry)
+    _, all_grads = run_op(emulated, operands, geometry, grad_output)
+    for output_mask in itertools.product((False, True), repeat=5):
+        _, grads = run_op(emulated, operands, geometry, grad_output, output_mask=output_mask)
+        for index, (wanted, grad) in enumerate(zip(output_mask, grads)):
+            if wanted and all_grads[index] is not None:
+                torch.testing.assert_close(grad, all_grads[index], atol=1e-13, rtol=1e-13)
+            else:
+                assert grad is None
+        assert_launches_well_kept(emulated, expect_launches=any(output_mask[:4]))
+
+
+@pytest.mark.parametrize("blocks,threads", [(0, 256), (1, 0), (1, 1025), (2 ** 31, 1)])
+def test_emulator_refuses_what_the_runtime_refuses(emulated, blocks, threads):
+    with pytest.raises(RuntimeError, match="invalid configuration argument"):
+        emulated.probe_launch(blocks, threads)
+    launches, checks, _, _, invalid, _ = emulated.take_bookkeeping()
+    assert (launches, checks, invalid) == (1, 1, 1)
+
+
+def test_emulator_runs_every_thread_of_a_valid_launch(emulated):
+    assert emulated.probe_launch(3, 5) == 15
+    assert emulated.probe_launch(1, 1024) == 1024
+    # A grid cap runs fewer blocks than launched: only kernels with grid-stride loops, as all
+    # of the project's are, give the same results under it.
+    set_emulator(emulated, grid_cap=2)
+    assert emulated.probe_launch(3, 5) == 10
