@@ -123,6 +123,47 @@ def test_lower_precisions(emulated, dtype):
         assert our_error <= 3 * cpu_error + 1e-6 * e.abs().max().item()
 
 
+@pytest.mark.parametrize("launchers", ["cuda", "cpu"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_input_gradient_sums_in_float32(emulated, dtype, launchers):
+    # Every sample of a 3x3 kernel over a 16x16 output lands at (6.25, 6.25): each of the 4
+    # corner pixels sums 2,304 contributions. Summed in 16 bits, each add would round the running
+    # sum (to 11 or 8 bits); summed in float32, only the final value is rounded.
+    geometry = Geometry("one-pixel", 1, 1, 1, 16, 16, (3, 3), padding=(1, 1))
+    out_h, out_w = geometry.output_size()
+    taps = torch.arange(9)
+    base_y = (torch.arange(out_h).view(1, -1, 1) - 1 + (taps // 3).view(-1, 1, 1)).double()
+    base_x = (torch.arange(out_w).view(1, 1, -1) - 1 + (taps % 3).view(-1, 1, 1)).double()
+    offset = torch.stack([(6.25 - base_y).expand(9, out_h, out_w),
+                          (6.25 - base_x).expand(9, out_h, out_w)], dim=1).reshape(1, 18, out_h,
+                                                                                     out_w)
+    generator = torch.Generator().manual_seed(3)
+    input = torch.randn(1, 1, 16, 16, generator=generator, dtype=torch.float64)
+    weight = torch.rand(1, 1, 3, 3, generator=generator, dtype=torch.float64) + 0.5
+    grad_output = torch.rand(1, 1, out_h, out_w, generator=generator, dtype=torch.float64) + 0.5
+    operands = (input, offset, weight, None, None)
+    exact = run_op(torch.ops.deformconv, operands, geometry, grad_output,
+                   output_mask=(True, False, False, False, False))[1][0]
+    low = [None if t is None else t.to(dtype) for t in operands]
+    ops = emulated if launchers == "cuda" else torch.ops.deformconv
+    ours = run_op(ops, low, geometry, grad_output.to(dtype),
+                  output_mask=(True, False, False, False, False))[1][0]
+    assert_launches_well_kept(emulated, expect_launches=launchers == "cuda")
+    corners = exact[0, 0, 6:8, 6:8]
+    assert corners.min() > 100  # large sums of many terms
+    # Operands rounded to 16 bits, products summed exactly, one final rounding: within a few
+    # units in the last place of the result.
+    unit = torch.finfo(dtype).eps
+    error = ((ours.double() - exact) / exact.abs().clamp_min(1)).abs().max().item()
+    assert error <= 4 * unit
+    # What a 16-bit running sum of the same contributions loses, for scale: far more.
+    contributions = (exact[0, 0, 6, 6] / 2304).to(dtype).repeat(2304)
+    running = torch.zeros((), dtype=dtype)
+    for value in contributions:
+        running += value
+    assert abs(running.item() - exact[0, 0, 6, 6].item()) / exact[0, 0, 6, 6].item() > 4 * unit
+
+
 def test_several_windows_per_block(emulated):
     # With a window budget of one byte the driver tiles the 1,600 output pixels into windows of
     # its minimum, 512 pixels: 4 windows per block, the last of 64.

@@ -287,26 +287,27 @@ C10_HOST_DEVICE inline void scatter_add(scalar_t* address, scalar_t value) {
 // The adjoint of sample_with_plan at one corner, for `channels` consecutive channels (1 on the
 // GPU, a run on the CPU): adds weight * columns gradient onto the input gradient, `channel`
 // pointing as in sample_with_plan. The caller skips corners of zero weight (outside the image
-// among them), so an infinite gradient cannot make NaN there.
-template <typename scalar_t>
+// among them), so an infinite gradient cannot make NaN there. The input gradient is of the
+// columns' type, or float where the CUDA launcher accumulates half precision in float32.
+template <typename scalar_t, typename grad_t>
 C10_HOST_DEVICE inline void scatter_corner(
     const SamplingPlan<at::opmath_type<scalar_t>>& plan, int corner,
-    const scalar_t* grad_columns, int64_t channels, scalar_t* grad_channel,
+    const scalar_t* grad_columns, int64_t channels, grad_t* grad_channel,
     int64_t channel_stride) {
   using opmath_t = at::opmath_type<scalar_t>;
   const opmath_t weight = plan.weight[corner];
-  scalar_t* grad_corner = grad_channel + plan.index[corner] * channel_stride;
+  grad_t* grad_corner = grad_channel + plan.index[corner] * channel_stride;
   for (int64_t c = 0; c < channels; ++c) {
     scatter_add(grad_corner + c,
-                static_cast<scalar_t>(weight * static_cast<opmath_t>(grad_columns[c])));
+                static_cast<grad_t>(weight * static_cast<opmath_t>(grad_columns[c])));
   }
 }
 
 // The adjoint of sample_with_plan, every corner.
-template <typename scalar_t>
+template <typename scalar_t, typename grad_t>
 C10_HOST_DEVICE inline void scatter_with_plan(
     const SamplingPlan<at::opmath_type<scalar_t>>& plan, const scalar_t* grad_columns,
-    int64_t channels, scalar_t* grad_channel, int64_t channel_stride) {
+    int64_t channels, grad_t* grad_channel, int64_t channel_stride) {
   for (int corner = 0; corner < 4; ++corner) {
     if (plan.weight[corner] != 0) {
       scatter_corner(plan, corner, grad_columns, channels, grad_channel, channel_stride);

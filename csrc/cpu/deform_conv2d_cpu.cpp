@@ -210,7 +210,7 @@ struct Col2imTask {
   const std::vector<std::vector<ChannelRun>>& runs;
   const SamplingPlan<at::opmath_type<scalar_t>>* plans;
   const scalar_t* grad_columns;
-  scalar_t* grad_input;
+  at::opmath_type<scalar_t>* grad_input;  // Note [Input gradient sums in float32]
   int64_t rows_per_band;
   int64_t bands;
 };
@@ -262,15 +262,17 @@ void col2im_cpu(const DeformConv2dGeometry& g, int64_t batch, const at::Tensor& 
   const int64_t rows_per_band = (g.in_height + wanted_bands - 1) / wanted_bands;
   const int64_t bands = (g.in_height + rows_per_band - 1) / rows_per_band;
   DEFORMCONV_DISPATCH(grad_columns.scalar_type(), "deform_conv2d_col2im_cpu", [&] {
+    at::Tensor sums = input_gradient_sums<scalar_t>(grad_input);
     const Col2imTask<scalar_t> t{g,
                                  runs,
                                  plans_of<at::opmath_type<scalar_t>>(sampling),
                                  grad_columns.const_data_ptr<scalar_t>(),
-                                 grad_input.mutable_data_ptr<scalar_t>(),
+                                 sums.mutable_data_ptr<at::opmath_type<scalar_t>>(),
                                  rows_per_band,
                                  bands};
     at::parallel_for(0, batch * bands, 1,
                      [&](int64_t begin, int64_t end) { col2im_tasks(t, begin, end); });
+    store_input_gradient_sums(sums, grad_input);
   });
 }
 

@@ -44,11 +44,12 @@ __global__ void im2col_kernel(DeformConv2dGeometry g, int64_t total, const scala
 }
 
 // As im2col_kernel; entries of different threads hit the same input pixels, so
-// scatter_with_plan adds atomically (scatter_add under __CUDA_ARCH__).
+// scatter_with_plan adds atomically (scatter_add under __CUDA_ARCH__), into a gradient of
+// at::opmath_type (Note [Input gradient sums in float32]).
 template <typename scalar_t>
 __global__ void col2im_kernel(DeformConv2dGeometry g, int64_t total,
                               const scalar_t* grad_columns, const scalar_t* offset,
-                              const scalar_t* mask, scalar_t* grad_input) {
+                              const scalar_t* mask, at::opmath_type<scalar_t>* grad_input) {
   DEFORMCONV_GRID_STRIDE_LOOP(index, total) {
     int64_t channel;
     const SampleIndex s = decompose_column_index(g, index, channel);
@@ -110,11 +111,14 @@ void col2im_cuda(const DeformConv2dGeometry& g, int64_t batch, const at::Tensor&
   const at::Tensor& mask = sampling.mask;
   const int64_t total = columns_entries_in(g, batch);
   DEFORMCONV_DISPATCH(grad_columns.scalar_type(), "deform_conv2d_col2im_cuda", [&] {
+    // Note [Input gradient sums in float32]
+    at::Tensor sums = input_gradient_sums<scalar_t>(grad_input);
     DEFORMCONV_LAUNCH(col2im_kernel<scalar_t>, blocks_for(total), kThreadsPerBlock,
                       c10::cuda::getCurrentCUDAStream())(
             g, total, grad_columns.const_data_ptr<scalar_t>(), offset.const_data_ptr<scalar_t>(),
-            data_or_null<scalar_t>(mask), grad_input.mutable_data_ptr<scalar_t>());
+            data_or_null<scalar_t>(mask), sums.mutable_data_ptr<at::opmath_type<scalar_t>>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
+    store_input_gradient_sums(sums, grad_input);
   });
 }
 

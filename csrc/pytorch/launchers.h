@@ -8,7 +8,10 @@
 // columns cover the geometry's window of output pixels in the layout of
 // deform_conv2d_kernel.cuh: (batch, G, window pixels, K, C_in / G).
 
+#include <ATen/OpMathType.h>
 #include <ATen/core/Tensor.h>
+
+#include <type_traits>
 
 #include "../common/deform_conv2d_geometry.h"
 
@@ -57,6 +60,25 @@ struct DeformConv2dLaunchers {
 // float32, at::opmath_type). Launchers include ATen/Dispatch.h to use it.
 #define DEFORMCONV_DISPATCH(dtype, name, ...) \
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, name, __VA_ARGS__)
+
+// Note [Input gradient sums in float32]
+// col2im adds many terms into each input gradient element (every sample whose bilinear cell
+// touches it). In float16 or bfloat16 each add would round the running sum to 11 or 8 bits, and
+// on the GPU an atomic add on a 16-bit value is a compare-and-swap loop, slow where many samples
+// hit one pixel. So the launchers sum such gradients in a float32 copy (at::opmath_type) and
+// round once at the end; float32 and float64 gradients are summed in place.
+template <typename scalar_t>
+at::Tensor input_gradient_sums(const at::Tensor& grad_input) {
+  return std::is_same_v<at::opmath_type<scalar_t>, scalar_t>
+             ? grad_input
+             : grad_input.to(c10::CppTypeToScalarType<at::opmath_type<scalar_t>>::value);
+}
+
+inline void store_input_gradient_sums(const at::Tensor& sums, at::Tensor& grad_input) {
+  if (!sums.is_same(grad_input)) {
+    grad_input.copy_(sums);
+  }
+}
 
 // Data of an optional operand (undefined: absent or not asked for) as a pointer, null if absent.
 template <typename scalar_t>
