@@ -4,9 +4,10 @@ For each shape, in one process and interleaved (each repeat times every contende
 drifts in clock speed or load hit all of them alike), after warm-up: forward, and forward +
 backward, of deformconv, ``torchvision.ops.deform_conv2d`` on the same tensors (when installed)
 and a dense ``F.conv2d`` of the same geometry, and deformconv's GEMMs alone (gemm_steps).
-Reports medians, the ratios, the GFLOP/s of the GEMM part, and the peak memory the CPU
-allocator saw during one forward. A benchmark, not a
-test: nothing here asserts a time.
+Reports medians, the ratios, the GFLOP/s of the GEMM part, and the peak memory allocated
+during one forward. On the CPU (the default) steps are timed by the wall clock and memory by the
+profiler; with ``--device cuda``, by CUDA events around each step and by
+``torch.cuda.max_memory_allocated``. A benchmark, not a test: nothing here asserts a time.
 """
 
 import argparse
@@ -61,13 +62,14 @@ SHAPES = {s.name: s for s in [
 ]}
 
 
-def make_tensors(shape: Shape, dtype: torch.dtype, modulated: bool, seed: int = 0):
+def make_tensors(shape: Shape, dtype: torch.dtype, modulated: bool, seed: int = 0,
+                 device: str = "cpu"):
     generator = torch.Generator().manual_seed(seed)
     out_h, out_w = shape.output_size()
     taps = shape.kernel * shape.kernel
 
     def randn(*size, scale=1.0):
-        return (torch.randn(*size, generator=generator) * scale).to(dtype)
+        return (torch.randn(*size, generator=generator) * scale).to(device=device, dtype=dtype)
 
     x = randn(shape.batch, shape.in_channels, shape.height, shape.width)
     weight = randn(shape.out_channels, shape.in_channels // shape.groups, shape.kernel,
@@ -75,7 +77,8 @@ def make_tensors(shape: Shape, dtype: torch.dtype, modulated: bool, seed: int = 
     bias = randn(shape.out_channels)
     offset = randn(shape.batch, 2 * shape.offset_groups * taps, out_h, out_w, scale=2.0)
     mask = (torch.rand(shape.batch, shape.offset_groups * taps, out_h, out_w,
-                       generator=generator).to(dtype) if modulated else None)
+                       generator=generator).to(device=device, dtype=dtype)
+            if modulated else None)
     return x, offset, weight, bias, mask
 
 
@@ -114,7 +117,8 @@ def forward_backward_step(run: Callable, tensors) -> Callable[[], None]:
     return step
 
 
-def gemm_steps(shape: Shape, dtype: torch.dtype) -> Dict[str, Callable[[], None]]:
+def gemm_steps(shape: Shape, dtype: torch.dtype,
+               device: str = "cpu") -> Dict[str, Callable[[], None]]:
     """The GEMMs of deformconv's im2col formulation alone, whole-size, on random columns in its
     layout (per image and conv group, pixels x taps * channels): forward, the output; backward,
     the columns gradient and the weight gradient. No im2col + GEMM implementation can beat
@@ -124,9 +128,11 @@ def gemm_steps(shape: Shape, dtype: torch.dtype) -> Dict[str, Callable[[], None]
     matrices = shape.batch * shape.groups
     rows = shape.in_channels // shape.groups * shape.kernel * shape.kernel
     out_per_group = shape.out_channels // shape.groups
-    columns = torch.randn(matrices, out_h * out_w, rows).to(dtype)
-    weight = torch.randn(shape.groups, out_per_group, rows).to(dtype).repeat(shape.batch, 1, 1)
-    grad_output = torch.randn(matrices, out_per_group, out_h * out_w).to(dtype)
+    options = dict(device=device, dtype=dtype)
+    columns = torch.randn(matrices, out_h * out_w, rows).to(**options)
+    weight = torch.randn(shape.groups, out_per_group, rows).to(**options).repeat(shape.batch, 1,
+                                                                                1)
+    grad_output = torch.randn(matrices, out_per_group, out_h * out_w).to(**options)
     # Results go to buffers allocated once: the allocation of a fresh columns-sized buffer
     # (page faults) is not GEMM work.
     output, grad_weight = torch.empty_like(grad_output), torch.empty_like(weight)
@@ -151,10 +157,19 @@ def forward_step(run: Callable, tensors) -> Callable[[], None]:
     return step
 
 
-def peak_forward_bytes(run: Callable, tensors) -> int:
-    """Peak of live CPU allocations during one forward (the output included), from the
-    profiler: each event's own allocations minus its own frees, in the order the events end
-    (an op frees its scratch buffers as it ends, after its children allocated them)."""
+def peak_forward_bytes(run: Callable, tensors, device: str = "cpu") -> int:
+    """Peak of live allocations during one forward (the output included). On CUDA, from the
+    caching allocator's statistics. On the CPU, from the profiler: each event's own allocations
+    minus its own frees, in the order the events end (an op frees its scratch buffers as it
+    ends, after its children allocated them)."""
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        with torch.no_grad():
+            run(*tensors)
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - before
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
                                 profile_memory=True) as profiler:
         with torch.no_grad():
@@ -166,23 +181,36 @@ def peak_forward_bytes(run: Callable, tensors) -> int:
     return peak
 
 
+def seconds_of(step: Callable[[], None], device: str) -> float:
+    """One run of step: by the wall clock on the CPU; on CUDA, whose kernels run asynchronously,
+    between two events recorded on the current stream around it."""
+    if device == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+    start_time = time.perf_counter()
+    step()
+    return time.perf_counter() - start_time
+
+
 def time_interleaved(steps: Dict[str, Callable[[], None]], repeats: int,
-                     warmup: int) -> Dict[str, float]:
+                     warmup: int, device: str = "cpu") -> Dict[str, float]:
     for _ in range(warmup):
         for step in steps.values():
             step()
     samples: Dict[str, List[float]] = {name: [] for name in steps}
     for _ in range(repeats):
         for name, step in steps.items():
-            start = time.perf_counter()
-            step()
-            samples[name].append(time.perf_counter() - start)
+            samples[name].append(seconds_of(step, device))
     return {name: statistics.median(values) for name, values in samples.items()}
 
 
 def benchmark_shape(shape: Shape, args) -> dict:
     dtype = getattr(torch, args.dtype)
-    tensors = make_tensors(shape, dtype, modulated=not args.v1)
+    tensors = make_tensors(shape, dtype, modulated=not args.v1, device=args.device)
     runs = contenders(shape, tensors, args.im2col_step)
     if args.no_torchvision:
         runs.pop("torchvision", None)
@@ -190,8 +218,8 @@ def benchmark_shape(shape: Shape, args) -> dict:
     for name, run in runs.items():
         steps[f"{name} forward"] = forward_step(run, tensors)
         steps[f"{name} forward+backward"] = forward_backward_step(run, tensors)
-    steps.update(gemm_steps(shape, dtype))
-    medians = time_interleaved(steps, args.repeats, args.warmup)
+    steps.update(gemm_steps(shape, dtype, args.device))
+    medians = time_interleaved(steps, args.repeats, args.warmup, args.device)
     result = {"shape": asdict(shape), "median_seconds": medians, "ratios": {},
               "gemm_gflops_per_second": {}, "peak_forward_bytes": {}}
     for phase in ("forward", "forward+backward"):
@@ -204,7 +232,7 @@ def benchmark_shape(shape: Shape, args) -> dict:
         gemms = 1 if phase == "forward" else 3
         result["gemm_gflops_per_second"][phase] = gemms * shape.gemm_flops() / ours / 1e9
     for name, run in runs.items():
-        result["peak_forward_bytes"][name] = peak_forward_bytes(run, tensors)
+        result["peak_forward_bytes"][name] = peak_forward_bytes(run, tensors, args.device)
     return result
 
 
@@ -224,7 +252,7 @@ def print_result(result: dict, out=sys.stdout) -> None:
         print(f"  peak forward memory, {name:12s} {size / 2**20:8.1f} MiB", file=out)
 
 
-def plot(results: List[dict], path: str) -> None:
+def plot(results: List[dict], path: str, device: str = "cpu") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -250,8 +278,9 @@ def plot(results: List[dict], path: str) -> None:
     axis.set_xticks([x + width * (len(series) - 1) / 2 for x in range(len(names))])
     axis.set_xticklabels(names)
     axis.set_ylabel("time of other / time of deformconv (higher: deformconv faster)")
-    axis.set_title(f"deformconv on CPU, {torch.get_num_threads()} threads, torch "
-                   f"{torch.__version__}")
+    where = (torch.cuda.get_device_name() if device == "cuda"
+             else f"CPU, {torch.get_num_threads()} threads")
+    axis.set_title(f"deformconv on {where}, torch {torch.__version__}")
     axis.legend(fontsize=7, ncol=3, loc="upper left")
     figure.tight_layout()
     figure.savefig(path, dpi=120)
@@ -264,22 +293,23 @@ def scaling(args) -> dict:
     report = {"batch": {}, "area": {}, "im2col_step_peak_bytes": {}}
     for batch in (1, 2, 4, 8):
         shape = Shape("scaling", batch, 64, 64, 40, 40)
-        run = contenders(shape, make_tensors(shape, dtype, True), 0)["deformconv"]
-        step = forward_backward_step(run, make_tensors(shape, dtype, True))
-        report["batch"][batch] = time_interleaved({"x": step}, args.repeats, args.warmup)["x"]
+        tensors = make_tensors(shape, dtype, True, device=args.device)
+        step = forward_backward_step(contenders(shape, tensors, 0)["deformconv"], tensors)
+        report["batch"][batch] = time_interleaved({"x": step}, args.repeats, args.warmup,
+                                                    args.device)["x"]
         print(f"  batch {batch}: forward+backward {report['batch'][batch] * 1e3:.2f} ms")
     for side in (20, 40, 80):
         shape = Shape("scaling", 1, 64, 64, side, side)
-        run = contenders(shape, make_tensors(shape, dtype, True), 0)["deformconv"]
-        step = forward_backward_step(run, make_tensors(shape, dtype, True))
+        tensors = make_tensors(shape, dtype, True, device=args.device)
+        step = forward_backward_step(contenders(shape, tensors, 0)["deformconv"], tensors)
         report["area"][side * side] = time_interleaved({"x": step}, args.repeats,
-                                                       args.warmup)["x"]
+                                                       args.warmup, args.device)["x"]
         print(f"  {side}x{side}: forward+backward {report['area'][side * side] * 1e3:.2f} ms")
     shape = Shape("scaling", 16, 64, 64, 40, 40)
-    tensors = make_tensors(shape, dtype, True)
+    tensors = make_tensors(shape, dtype, True, device=args.device)
     for step_size in (1, 2, 4, 8, 16):
         run = contenders(shape, tensors, step_size)["deformconv"]
-        peak = peak_forward_bytes(run, tensors)
+        peak = peak_forward_bytes(run, tensors, args.device)
         report["im2col_step_peak_bytes"][step_size] = peak
         print(f"  batch 16, im2col_step {step_size:2d}: peak forward memory "
               f"{peak / 2**20:.1f} MiB")
@@ -294,7 +324,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=None,
                         help="torch.set_num_threads (default: torch's choice)")
-    parser.add_argument("--dtype", choices=["float32", "float64", "bfloat16"],
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="cuda: the current GPU, timed with CUDA events")
+    parser.add_argument("--dtype", choices=["float32", "float64", "float16", "bfloat16"],
                         default="float32")
     parser.add_argument("--im2col-step", type=int, default=0)
     parser.add_argument("--v1", action="store_true", help="DCN v1 (no mask); default v2")
@@ -305,10 +337,16 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--plot", default="benchmark.png", help="PNG chart of the ratios "
                         "(needs matplotlib; '' to skip)")
     args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device is visible")
+    if args.device == "cuda" and not deformconv.cuda_compiled():
+        parser.error("--device cuda: this build of deformconv holds no CUDA kernels "
+                     "(python -m deformconv info says why)")
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    setup = {"machine": platform.processor() or platform.machine(),
+    setup = {"machine": platform.processor() or platform.machine(), "device": args.device,
+             "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
              "threads": torch.get_num_threads(), "torch": torch.__version__,
              "deformconv": deformconv.__version__, "dtype": args.dtype,
              "modulated": not args.v1, "repeats": args.repeats, "warmup": args.warmup,
@@ -327,6 +365,6 @@ def main(argv: Optional[List[str]] = None) -> int:
         json.dump(report, f, indent=1)
     print(f"\nwrote {args.output}")
     if args.plot:
-        plot(results, args.plot)
+        plot(results, args.plot, args.device)
         print(f"wrote {args.plot}")
     return 0

@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 
 from deformconv.__main__ import main
 
@@ -43,3 +44,11 @@ def test_demo_trains_and_writes_pngs(tmp_path, capsys):
     assert "deformable test accuracy" in out and "plain      test accuracy" in out
     for name in ("training_curves.png", "sampling_locations.png"):
         assert (tmp_path / name).stat().st_size > 0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal where no GPU is visible")
+def test_benchmark_on_cuda_without_a_gpu_says_so(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["benchmark", "--device", "cuda"])
+    assert exit_info.value.code == 2
+    assert "--device cuda: no CUDA device is visible" in capsys.readouterr().err
