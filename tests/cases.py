@@ -85,3 +85,17 @@ def forward_and_grads(fn, input, offset, weight, bias, mask, geometry, grad_seed
     grad_out = torch.randn(out.shape, generator=generator, dtype=torch.float64).to(out)
     present = [t for t in leaves if t is not None]
     return out, list(torch.autograd.grad(out, present, grad_out))
+
+
+def strided_copies(input, offset, weight, bias, mask):
+    """The same values in other layouts: channels_last input and weight; offset, mask and bias
+    as views of other buffers, none of them contiguous."""
+    strided = (
+        input.to(memory_format=torch.channels_last),
+        offset.transpose(2, 3).contiguous().transpose(2, 3),
+        weight.to(memory_format=torch.channels_last),
+        torch.stack([bias, bias], dim=1)[:, 0],
+        mask.transpose(0, 1).contiguous().transpose(0, 1),
+    )
+    assert not any(t.is_contiguous() for t in strided)
+    return strided

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import deformconv  # noqa: F401  (registers torch.ops.deformconv, the CPU op compared against)
-from cases import GEOMETRIES, Geometry, forward_and_grads, make_operands
+from cases import GEOMETRIES, Geometry, forward_and_grads, make_operands, strided_copies
 from emulated_cuda import load
 from reference import deform_conv2d_reference
 
@@ -204,18 +204,10 @@ def test_results_do_not_depend_on_block_and_thread_order_or_grid_size(
 
 def test_channels_last_and_non_contiguous_operands(emulated):
     geometry = GEOMETRIES[1]
-    input, offset, weight, bias, mask = operands = make_operands(geometry)
+    operands = make_operands(geometry)
     grad_output = grad_output_for(operands, geometry)
     expected = run_op(emulated, operands, geometry, grad_output)
-    strided = (
-        input.to(memory_format=torch.channels_last),
-        offset.transpose(2, 3).contiguous().transpose(2, 3),
-        weight.to(memory_format=torch.channels_last),
-        torch.stack([bias, bias], dim=1)[:, 0],
-        mask.transpose(0, 1).contiguous().transpose(0, 1),
-    )
-    assert not any(t.is_contiguous() for t in strided)
-    ours = run_op(emulated, strided, geometry,
+    ours = run_op(emulated, strided_copies(*operands), geometry,
                   grad_output.to(memory_format=torch.channels_last))
     assert_launches_well_kept(emulated)
     assert_same_results(ours, expected, atol=1e-12, rtol=1e-12)

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 import deformconv
-from cases import GEOMETRIES, Geometry, differentiable, forward_and_grads, make_operands
+from cases import (GEOMETRIES, Geometry, differentiable, forward_and_grads, make_operands,
+                   strided_copies)
 from reference import deform_conv2d_reference
 
 
@@ -79,15 +80,7 @@ def test_non_contiguous_and_channels_last_operands():
     input, offset, weight, bias, mask = make_operands(geometry)
     expected, expected_grads = forward_and_grads(deformconv.deform_conv2d, input, offset,
                                                  weight, bias, mask, geometry)
-    # channels_last input and weight; offset and mask as transposed views of other buffers.
-    strided = (
-        input.to(memory_format=torch.channels_last),
-        offset.transpose(2, 3).contiguous().transpose(2, 3),
-        weight.to(memory_format=torch.channels_last),
-        torch.stack([bias, bias], dim=1)[:, 0],
-        mask.transpose(0, 1).contiguous().transpose(0, 1),
-    )
-    assert not any(t.is_contiguous() for t in strided)
+    strided = strided_copies(input, offset, weight, bias, mask)
     out, grads = forward_and_grads(deformconv.deform_conv2d, *strided, geometry)
     torch.testing.assert_close(out, expected, atol=1e-12, rtol=1e-12)
     assert_close_all(grads, expected_grads, atol=1e-12, rtol=1e-12)
