@@ -15,14 +15,14 @@ cd "$scratch"
 export DEFORMCONV_SANITIZE=1 MAX_JOBS="${MAX_JOBS:-2}"
 DEFORMCONV_WITH_CUDA=0 python setup.py build_ext --inplace > build.log 2>&1 \
   || { tail -40 build.log; exit 1; }
-# The CUDA launchers under emulation (tests/test_cuda_emulation.py), sanitized as well; built
-# now, so that the compilers do not run with the sanitizer runtime preloaded.
-python tests/emulated_cuda.py >> build.log 2>&1 || { tail -40 build.log; exit 1; }
 
 # Python itself is not built with ASan: preload the runtime. Leak checking is off (the
 # interpreter keeps memory until exit by design); UBSan findings abort with a stack trace.
 export LD_PRELOAD="$(gcc -print-file-name=libasan.so):$(gcc -print-file-name=libubsan.so)"
 export ASAN_OPTIONS="detect_leaks=0:abort_on_error=1:allocator_may_return_null=1"
 export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1"
+# The CUDA launchers under emulation (tests/test_cuda_emulation.py), sanitized as well. Built
+# here, with the runtime preloaded: loading the library without it aborts.
+python tests/emulated_cuda.py >> build.log 2>&1 || { tail -40 build.log; exit 1; }
 # From the scratch copy, `python -m pytest` imports the sanitized in-place build.
 python -m pytest -q -p no:cacheprovider tests "$@"
