@@ -1,9 +1,10 @@
 """The CUDA launchers and the CUDA kernels of the ops, executed on the CPU by emulation
 (tests/cuda_emulation, built by tests/emulated_cuda.py): the real csrc/cuda sources compiled as
-C++, every block and thread of every launch run in turn. Checked against the CPU op and the
-pure-PyTorch reference: forward and all gradients, dtypes, several windows per block, block and
-thread orders, grid caps, memory layouts, every output_mask, and the launch bookkeeping (current
-stream, device guard, launch check, the runtime's launch limits)."""
+C++, every block, warp and lane of every launch run in turn, lanes meeting at warp shuffles.
+Checked against the CPU op and the pure-PyTorch reference: forward and all gradients, dtypes,
+several windows per block, block and thread orders, grid caps, memory layouts, every
+output_mask, and the launch bookkeeping (current stream, device guard, launch check, the
+runtime's launch limits and shuffle rules)."""
 
 import itertools
 
@@ -244,3 +245,49 @@ def test_emulator_runs_every_thread_of_a_valid_launch(emulated):
     # of the project's are, give the same results under it.
     set_emulator(emulated, grid_cap=2)
     assert emulated.probe_launch(3, 5) == 10
+
+
+def test_emulator_exchanges_shuffled_values_between_lanes(emulated):
+    full = 0xFFFFFFFF
+    # Every lane of two warps swaps with its neighbour.
+    assert emulated.probe_shuffle_xor(64, full, 1, 32, -1) == [t ^ 1 for t in range(64)]
+    # Groups of 8 lanes may read earlier groups; a source in a later group gives the lane its
+    # own value.
+    assert emulated.probe_shuffle_xor(32, full, 8, 8, -1) == [
+        t ^ 8 if t & 8 else t for t in range(32)]
+    assert emulated.probe_shuffle_xor(32, full, 4, 8, -1) == [t ^ 4 for t in range(32)]
+    # Only the lanes of the mask take part; the others exit at once.
+    received = emulated.probe_shuffle_xor(32, 0x0000FF00, 2, 32, -1)
+    assert received == [t ^ 2 if 8 <= t < 16 else -1 for t in range(32)]
+    assert emulated.take_bookkeeping()[4] == 0  # no invalid launch
+
+
+@pytest.mark.parametrize("member_mask,lane_mask,exiting_thread,message", [
+    (0xFFFFFFFF, 1, 5, "waits for lane 5, which has exited"),  # would hang on a GPU
+    (0x0000FFFF, 16, -1, "reads lane 16, outside the mask"),
+])
+def test_emulator_refuses_shuffles_that_a_gpu_cannot_complete(
+        emulated, member_mask, lane_mask, exiting_thread, message):
+    with pytest.raises(RuntimeError, match=message):
+        emulated.probe_shuffle_xor(32, member_mask, lane_mask, 32, exiting_thread)
+    assert emulated.take_bookkeeping()[4] == 1
+
+
+@pytest.mark.parametrize("in_channels,groups,offset_groups", [
+    (40, 1, 1),   # a whole warp per sample, 8 of its lanes take a second channel
+    (70, 2, 2),   # 35 channels per deform group: 3 of the 32 lanes take a second one
+    (12, 4, 1),   # 16 lanes, 4 of them idle; the deform group spans 4 conv groups
+    (6, 1, 6),    # one channel per deform group: teams of one lane
+])
+def test_offset_and_mask_gradients_of_many_channels_per_deform_group(
+        emulated, in_channels, groups, offset_groups):
+    geometry = Geometry("channels", 2, in_channels, 4, 6, 5, (3, 3), padding=(1, 1),
+                        groups=groups, offset_groups=offset_groups)
+    operands = make_operands(geometry)
+    grad_output = grad_output_for(operands, geometry)
+    mask = (False, True, False, True, False)
+    _, ours = run_op(emulated, operands, geometry, grad_output, output_mask=mask)
+    assert_launches_well_kept(emulated)
+    _, cpu = run_op(torch.ops.deformconv, operands, geometry, grad_output, output_mask=mask)
+    torch.testing.assert_close(ours[1], cpu[1], atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(ours[3], cpu[3], atol=1e-12, rtol=1e-12)

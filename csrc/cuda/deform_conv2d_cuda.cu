@@ -17,7 +17,8 @@
 namespace deformconv {
 namespace {
 
-constexpr int kThreadsPerBlock = 256;
+constexpr int kWarpSize = 32;
+constexpr int kThreadsPerBlock = 256;  // a multiple of the warp
 // The grid-stride loops cover any remainder, so the grid need not grow past this.
 constexpr int64_t kMaxBlocks = 65536;
 
@@ -59,26 +60,53 @@ __global__ void col2im_kernel(DeformConv2dGeometry g, int64_t total,
   }
 }
 
-// One thread per sample (image, deform group, tap, output pixel), summing over the channels of
-// its deform group.
+// A team of lanes per sample (image, deform group, tap, output pixel): lane l of the team takes
+// channels l, l + lanes, ... of the deform group, so that the team's reads of the columns
+// gradient and of the channels-last input are consecutive addresses, and the team adds its
+// partial sums up by shuffles. `lanes` is a power of two up to a warp (team_lanes), so that a
+// team is an aligned run of lanes of one warp and the block (a multiple of the warp) holds
+// whole teams; a team's lanes take the same samples, so each shuffle has all of its members.
+// The sums are added in a fixed order: the result does not depend on thread scheduling.
 template <typename scalar_t>
-__global__ void offset_mask_grad_kernel(DeformConv2dGeometry g, int64_t total,
+__global__ void offset_mask_grad_kernel(DeformConv2dGeometry g, int64_t samples, int lanes,
                                         const scalar_t* grad_columns, const scalar_t* input,
                                         const scalar_t* offset, const scalar_t* mask,
                                         scalar_t* grad_offset, scalar_t* grad_mask) {
-  DEFORMCONV_GRID_STRIDE_LOOP(index, total) {
+  using opmath_t = at::opmath_type<scalar_t>;
+  const int lane = static_cast<int>(threadIdx.x) % lanes;
+  const int first_lane_in_warp = static_cast<int>(threadIdx.x) % kWarpSize - lane;
+  const unsigned team = (lanes == kWarpSize ? ~0u : (1u << lanes) - 1u) << first_lane_in_warp;
+  const int64_t teams_in_grid = static_cast<int64_t>(blockDim.x) * gridDim.x / lanes;
+  for (int64_t index = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / lanes;
+       index < samples; index += teams_in_grid) {
     const SampleIndex s = decompose_sample_index(g, index);
     const auto acc = start_offset_mask_grad(g, s, offset, mask);
-    OffsetMaskGradSums<at::opmath_type<scalar_t>> sums;
+    OffsetMaskGradSums<opmath_t> sums;
     if (acc.cell.inside) {
-      const int64_t first = first_channel(g, s.group);
-      for (int64_t c = first; c < first + g.channels_per_offset_group(); ++c) {
+      const int64_t end = first_channel(g, s.group) + g.channels_per_offset_group();
+      for (int64_t c = first_channel(g, s.group) + lane; c < end; c += lanes) {
         accumulate_offset_mask_grad(acc, grad_columns[column_index(g, s, c)],
                                     channel_of(g, input, s.n, c), g.in_channels, sums);
       }
     }
-    finish_offset_mask_grad(g, s, acc, sums, grad_offset, grad_mask);
+    for (int distance = lanes / 2; distance > 0; distance /= 2) {
+      sums.y += __shfl_xor_sync(team, sums.y, distance, lanes);
+      sums.x += __shfl_xor_sync(team, sums.x, distance, lanes);
+      sums.m += __shfl_xor_sync(team, sums.m, distance, lanes);
+    }
+    if (lane == 0) {
+      finish_offset_mask_grad(g, s, acc, sums, grad_offset, grad_mask);
+    }
   }
+}
+
+// The smallest power of two that covers the channels of a deform group, at most a warp.
+int team_lanes(const DeformConv2dGeometry& g) {
+  int lanes = 1;
+  while (lanes < kWarpSize && lanes < g.channels_per_offset_group()) {
+    lanes *= 2;
+  }
+  return lanes;
 }
 
 int64_t samples_in(const DeformConv2dGeometry& g, int64_t batch) {
@@ -128,11 +156,12 @@ void offset_mask_grad_cuda(const DeformConv2dGeometry& g, int64_t batch,
                            at::Tensor& grad_mask) {
   const at::Tensor& offset = sampling.offset;
   const at::Tensor& mask = sampling.mask;
-  const int64_t total = samples_in(g, batch);
+  const int64_t samples = samples_in(g, batch);
+  const int lanes = team_lanes(g);
   DEFORMCONV_DISPATCH(input.scalar_type(), "deform_conv2d_offset_mask_grad_cuda", [&] {
-    DEFORMCONV_LAUNCH(offset_mask_grad_kernel<scalar_t>, blocks_for(total), kThreadsPerBlock,
-                      c10::cuda::getCurrentCUDAStream())(
-            g, total, grad_columns.const_data_ptr<scalar_t>(), input.const_data_ptr<scalar_t>(),
+    DEFORMCONV_LAUNCH(offset_mask_grad_kernel<scalar_t>, blocks_for(samples * lanes),
+                      kThreadsPerBlock, c10::cuda::getCurrentCUDAStream())(
+            g, samples, lanes, grad_columns.const_data_ptr<scalar_t>(), input.const_data_ptr<scalar_t>(),
             offset.const_data_ptr<scalar_t>(), data_or_null<scalar_t>(mask),
             mutable_data_or_null<scalar_t>(grad_offset), mutable_data_or_null<scalar_t>(grad_mask));
     C10_CUDA_KERNEL_LAUNCH_CHECK();

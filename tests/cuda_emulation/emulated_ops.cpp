@@ -77,6 +77,28 @@ int64_t probe_launch(int64_t blocks, int64_t threads_per_block) {
   return count;
 }
 
+__global__ void shuffle_xor_kernel(int64_t* received, unsigned member_mask, int lane_mask,
+                                   int width, int64_t exiting_thread) {
+  const int64_t thread = threadIdx.x;
+  if (thread == exiting_thread || (member_mask >> (thread % 32) & 1u) == 0) {
+    return;
+  }
+  received[thread] = __shfl_xor_sync(member_mask, thread, lane_mask, width);
+}
+
+// One block of `threads` threads, each but `exiting_thread` and those outside `member_mask`
+// offering its index to __shfl_xor_sync: what each received (-1: took no part), or the launch
+// error. For the tests of the emulator's warps.
+std::vector<int64_t> probe_shuffle_xor(int64_t threads, int64_t member_mask, int64_t lane_mask,
+                                       int64_t width, int64_t exiting_thread) {
+  std::vector<int64_t> received(static_cast<size_t>(threads), -1);
+  DEFORMCONV_LAUNCH(shuffle_xor_kernel, 1, threads, c10::cuda::getCurrentCUDAStream())(
+      received.data(), static_cast<unsigned>(member_mask), static_cast<int>(lane_mask),
+      static_cast<int>(width), exiting_thread);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return received;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(deformconv_emulated, m) {
@@ -86,6 +108,8 @@ TORCH_LIBRARY(deformconv_emulated, m) {
         "int current_stream, int columns_tile_bytes) -> ()");
   m.def("take_bookkeeping() -> int[]");
   m.def("probe_launch(int blocks, int threads_per_block) -> int");
+  m.def("probe_shuffle_xor(int threads, int member_mask, int lane_mask, int width, "
+        "int exiting_thread) -> int[]");
 }
 
 TORCH_LIBRARY_IMPL(deformconv_emulated, CPU, m) {
@@ -97,6 +121,7 @@ TORCH_LIBRARY_IMPL(deformconv_emulated, CompositeExplicitAutograd, m) {
   m.impl("configure", TORCH_FN(configure));
   m.impl("take_bookkeeping", TORCH_FN(take_bookkeeping));
   m.impl("probe_launch", TORCH_FN(probe_launch));
+  m.impl("probe_shuffle_xor", TORCH_FN(probe_shuffle_xor));
 }
 
 }  // namespace deformconv
