@@ -34,8 +34,17 @@ def emulator_settings(emulated):
 
 
 def set_emulator(emulated, *, block_order=FORWARD, thread_order=FORWARD, grid_cap=0, seed=0,
-                 columns_tile_bytes=0):
-    emulated.configure(block_order, thread_order, grid_cap, seed, STREAM, columns_tile_bytes)
+                 columns_tile_bytes=0, wide_indices=False):
+    emulated.configure(block_order, thread_order, grid_cap, seed, STREAM, columns_tile_bytes,
+                       wide_indices)
+
+
+@pytest.fixture(params=["32-bit", "64-bit"])
+def index_arithmetic(request, emulated):
+    """Each kernel is built with 32-bit divisions, which the launchers take for launches below
+    2^31 entries, and with 64-bit ones for larger launches: here both run on the same operands."""
+    set_emulator(emulated, wide_indices=request.param == "64-bit")
+    return request.param
 
 
 def run_op(ops, operands, geometry, grad_output, *, im2col_step=0, output_mask=(True,) * 5):
@@ -88,7 +97,8 @@ GRID = [(geometry, with_mask, with_bias, batch, step)
 @pytest.mark.parametrize(
     "geometry,with_mask,with_bias,batch,step", GRID,
     ids=lambda v: str(v) if isinstance(v, Geometry) else repr(v))
-def test_matches_cpu_op_and_reference(emulated, geometry, with_mask, with_bias, batch, step):
+def test_matches_cpu_op_and_reference(emulated, index_arithmetic, geometry, with_mask, with_bias,
+                                      batch, step):
     operands = make_operands(geometry, with_mask=with_mask, with_bias=with_bias, batch=batch)
     grad_output = grad_output_for(operands, geometry)
     ours = run_op(emulated, operands, geometry, grad_output, im2col_step=step)
@@ -165,7 +175,7 @@ def test_half_precision_input_gradient_sums_in_float32(emulated, dtype, launcher
     assert abs(running.item() - exact[0, 0, 6, 6].item()) / exact[0, 0, 6, 6].item() > 4 * unit
 
 
-def test_several_windows_per_block(emulated):
+def test_several_windows_per_block(emulated, index_arithmetic):
     # With a window budget of one byte the driver tiles the 1,600 output pixels into windows of
     # its minimum, 512 pixels: 4 windows per block, the last of 64.
     geometry = Geometry("windows", 3, 8, 6, 40, 40, (3, 3), padding=(1, 1), groups=2,
@@ -173,7 +183,7 @@ def test_several_windows_per_block(emulated):
     operands = make_operands(geometry)
     grad_output = grad_output_for(operands, geometry)
     whole = run_op(emulated, operands, geometry, grad_output, im2col_step=2)
-    set_emulator(emulated, columns_tile_bytes=1)
+    set_emulator(emulated, columns_tile_bytes=1, wide_indices=index_arithmetic == "64-bit")
     tiled = run_op(emulated, operands, geometry, grad_output, im2col_step=2)
     assert_launches_well_kept(emulated)
     assert_same_results(tiled, whole, atol=1e-12, rtol=1e-12)
@@ -280,7 +290,7 @@ def test_emulator_refuses_shuffles_that_a_gpu_cannot_complete(
     (6, 1, 6),    # one channel per deform group: teams of one lane
 ])
 def test_offset_and_mask_gradients_of_many_channels_per_deform_group(
-        emulated, in_channels, groups, offset_groups):
+        emulated, index_arithmetic, in_channels, groups, offset_groups):
     geometry = Geometry("channels", 2, in_channels, 4, 6, 5, (3, 3), padding=(1, 1),
                         groups=groups, offset_groups=offset_groups)
     operands = make_operands(geometry)

@@ -32,6 +32,7 @@
 #endif
 
 #include "deform_conv2d_geometry.h"
+#include "invariant_divisor.h"
 
 namespace deformconv {
 
@@ -111,28 +112,72 @@ struct SampleIndex {
   int64_t grid_y, grid_x;  // where tap `tap` of this pixel samples before its offset
 };
 
-C10_HOST_DEVICE inline SampleIndex make_sample_index(const DeformConv2dGeometry& g, int64_t n,
-                                                     int64_t group, int64_t tap, int64_t pixel) {
+// The sample of output pixel `pixel` = out_y * W_out + out_x and tap `tap` = kernel_y * kW +
+// kernel_x, from both pairs.
+C10_HOST_DEVICE inline SampleIndex sample_at(const DeformConv2dGeometry& g, int64_t n,
+                                             int64_t group, int64_t tap, int64_t pixel,
+                                             int64_t out_y, int64_t out_x, int64_t kernel_y,
+                                             int64_t kernel_x) {
   SampleIndex s;
   s.n = n;
   s.group = group;
   s.tap = tap;
   s.pixel = pixel;
-  s.out_y = pixel / g.out_width;
-  s.out_x = pixel % g.out_width;
-  s.grid_y = undeformed_y(g, s.out_y, tap / g.kernel_w);
-  s.grid_x = undeformed_x(g, s.out_x, tap % g.kernel_w);
+  s.out_y = out_y;
+  s.out_x = out_x;
+  s.grid_y = undeformed_y(g, out_y, kernel_y);
+  s.grid_x = undeformed_x(g, out_x, kernel_x);
   return s;
 }
 
+C10_HOST_DEVICE inline SampleIndex make_sample_index(const DeformConv2dGeometry& g, int64_t n,
+                                                     int64_t group, int64_t tap, int64_t pixel) {
+  return sample_at(g, n, group, tap, pixel, pixel / g.out_width, pixel % g.out_width,
+                   tap / g.kernel_w, tap % g.kernel_w);
+}
+
+// The divisors of the GPU launchers' index arithmetic (decompose_sample_index,
+// decompose_column_index), made once per launch: int64_t, or InvariantDivisor when every
+// dividend of the launch is below 2^31.
+template <typename Divisor>
+struct IndexDivisors {
+  using divisor_type = Divisor;
+  Divisor channels_per_group, channels_per_offset_group, taps, window_pixels, groups,
+      offset_groups, out_width, kernel_w;
+
+  explicit IndexDivisors(const DeformConv2dGeometry& g)
+      : channels_per_group(g.channels_per_group()),
+        channels_per_offset_group(g.channels_per_offset_group()),
+        taps(g.taps()),
+        window_pixels(g.window_pixels),
+        groups(g.groups),
+        offset_groups(g.offset_groups),
+        out_width(g.out_width),
+        kernel_w(g.kernel_w) {}
+};
+
+// Sample (block image, deform group, tap, window pixel) of a window from its row and column.
+template <typename Divisor>
+C10_HOST_DEVICE inline SampleIndex sample_of_window(const DeformConv2dGeometry& g,
+                                                    const IndexDivisors<Divisor>& d, int64_t n,
+                                                    int64_t group, int64_t tap,
+                                                    int64_t window_pixel) {
+  const int64_t pixel = g.window_begin + window_pixel;
+  int64_t out_x, kernel_x;
+  const int64_t out_y = divide(pixel, d.out_width, out_x);
+  const int64_t kernel_y = divide(tap, d.kernel_w, kernel_x);
+  return sample_at(g, n, group, tap, pixel, out_y, out_x, kernel_y, kernel_x);
+}
+
 // Sample `index` of the current window: (block image, deform group, tap, pixel of the window).
+template <typename Divisor>
 C10_HOST_DEVICE inline SampleIndex decompose_sample_index(
-    const DeformConv2dGeometry& g, int64_t index) {
-  const int64_t pixel = g.window_begin + index % g.window_pixels;
-  index /= g.window_pixels;
-  const int64_t tap = index % g.taps();
-  index /= g.taps();
-  return make_sample_index(g, index / g.offset_groups, index % g.offset_groups, tap, pixel);
+    const DeformConv2dGeometry& g, const IndexDivisors<Divisor>& d, int64_t index) {
+  int64_t window_pixel, tap, group;
+  index = divide(index, d.window_pixels, window_pixel);
+  index = divide(index, d.taps, tap);
+  const int64_t n = divide(index, d.offset_groups, group);
+  return sample_of_window(g, d, n, group, tap, window_pixel);
 }
 
 // The sample of the next output pixel, same image, deform group and tap. A caller
@@ -216,35 +261,47 @@ C10_HOST_DEVICE inline int64_t first_channel(const DeformConv2dGeometry& g, int6
   return group * g.channels_per_offset_group();
 }
 
-// Flat position of (block image, window pixel, tap, input channel) in the columns buffer
-// (block, conv group, window pixel, tap, channel within the conv group).
-C10_HOST_DEVICE inline int64_t column_index(const DeformConv2dGeometry& g, int64_t n,
-                                            int64_t window_pixel, int64_t tap, int64_t channel) {
-  const int64_t per_group = g.channels_per_group();
-  const int64_t conv_group = channel / per_group;
+// Flat position of (block image, conv group, window pixel, tap, channel within the conv group)
+// in the columns buffer, laid out in that order.
+C10_HOST_DEVICE inline int64_t columns_entry(const DeformConv2dGeometry& g, int64_t n,
+                                             int64_t conv_group, int64_t window_pixel,
+                                             int64_t tap, int64_t channel_in_group) {
   return (((n * g.groups + conv_group) * g.window_pixels + window_pixel) * g.taps() + tap) *
-      per_group + (channel - conv_group * per_group);
+      g.channels_per_group() + channel_in_group;
 }
 
-C10_HOST_DEVICE inline int64_t column_index(const DeformConv2dGeometry& g, const SampleIndex& s,
-                                            int64_t channel) {
-  return column_index(g, s.n, s.pixel - g.window_begin, s.tap, channel);
+// Flat position of (block image, window pixel, tap, input channel) in the columns buffer.
+C10_HOST_DEVICE inline int64_t column_index(const DeformConv2dGeometry& g, int64_t n,
+                                            int64_t window_pixel, int64_t tap, int64_t channel) {
+  const int64_t conv_group = channel / g.channels_per_group();
+  return columns_entry(g, n, conv_group, window_pixel, tap,
+                       channel - conv_group * g.channels_per_group());
+}
+
+// The same for input channel `channel` of a sample, dividing with a launch's divisors.
+template <typename Divisor>
+C10_HOST_DEVICE inline int64_t column_index(const DeformConv2dGeometry& g,
+                                            const IndexDivisors<Divisor>& d,
+                                            const SampleIndex& s, int64_t channel) {
+  int64_t channel_in_group;
+  const int64_t conv_group = divide(channel, d.channels_per_group, channel_in_group);
+  return columns_entry(g, s.n, conv_group, s.pixel - g.window_begin, s.tap, channel_in_group);
 }
 
 // The inverse of column_index: the sample and the input channel of columns entry `index` of
 // the current window. (The GPU launchers run one thread per entry.)
+template <typename Divisor>
 C10_HOST_DEVICE inline SampleIndex decompose_column_index(const DeformConv2dGeometry& g,
+                                                          const IndexDivisors<Divisor>& d,
                                                           int64_t index, int64_t& channel) {
-  const int64_t per_group = g.channels_per_group();
-  const int64_t channel_in_group = index % per_group;
-  index /= per_group;
-  const int64_t tap = index % g.taps();
-  index /= g.taps();
-  const int64_t pixel = g.window_begin + index % g.window_pixels;
-  index /= g.window_pixels;
-  channel = (index % g.groups) * per_group + channel_in_group;
-  return make_sample_index(g, index / g.groups, channel / g.channels_per_offset_group(), tap,
-                           pixel);
+  int64_t channel_in_group, tap, window_pixel, conv_group, unused;
+  index = divide(index, d.channels_per_group, channel_in_group);
+  index = divide(index, d.taps, tap);
+  index = divide(index, d.window_pixels, window_pixel);
+  const int64_t n = divide(index, d.groups, conv_group);
+  channel = conv_group * g.channels_per_group() + channel_in_group;
+  const int64_t group = divide(channel, d.channels_per_offset_group, unused);
+  return sample_of_window(g, d, n, group, tap, window_pixel);
 }
 
 // Channel `channel` of grid pixel 0 of block image n in a channels-last (block, H, W, C_in)

@@ -1,7 +1,10 @@
 // CUDA launchers: one grid-stride kernel per shared element function, on the current stream.
-// Indices are int64 throughout: a block's columns buffer passes 2^31 elements at detection
-// resolutions (C_in * K * H_out * W_out * images), and int32 there gives wrong answers
-// silently (torchvision issue 4269). The cost is a few integer instructions per element.
+// Indices are int64: a block's columns buffer passes 2^31 elements at detection resolutions
+// (C_in * K * H_out * W_out * images), and int32 there gives wrong answers silently
+// (torchvision issue 4269). Each thread splits its flat index into image, group, tap, pixel
+// and channel, some nine divisions; each kernel is therefore built twice, and the launcher
+// takes the build that divides by InvariantDivisor (a multiply-high and a shift) when every
+// dividend of the launch is below 2^31, the one that divides in int64 otherwise.
 
 #include <ATen/Dispatch.h>
 #include <ATen/core/Tensor.h>
@@ -9,6 +12,8 @@
 #include <c10/cuda/CUDAStream.h>
 
 #include <algorithm>
+#include <cstdint>
+#include <type_traits>
 
 #include "../common/deform_conv2d_kernel.cuh"
 #include "deform_conv2d_cuda.h"
@@ -26,6 +31,25 @@ int64_t blocks_for(int64_t total) {
   return std::min<int64_t>(kMaxBlocks, (total + kThreadsPerBlock - 1) / kThreadsPerBlock);
 }
 
+// The largest dividend that the 32-bit divisions take. The emulated tests lower it to run the
+// 64-bit build as well.
+#ifndef DEFORMCONV_NARROW_INDEX_LIMIT
+#define DEFORMCONV_NARROW_INDEX_LIMIT int64_t(INT32_MAX)
+#endif
+
+// Calls launch(divisors) with the IndexDivisors of the window: 32-bit when `entries`, the flat
+// indices of the launch, and every size that the index arithmetic divides are at most
+// DEFORMCONV_NARROW_INDEX_LIMIT.
+template <typename Launch>
+void with_index_divisors(const DeformConv2dGeometry& g, int64_t entries, const Launch& launch) {
+  const int64_t largest_dividend = std::max({entries, g.out_pixels(), g.in_channels, g.taps()});
+  if (largest_dividend <= DEFORMCONV_NARROW_INDEX_LIMIT) {
+    launch(IndexDivisors<InvariantDivisor>(g));
+  } else {
+    launch(IndexDivisors<int64_t>(g));
+  }
+}
+
 #define DEFORMCONV_GRID_STRIDE_LOOP(index, total)                                          \
   for (int64_t index = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;        \
        index < (total); index += static_cast<int64_t>(blockDim.x) * gridDim.x)
@@ -33,12 +57,13 @@ int64_t blocks_for(int64_t total) {
 // One thread per columns entry: neighbouring threads take neighbouring channels of one sample,
 // so their input reads and columns writes coalesce. Each remakes the sample's plan, which costs
 // a few arithmetic instructions next to the memory traffic.
-template <typename scalar_t>
-__global__ void im2col_kernel(DeformConv2dGeometry g, int64_t total, const scalar_t* input,
-                              const scalar_t* offset, const scalar_t* mask, scalar_t* columns) {
+template <typename scalar_t, typename Divisor>
+__global__ void im2col_kernel(DeformConv2dGeometry g, IndexDivisors<Divisor> divisors,
+                              int64_t total, const scalar_t* input, const scalar_t* offset,
+                              const scalar_t* mask, scalar_t* columns) {
   DEFORMCONV_GRID_STRIDE_LOOP(index, total) {
     int64_t channel;
-    const SampleIndex s = decompose_column_index(g, index, channel);
+    const SampleIndex s = decompose_column_index(g, divisors, index, channel);
     const auto plan = make_sampling_plan(g, s, offset, mask);
     columns[index] = sample_with_plan(plan, channel_of(g, input, s.n, channel), g.in_channels);
   }
@@ -47,13 +72,14 @@ __global__ void im2col_kernel(DeformConv2dGeometry g, int64_t total, const scala
 // As im2col_kernel; entries of different threads hit the same input pixels, so
 // scatter_with_plan adds atomically (scatter_add under __CUDA_ARCH__), into a gradient of
 // at::opmath_type (Note [Input gradient sums in float32]).
-template <typename scalar_t>
-__global__ void col2im_kernel(DeformConv2dGeometry g, int64_t total,
-                              const scalar_t* grad_columns, const scalar_t* offset,
-                              const scalar_t* mask, at::opmath_type<scalar_t>* grad_input) {
+template <typename scalar_t, typename Divisor>
+__global__ void col2im_kernel(DeformConv2dGeometry g, IndexDivisors<Divisor> divisors,
+                              int64_t total, const scalar_t* grad_columns,
+                              const scalar_t* offset, const scalar_t* mask,
+                              at::opmath_type<scalar_t>* grad_input) {
   DEFORMCONV_GRID_STRIDE_LOOP(index, total) {
     int64_t channel;
-    const SampleIndex s = decompose_column_index(g, index, channel);
+    const SampleIndex s = decompose_column_index(g, divisors, index, channel);
     const auto plan = make_sampling_plan(g, s, offset, mask);
     scatter_with_plan(plan, grad_columns + index, 1, channel_of(g, grad_input, s.n, channel),
                       g.in_channels);
@@ -67,8 +93,9 @@ __global__ void col2im_kernel(DeformConv2dGeometry g, int64_t total,
 // team is an aligned run of lanes of one warp and the block (a multiple of the warp) holds
 // whole teams; a team's lanes take the same samples, so each shuffle has all of its members.
 // The sums are added in a fixed order: the result does not depend on thread scheduling.
-template <typename scalar_t>
-__global__ void offset_mask_grad_kernel(DeformConv2dGeometry g, int64_t samples, int lanes,
+template <typename scalar_t, typename Divisor>
+__global__ void offset_mask_grad_kernel(DeformConv2dGeometry g, IndexDivisors<Divisor> divisors,
+                                        int64_t samples, int lanes,
                                         const scalar_t* grad_columns, const scalar_t* input,
                                         const scalar_t* offset, const scalar_t* mask,
                                         scalar_t* grad_offset, scalar_t* grad_mask) {
@@ -79,13 +106,13 @@ __global__ void offset_mask_grad_kernel(DeformConv2dGeometry g, int64_t samples,
   const int64_t teams_in_grid = static_cast<int64_t>(blockDim.x) * gridDim.x / lanes;
   for (int64_t index = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / lanes;
        index < samples; index += teams_in_grid) {
-    const SampleIndex s = decompose_sample_index(g, index);
+    const SampleIndex s = decompose_sample_index(g, divisors, index);
     const auto acc = start_offset_mask_grad(g, s, offset, mask);
     OffsetMaskGradSums<opmath_t> sums;
     if (acc.cell.inside) {
       const int64_t end = first_channel(g, s.group) + g.channels_per_offset_group();
       for (int64_t c = first_channel(g, s.group) + lane; c < end; c += lanes) {
-        accumulate_offset_mask_grad(acc, grad_columns[column_index(g, s, c)],
+        accumulate_offset_mask_grad(acc, grad_columns[column_index(g, divisors, s, c)],
                                     channel_of(g, input, s.n, c), g.in_channels, sums);
       }
     }
@@ -125,11 +152,16 @@ void im2col_cuda(const DeformConv2dGeometry& g, int64_t batch, const at::Tensor&
   const at::Tensor& mask = sampling.mask;
   const int64_t total = columns_entries_in(g, batch);
   DEFORMCONV_DISPATCH(input.scalar_type(), "deform_conv2d_im2col_cuda", [&] {
-    DEFORMCONV_LAUNCH(im2col_kernel<scalar_t>, blocks_for(total), kThreadsPerBlock,
-                      c10::cuda::getCurrentCUDAStream())(
-            g, total, input.const_data_ptr<scalar_t>(), offset.const_data_ptr<scalar_t>(),
-            data_or_null<scalar_t>(mask), columns.mutable_data_ptr<scalar_t>());
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    with_index_divisors(g, total, [&](const auto& divisors) {
+      using Divisor = typename std::decay_t<decltype(divisors)>::divisor_type;
+      const auto kernel = &im2col_kernel<scalar_t, Divisor>;
+      DEFORMCONV_LAUNCH(kernel, blocks_for(total), kThreadsPerBlock,
+                        c10::cuda::getCurrentCUDAStream())(
+              g, divisors, total, input.const_data_ptr<scalar_t>(),
+              offset.const_data_ptr<scalar_t>(), data_or_null<scalar_t>(mask),
+              columns.mutable_data_ptr<scalar_t>());
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
   });
 }
 
@@ -141,11 +173,16 @@ void col2im_cuda(const DeformConv2dGeometry& g, int64_t batch, const at::Tensor&
   DEFORMCONV_DISPATCH(grad_columns.scalar_type(), "deform_conv2d_col2im_cuda", [&] {
     // Note [Input gradient sums in float32]
     at::Tensor sums = input_gradient_sums<scalar_t>(grad_input);
-    DEFORMCONV_LAUNCH(col2im_kernel<scalar_t>, blocks_for(total), kThreadsPerBlock,
-                      c10::cuda::getCurrentCUDAStream())(
-            g, total, grad_columns.const_data_ptr<scalar_t>(), offset.const_data_ptr<scalar_t>(),
-            data_or_null<scalar_t>(mask), sums.mutable_data_ptr<at::opmath_type<scalar_t>>());
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    with_index_divisors(g, total, [&](const auto& divisors) {
+      using Divisor = typename std::decay_t<decltype(divisors)>::divisor_type;
+      const auto kernel = &col2im_kernel<scalar_t, Divisor>;
+      DEFORMCONV_LAUNCH(kernel, blocks_for(total), kThreadsPerBlock,
+                        c10::cuda::getCurrentCUDAStream())(
+              g, divisors, total, grad_columns.const_data_ptr<scalar_t>(),
+              offset.const_data_ptr<scalar_t>(), data_or_null<scalar_t>(mask),
+              sums.mutable_data_ptr<at::opmath_type<scalar_t>>());
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
     store_input_gradient_sums(sums, grad_input);
   });
 }
@@ -159,12 +196,17 @@ void offset_mask_grad_cuda(const DeformConv2dGeometry& g, int64_t batch,
   const int64_t samples = samples_in(g, batch);
   const int lanes = team_lanes(g);
   DEFORMCONV_DISPATCH(input.scalar_type(), "deform_conv2d_offset_mask_grad_cuda", [&] {
-    DEFORMCONV_LAUNCH(offset_mask_grad_kernel<scalar_t>, blocks_for(samples * lanes),
-                      kThreadsPerBlock, c10::cuda::getCurrentCUDAStream())(
-            g, samples, lanes, grad_columns.const_data_ptr<scalar_t>(), input.const_data_ptr<scalar_t>(),
-            offset.const_data_ptr<scalar_t>(), data_or_null<scalar_t>(mask),
-            mutable_data_or_null<scalar_t>(grad_offset), mutable_data_or_null<scalar_t>(grad_mask));
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    with_index_divisors(g, samples, [&](const auto& divisors) {
+      using Divisor = typename std::decay_t<decltype(divisors)>::divisor_type;
+      const auto kernel = &offset_mask_grad_kernel<scalar_t, Divisor>;
+      DEFORMCONV_LAUNCH(kernel, blocks_for(samples * lanes),
+                        kThreadsPerBlock, c10::cuda::getCurrentCUDAStream())(
+              g, divisors, samples, lanes, grad_columns.const_data_ptr<scalar_t>(),
+              input.const_data_ptr<scalar_t>(), offset.const_data_ptr<scalar_t>(),
+              data_or_null<scalar_t>(mask), mutable_data_or_null<scalar_t>(grad_offset),
+              mutable_data_or_null<scalar_t>(grad_mask));
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
   });
 }
 

@@ -1,16 +1,22 @@
 // The index arithmetic that only the CUDA launchers use, run on the CPU: one thread per columns
 // entry finds its sample and channel with decompose_column_index, one thread per sample with
 // decompose_sample_index. Both must invert the maps the CPU launchers use (column_index,
-// make_sample_index and next_pixel), for every entry of a few awkward geometries.
+// make_sample_index and next_pixel), for every entry of a few awkward geometries, dividing in
+// int64 and by InvariantDivisor alike; and InvariantDivisor must divide exactly, checked over
+// divisors and dividends from 1 to 2^31 - 1.
 
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <random>
 
 #include "../../csrc/common/deform_conv2d_kernel.cuh"
 
 namespace {
 
 using deformconv::DeformConv2dGeometry;
+using deformconv::IndexDivisors;
+using deformconv::InvariantDivisor;
 using deformconv::SampleIndex;
 
 int failures = 0;
@@ -49,12 +55,17 @@ DeformConv2dGeometry geometry(int64_t channels, int64_t groups, int64_t offset_g
   return g;
 }
 
+template <typename Divisor>
 void check(const DeformConv2dGeometry& g, int64_t batch) {
+  const IndexDivisors<Divisor> divisors(g);
   const int64_t entries = batch * g.in_channels * g.taps() * g.window_pixels;
   for (int64_t index = 0; index < entries; ++index) {
     int64_t channel = -1;
-    const SampleIndex s = deformconv::decompose_column_index(g, index, channel);
-    expect(deformconv::column_index(g, s, channel) == index, "column_index round trip", index);
+    const SampleIndex s = deformconv::decompose_column_index(g, divisors, index, channel);
+    expect(deformconv::column_index(g, divisors, s, channel) == index, "column_index round trip",
+           index);
+    expect(deformconv::column_index(g, s.n, s.pixel - g.window_begin, s.tap, channel) == index,
+           "column_index of the CPU launchers", index);
     expect(s.group == channel / g.channels_per_offset_group(), "deform group of channel", index);
     expect(same(s, deformconv::make_sample_index(g, s.n, s.group, s.tap, s.pixel)),
            "sample of column entry", index);
@@ -66,11 +77,62 @@ void check(const DeformConv2dGeometry& g, int64_t batch) {
       for (int64_t tap = 0; tap < g.taps(); ++tap) {
         SampleIndex s = deformconv::make_sample_index(g, n, group, tap, g.window_begin);
         for (int64_t p = 0; p < g.window_pixels; ++p, ++index, deformconv::next_pixel(g, s)) {
-          expect(same(s, deformconv::decompose_sample_index(g, index)), "sample round trip",
-                 index);
+          expect(same(s, deformconv::decompose_sample_index(g, divisors, index)),
+                 "sample round trip", index);
         }
       }
     }
+  }
+}
+
+void check_division(int64_t divisor, int64_t dividend) {
+  const InvariantDivisor d(divisor);
+  const int64_t quotient = d.quotient(static_cast<uint32_t>(dividend));
+  if (quotient != dividend / divisor && failures++ < 10) {
+    std::fprintf(stderr, "InvariantDivisor: %lld / %lld gave %lld\n",
+                 static_cast<long long>(dividend), static_cast<long long>(divisor),
+                 static_cast<long long>(quotient));
+  }
+}
+
+// Every divisor up to 4096 with every dividend up to 2^14 and the top of the range; divisors
+// near powers of two and near 2^31 (where the multiplier is largest or smallest) with dividends
+// at multiples of the divisor and one either side; then random pairs.
+void check_invariant_division() {
+  constexpr int64_t kLargest = INT32_MAX;
+  for (int64_t divisor = 1; divisor <= 4096; ++divisor) {
+    for (int64_t dividend = 0; dividend < (int64_t(1) << 14); ++dividend) {
+      check_division(divisor, dividend);
+    }
+    for (int64_t dividend = kLargest - 4096; dividend <= kLargest; ++dividend) {
+      check_division(divisor, dividend);
+    }
+  }
+  for (int bit = 1; bit <= 31; ++bit) {
+    for (int64_t delta = -3; delta <= 3; ++delta) {
+      const int64_t divisor = (int64_t(1) << bit) + delta;
+      if (divisor < 1 || divisor > kLargest) {
+        continue;
+      }
+      // The first and the last 2^16 multiples of the divisor below 2^31.
+      const int64_t last = kLargest / divisor;
+      for (int64_t k = 0; k <= last; ++k) {
+        if (k == (int64_t(1) << 16) && last > (int64_t(1) << 17)) {
+          k = last - (int64_t(1) << 16);
+        }
+        for (int64_t dividend = k * divisor - 1; dividend <= k * divisor + 1; ++dividend) {
+          if (dividend >= 0 && dividend <= kLargest) {
+            check_division(divisor, dividend);
+          }
+        }
+      }
+    }
+  }
+  std::mt19937_64 random(2024);
+  std::uniform_int_distribution<int64_t> any(1, kLargest);
+  for (int i = 0; i < 10000000; ++i) {
+    const int64_t divisor = any(random) >> (random() % 31);
+    check_division(divisor < 1 ? 1 : divisor, any(random) - 1);
   }
 }
 
@@ -78,14 +140,22 @@ void check(const DeformConv2dGeometry& g, int64_t batch) {
 
 int main() {
   // (channels, groups, offset groups, kH, kW, stride, pad, dilation, window begin, pixels)
-  check(geometry(6, 1, 1, 3, 3, 1, 1, 1, 0, 63), 2);
-  check(geometry(12, 3, 2, 3, 2, 2, 1, 1, 5, 11), 3);  // deform groups across conv groups
-  check(geometry(12, 2, 3, 2, 3, 1, 2, 2, 17, 40), 2);
-  check(geometry(8, 4, 4, 1, 1, 3, 0, 1, 0, 9), 1);
+  const DeformConv2dGeometry geometries[] = {
+      geometry(6, 1, 1, 3, 3, 1, 1, 1, 0, 63),
+      geometry(12, 3, 2, 3, 2, 2, 1, 1, 5, 11),  // deform groups across conv groups
+      geometry(12, 2, 3, 2, 3, 1, 2, 2, 17, 40),
+      geometry(8, 4, 4, 1, 1, 3, 0, 1, 0, 9),
+  };
+  const int64_t batches[] = {2, 3, 2, 1};
+  for (int i = 0; i < 4; ++i) {
+    check<int64_t>(geometries[i], batches[i]);
+    check<InvariantDivisor>(geometries[i], batches[i]);
+  }
+  check_invariant_division();
   if (failures > 0) {
     std::fprintf(stderr, "%d index checks failed\n", failures);
     return EXIT_FAILURE;
   }
-  std::puts("index maps: all entries round-trip");
+  std::puts("index maps: all entries round-trip; InvariantDivisor divides exactly");
   return EXIT_SUCCESS;
 }

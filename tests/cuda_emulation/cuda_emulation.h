@@ -68,6 +68,9 @@ struct Settings {
   int64_t grid_cap = 0;  // 0: run the grid as launched; n: at most n blocks in x
   uint64_t seed = 0;     // of the shuffled orders
   int64_t current_stream = 0;
+  // DEFORMCONV_NARROW_INDEX_LIMIT of the launchers: below the sizes of a launch, it takes the
+  // 64-bit index arithmetic.
+  int64_t narrow_index_limit = INT32_MAX;
 };
 
 // What the launches did since the last reset: the test suite reads it after each op.

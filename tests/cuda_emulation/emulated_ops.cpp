@@ -6,6 +6,7 @@
 
 #include <torch/library.h>
 
+#define DEFORMCONV_NARROW_INDEX_LIMIT (::cuda_emulation::settings().narrow_index_limit)
 #include "../../csrc/cuda/deform_conv2d_cuda.cu"
 #include "../../csrc/schemas.h"
 
@@ -38,7 +39,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> emulated_
 }
 
 void configure(int64_t block_order, int64_t thread_order, int64_t grid_cap, int64_t seed,
-               int64_t current_stream, int64_t columns_tile_bytes) {
+               int64_t current_stream, int64_t columns_tile_bytes, bool wide_indices) {
   TORCH_CHECK(block_order >= 0 && block_order <= 2 && thread_order >= 0 && thread_order <= 2,
               "orders are 0 (forward), 1 (reverse) or 2 (shuffled)");
   cuda_emulation::Settings& s = cuda_emulation::settings();
@@ -47,6 +48,7 @@ void configure(int64_t block_order, int64_t thread_order, int64_t grid_cap, int6
   s.grid_cap = grid_cap;
   s.seed = static_cast<uint64_t>(seed);
   s.current_stream = current_stream;
+  s.narrow_index_limit = wide_indices ? -1 : INT32_MAX;
   emulated_launchers().columns_tile_bytes =
       columns_tile_bytes > 0 ? columns_tile_bytes : cuda_launchers().columns_tile_bytes;
 }
@@ -105,7 +107,7 @@ TORCH_LIBRARY(deformconv_emulated, m) {
   m.def(schemas::kDeformConv2d);
   m.def(schemas::kDeformConv2dBackward);
   m.def("configure(int block_order, int thread_order, int grid_cap, int seed, "
-        "int current_stream, int columns_tile_bytes) -> ()");
+        "int current_stream, int columns_tile_bytes, bool wide_indices) -> ()");
   m.def("take_bookkeeping() -> int[]");
   m.def("probe_launch(int blocks, int threads_per_block) -> int");
   m.def("probe_shuffle_xor(int threads, int member_mask, int lane_mask, int width, "
