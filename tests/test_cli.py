@@ -1,11 +1,14 @@
 """python -m deformconv {info, benchmark, demo} and --help."""
 
+import importlib.util
 import json
+import os
 
 import pytest
 import torch
 
 from deformconv.__main__ import main
+from deformconv.benchmark import busy_core
 
 
 def test_help_lists_the_commands(capsys):
@@ -29,11 +32,28 @@ def test_benchmark_writes_json_and_chart(tmp_path):
     assert main(["benchmark", "--shapes", "c5", "--repeats", "1", "--warmup", "0",
                  "--output", str(output), "--plot", str(chart)]) == 0
     report = json.loads(output.read_text())
+    assert report["setup"]["vector_isa"] in ("AVX-512", "AVX2", "NEON", "unknown")
+    assert report["setup"]["busy_core"] is False
     result = report["results"][0]
     assert result["shape"]["name"] == "c5"
     assert result["ratios"]["dense/deformconv forward"] > 0
     assert result["peak_forward_bytes"]["deformconv"] > 0
     assert chart.stat().st_size > 0
+    if importlib.util.find_spec("onnxruntime") is not None:
+        assert result["ratios"]["onnxruntime/deformconv forward"] > 0
+        # The same tensors through ONNX Runtime's own kernel: the same output.
+        assert result["agreement"]["onnxruntime max abs difference"] < 1e-4
+
+
+def test_busy_core_spins_a_process_for_the_run_only():
+    with busy_core(True) as spinner:
+        assert spinner.poll() is None  # running
+        if os.path.exists(f"/proc/{spinner.pid}/stat"):
+            # utime, in clock ticks: the spinner has been computing, not sleeping.
+            assert int(open(f"/proc/{spinner.pid}/stat").read().split()[13]) > 0
+    assert spinner.poll() is not None  # ended with the run
+    with busy_core(False) as spinner:
+        assert spinner is None
 
 
 def test_demo_trains_and_writes_pngs(tmp_path, capsys):
