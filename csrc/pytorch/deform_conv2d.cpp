@@ -147,6 +147,58 @@ WindowSampling window_sampling(const DeformConv2dLaunchers& launchers,
   return {offset_block, mask_block, plans};
 }
 
+// Note [GEMMs as 1x1 convolutions]
+// With one conv group, the columns of a window are, image by image, a channels-last image of
+// `window` pixels and K * C_in channels, (images, window, K * C_in). The forward GEMM is then a
+// 1x1 convolution of that image with the weight as (C_out, K * C_in, 1, 1), and the columns
+// gradient is that convolution's input gradient. On the CPU in float32, ATen runs them on
+// oneDNN's convolution kernels, which match dense convolution's speed on every x86 ISA, where
+// ATen's bmm runs on MKL's sgemm, about half as fast on AMD CPUs. Elsewhere (float64, half
+// precision, conv groups, CUDA, no oneDNN), the driver multiplies with bmm.
+bool gemms_as_convolutions(const DeformConv2dGeometry& g, const at::Tensor& input) {
+  return g.groups == 1 && input.is_cpu() && input.scalar_type() == at::kFloat &&
+      at::hasMKLDNN() && at::globalContext().userEnabledMkldnn();
+}
+
+// The columns of `images` images of the current window as the channels-last image of the Note,
+// (images, K * C_in, 1, window).
+at::Tensor columns_as_image(const at::Tensor& columns, const DeformConv2dGeometry& g,
+                            const WorkSplit& w, int64_t images) {
+  return columns_of_window(columns, g, w, images).permute({0, 2, 1}).unsqueeze(2);
+}
+
+// The weight as the 1x1 convolution of the Note takes it: (C_out, K * C_in, 1, 1), its input
+// channels in the order of a columns row.
+at::Tensor weight_1x1(const at::Tensor& weight, const WorkSplit& w) {
+  return weight_rows(weight, w).view({w.groups * w.out_per_group, w.rows_per_group, 1, 1});
+}
+
+// The forward GEMM of a window: output_window (images * G, C_out / G, window) = the weight
+// times the window's columns, plus the bias. `weight` is weight_1x1 when as_convolution, else
+// the per-group weights repeated per image, (step * G, C_out / G, K * C_in / G).
+void multiply_window(const DeformConv2dGeometry& g, const WorkSplit& w, int64_t images,
+                     const at::Tensor& columns, const at::Tensor& weight,
+                     const std::optional<at::Tensor>& bias, bool as_convolution,
+                     at::Tensor& output_window) {
+  if (as_convolution) {
+    // (images, C_out, 1, window), channels-last.
+    const at::Tensor product = at::mkldnn_convolution(columns_as_image(columns, g, w, images),
+                                                      weight, bias, {0, 0}, {1, 1}, {1, 1}, 1);
+    output_window.copy_(product.squeeze(2));
+    return;
+  }
+  const at::Tensor weight_block = weight.narrow(0, 0, images * w.groups);
+  // (images * G, K * C_in / G, window): the transposed columns, as the GEMM takes them.
+  const at::Tensor columns_block = columns_of_window(columns, g, w, images).transpose(1, 2);
+  if (bias.has_value()) {
+    output_window.view({images, w.groups, w.out_per_group, g.window_pixels})
+        .copy_(bias->view({1, w.groups, w.out_per_group, 1}));
+    output_window.baddbmm_(weight_block, columns_block);
+  } else {
+    at::bmm_out(output_window, weight_block, columns_block);
+  }
+}
+
 // Writes a channels-last block (images, H, W, C_in) into `block` of the same images, in the
 // block's own layout.
 void copy_from_channels_last(const DeformConv2dLaunchers& launchers,
@@ -343,19 +395,22 @@ at::Tensor deform_conv2d_forward(
   const auto [step, window, G, out_per_group, rows_per_group, P] = w;
   at::Tensor columns = columns_buffer(g, w, input_arg.options());
   at::Tensor plans = plans_buffer(launchers, g, w, input_arg.options());
+  const bool as_convolution = gemms_as_convolutions(g, input_arg);
   // The per-group weight matrices repeated for every image of a block, so that one batched
-  // GEMM covers the whole block: (step * G, C_out / G, K * C_in / G).
-  const at::Tensor weight_batched = weight_rows(weight_arg, w)
-                                        .unsqueeze(0)
-                                        .expand({step, G, out_per_group, rows_per_group})
-                                        .reshape({step * G, out_per_group, rows_per_group});
+  // GEMM covers the whole block: (step * G, C_out / G, K * C_in / G); or the weight of
+  // Note [GEMMs as 1x1 convolutions].
+  const at::Tensor weight_batched =
+      as_convolution ? weight_1x1(weight_arg, w)
+                     : weight_rows(weight_arg, w)
+                           .unsqueeze(0)
+                           .expand({step, G, out_per_group, rows_per_group})
+                           .reshape({step * G, out_per_group, rows_per_group});
 
   for (int64_t first = 0; first < batch; first += step) {
     const int64_t images = std::min(step, batch - first);
     const at::Tensor input_block = channels_last_block(launchers, input_arg, first, images);
     const at::Tensor offset_block = offset.narrow(0, first, images);
     const at::Tensor mask_block = mask.defined() ? mask.narrow(0, first, images) : at::Tensor();
-    const at::Tensor weight_block = weight_batched.narrow(0, 0, images * G);
     const at::Tensor output_block =
         output.narrow(0, first, images).view({images * G, out_per_group, P});
     for (g.window_begin = 0; g.window_begin < P; g.window_begin += window) {
@@ -363,17 +418,10 @@ at::Tensor deform_conv2d_forward(
       launchers.im2col(g, images, input_block,
                        window_sampling(launchers, g, images, offset_block, mask_block, plans),
                        columns);
-      // (images * G, K * C_in / G, window): the transposed columns, as the GEMM takes them.
-      const at::Tensor columns_block = columns_of_window(columns, g, w, images).transpose(1, 2);
       // (images * G, C_out / G, window) inside the output: rows P apart.
       at::Tensor output_window = output_block.narrow(2, g.window_begin, g.window_pixels);
-      if (bias.has_value()) {
-        output_window.view({images, G, out_per_group, g.window_pixels})
-            .copy_(bias->view({1, G, out_per_group, 1}));
-        output_window.baddbmm_(weight_block, columns_block);
-      } else {
-        at::bmm_out(output_window, weight_block, columns_block);
-      }
+      multiply_window(g, w, images, columns, weight_batched, bias, as_convolution,
+                      output_window);
     }
   }
   return output;
