@@ -161,30 +161,39 @@ template <typename scalar_t>
 struct Im2colTask {
   const DeformConv2dGeometry& g;
   const std::vector<std::vector<ChannelRun>>& runs;
+  PixelStretches stretches;
+  // The window's plans, or null: each task then makes the plans of its own samples as it
+  // goes, which spares the forward the plans' round trip through memory.
   const SamplingPlan<at::opmath_type<scalar_t>>* plans;
+  const scalar_t* offset;
+  const scalar_t* mask;
   const scalar_t* input;
   scalar_t* columns;
 };
 
-// Tasks [begin, end) of im2col, task = (image, window pixel): every columns entry is written by
-// exactly one task.
+// Tasks [begin, end) of im2col, task = a stretch of one image's window pixels, walked along
+// (deform group, tap) rows: every columns entry is written by exactly one task.
 template <typename scalar_t>
 DEFORMCONV_VECTOR_CLONES void im2col_tasks(const Im2colTask<scalar_t>& t, int64_t begin,
                                            int64_t end) {
   const DeformConv2dGeometry& g = t.g;
   for (int64_t task = begin; task < end; ++task) {
-    const int64_t n = task / g.window_pixels;
-    const int64_t pixel = task % g.window_pixels;
-    const auto* plans = plans_of_pixel(g, t.plans, n, pixel);
+    const auto [n, first_pixel, pixels] = stretch_of(g, t.stretches, task);
     for (int64_t group = 0; group < g.offset_groups; ++group) {
       for (int64_t tap = 0; tap < g.taps(); ++tap) {
-        const auto& plan = plans[group * g.taps() + tap];
-        const int64_t entries = columns_at(g, n, pixel, tap);
-        for (const ChannelRun& run : t.runs[group]) {
-          scalar_t* out = t.columns + run.column_offset + entries;
-          const scalar_t* in = channel_of(g, t.input, n, run.first);
-          for (int64_t c = 0; c < run.count; ++c) {
-            out[c] = sample_with_plan(plan, in + c, g.in_channels);
+        SampleIndex s = make_sample_index(g, n, group, tap, g.window_begin + first_pixel);
+        for (int64_t pixel = first_pixel; pixel < first_pixel + pixels;
+             ++pixel, next_pixel(g, s)) {
+          const auto plan = t.plans != nullptr
+              ? plans_of_pixel(g, t.plans, n, pixel)[group * g.taps() + tap]
+              : make_sampling_plan(g, s, t.offset, t.mask);
+          const int64_t entries = columns_at(g, n, pixel, tap);
+          for (const ChannelRun& run : t.runs[group]) {
+            scalar_t* out = t.columns + run.column_offset + entries;
+            const scalar_t* in = channel_of(g, t.input, n, run.first);
+            for (int64_t c = 0; c < run.count; ++c) {
+              out[c] = sample_with_plan(plan, in + c, g.in_channels);
+            }
           }
         }
       }
@@ -195,11 +204,14 @@ DEFORMCONV_VECTOR_CLONES void im2col_tasks(const Im2colTask<scalar_t>& t, int64_
 void im2col_cpu(const DeformConv2dGeometry& g, int64_t batch, const at::Tensor& input,
                 const WindowSampling& sampling, at::Tensor& columns) {
   const auto runs = runs_of_offset_groups(g);
+  const PixelStretches stretches = pixel_stretches(g);
   DEFORMCONV_DISPATCH(input.scalar_type(), "deform_conv2d_im2col_cpu", [&] {
-    const Im2colTask<scalar_t> t{g, runs, plans_of<at::opmath_type<scalar_t>>(sampling),
-                                 input.const_data_ptr<scalar_t>(),
-                                 columns.mutable_data_ptr<scalar_t>()};
-    at::parallel_for(0, batch * g.window_pixels, pixels_per_task(g.offset_groups * g.taps()),
+    const Im2colTask<scalar_t> t{
+        g, runs, stretches,
+        sampling.plans.defined() ? plans_of<at::opmath_type<scalar_t>>(sampling) : nullptr,
+        sampling.offset.const_data_ptr<scalar_t>(), data_or_null<scalar_t>(sampling.mask),
+        input.const_data_ptr<scalar_t>(), columns.mutable_data_ptr<scalar_t>()};
+    at::parallel_for(0, batch * stretches.per_image, 1,
                      [&](int64_t begin, int64_t end) { im2col_tasks(t, begin, end); });
   });
 }

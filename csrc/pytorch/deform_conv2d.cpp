@@ -199,6 +199,49 @@ void multiply_window(const DeformConv2dGeometry& g, const WorkSplit& w, int64_t 
   }
 }
 
+// The backward GEMMs of a window, for grad_output_window (images, G, C_out / G, window) and
+// `weight` as multiply_window takes it. Adds the window's share of the weight gradient to
+// grad_weight_rows when that is defined (`columns` then holds the window's columns), and
+// returns the gradient of the window's columns when want_columns_grad, in the layout of the
+// columns: a tensor of the convolution's, or the columns buffer itself, overwritten.
+at::Tensor window_gradient_gemms(const DeformConv2dGeometry& g, const WorkSplit& w,
+                                 int64_t images, at::Tensor& columns,
+                                 const at::Tensor& grad_output_window, const at::Tensor& weight,
+                                 bool as_convolution, bool want_columns_grad,
+                                 at::Tensor& grad_weight_rows) {
+  const bool want_weight = grad_weight_rows.defined();
+  if (as_convolution) {
+    // The convolution's gradients: of its input, the columns image (images, K * C_in, 1,
+    // window), channels-last as the input is, which is the columns layout; of its weight, the
+    // window's share of weight_rows.
+    const auto [grad_image, grad_weight_window, grad_bias] = at::convolution_backward(
+        grad_output_window.squeeze(1).unsqueeze(2), columns_as_image(columns, g, w, images),
+        weight, std::nullopt, {1, 1}, {0, 0}, {1, 1}, false, {0, 0}, 1,
+        {want_columns_grad, want_weight, false});
+    if (want_weight) {
+      grad_weight_rows.add_(grad_weight_window.view_as(grad_weight_rows));
+    }
+    return want_columns_grad ? grad_image.permute({0, 2, 3, 1}).reshape({-1}) : at::Tensor();
+  }
+  const at::Tensor columns_block = columns_of_window(columns, g, w, images);
+  if (want_weight) {
+    const at::Tensor columns_grouped =
+        columns_block.view({images, w.groups, g.window_pixels, w.rows_per_group});
+    for (const auto n : c10::irange(images)) {
+      grad_weight_rows.baddbmm_(grad_output_window[n], columns_grouped[n]);
+    }
+  }
+  if (!want_columns_grad) {
+    return at::Tensor();
+  }
+  at::Tensor grad_columns = columns_block;  // the same buffer, reused
+  at::bmm_out(grad_columns,
+              grad_output_window.reshape({images * w.groups, w.out_per_group, g.window_pixels})
+                  .transpose(1, 2),
+              weight.narrow(0, 0, images * w.groups));
+  return columns;
+}
+
 // Writes a channels-last block (images, H, W, C_in) into `block` of the same images, in the
 // block's own layout.
 void copy_from_channels_last(const DeformConv2dLaunchers& launchers,
@@ -394,7 +437,6 @@ at::Tensor deform_conv2d_forward(
   const WorkSplit w = split_work(g, batch, im2col_step, input_arg.scalar_type(), launchers);
   const auto [step, window, G, out_per_group, rows_per_group, P] = w;
   at::Tensor columns = columns_buffer(g, w, input_arg.options());
-  at::Tensor plans = plans_buffer(launchers, g, w, input_arg.options());
   const bool as_convolution = gemms_as_convolutions(g, input_arg);
   // The per-group weight matrices repeated for every image of a block, so that one batched
   // GEMM covers the whole block: (step * G, C_out / G, K * C_in / G); or the weight of
@@ -415,8 +457,8 @@ at::Tensor deform_conv2d_forward(
         output.narrow(0, first, images).view({images * G, out_per_group, P});
     for (g.window_begin = 0; g.window_begin < P; g.window_begin += window) {
       g.window_pixels = std::min(window, P - g.window_begin);
-      launchers.im2col(g, images, input_block,
-                       window_sampling(launchers, g, images, offset_block, mask_block, plans),
+      // No plans: im2col locates each sample as it reads it.
+      launchers.im2col(g, images, input_block, WindowSampling{offset_block, mask_block, {}},
                        columns);
       // (images * G, C_out / G, window) inside the output: rows P apart.
       at::Tensor output_window = output_block.narrow(2, g.window_begin, g.window_pixels);
@@ -461,16 +503,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> deform_co
 
   const WorkSplit w = split_work(g, batch, im2col_step, input_arg.scalar_type(), launchers);
   const auto [step, window, G, out_per_group, rows_per_group, P] = w;
-  // Holds the columns for the weight gradient, then the gradient of the columns.
+  // Holds the columns for the weight gradient, then (with bmm) the gradient of the columns.
   at::Tensor columns = columns_buffer(g, w, input_arg.options());
-  at::Tensor plans = plans_buffer(launchers, g, w, input_arg.options());
-  // Per-group weights repeated per image: (step * G, C_out / G, K * C_in / G).
-  const at::Tensor weight_batched = want_columns_grad
-      ? weight_rows(weight_arg, w)
-            .unsqueeze(0)
-            .expand({step, G, out_per_group, rows_per_group})
-            .reshape({step * G, out_per_group, rows_per_group})
-      : at::Tensor();
+  at::Tensor plans =
+      want_input ? plans_buffer(launchers, g, w, input_arg.options()) : at::Tensor();
+  const bool as_convolution = gemms_as_convolutions(g, input_arg);
+  // Per-group weights repeated per image, (step * G, C_out / G, K * C_in / G), or the weight of
+  // Note [GEMMs as 1x1 convolutions].
+  const at::Tensor weight_batched =
+      as_convolution ? weight_1x1(weight_arg, w)
+      : want_columns_grad ? weight_rows(weight_arg, w)
+                                .unsqueeze(0)
+                                .expand({step, G, out_per_group, rows_per_group})
+                                .reshape({step * G, out_per_group, rows_per_group})
+                          : at::Tensor();
   // The weight gradient in the order of weight_rows; permuted into grad_weight at the end.
   at::Tensor grad_weight_rows =
       want_weight ? at::zeros({G, out_per_group, rows_per_group}, weight_arg.options())
@@ -504,37 +550,26 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> deform_co
 
     for (g.window_begin = 0; g.window_begin < P; g.window_begin += window) {
       g.window_pixels = std::min(window, P - g.window_begin);
-      const at::Tensor columns_block = columns_of_window(columns, g, w, images);
       // (images, G, C_out / G, window) inside grad_output: rows P apart.
       const at::Tensor grad_output_window =
           grad_output_block.narrow(3, g.window_begin, g.window_pixels);
-      // Plans only for im2col and col2im: the offset and mask gradients locate their samples
-      // themselves.
+      // Plans for col2im, which im2col then shares; im2col alone and the offset and mask
+      // gradients locate their samples themselves.
       const WindowSampling sampling =
-          want_weight || want_input
-              ? window_sampling(launchers, g, images, offset_block, mask_block, plans)
-              : WindowSampling{offset_block, mask_block, at::Tensor()};
+          want_input ? window_sampling(launchers, g, images, offset_block, mask_block, plans)
+                     : WindowSampling{offset_block, mask_block, at::Tensor()};
       if (want_weight) {
         launchers.im2col(g, images, input_block, sampling, columns);
-        const at::Tensor columns_grouped =
-            columns_block.view({images, G, g.window_pixels, rows_per_group});
-        for (const auto n : c10::irange(images)) {
-          grad_weight_rows.baddbmm_(grad_output_window[n], columns_grouped[n]);
-        }
       }
-      if (want_columns_grad) {
-        at::Tensor grad_columns = columns_block;  // the same buffer, reused
-        at::bmm_out(grad_columns,
-                    grad_output_window.reshape({images * G, out_per_group, g.window_pixels})
-                        .transpose(1, 2),
-                    weight_batched.narrow(0, 0, images * G));
-        if (want_input) {
-          launchers.col2im(g, images, columns, sampling, grad_input_block);
-        }
-        if (want_offset || want_mask) {
-          launchers.offset_mask_grad(g, images, columns, input_block, sampling,
-                                     grad_offset_block, grad_mask_block);
-        }
+      const at::Tensor grad_columns =
+          window_gradient_gemms(g, w, images, columns, grad_output_window, weight_batched,
+                                as_convolution, want_columns_grad, grad_weight_rows);
+      if (want_input) {
+        launchers.col2im(g, images, grad_columns, sampling, grad_input_block);
+      }
+      if (want_offset || want_mask) {
+        launchers.offset_mask_grad(g, images, grad_columns, input_block, sampling,
+                                   grad_offset_block, grad_mask_block);
       }
     }
     if (want_input && !grad_input_in_place) {

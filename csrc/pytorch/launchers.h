@@ -19,8 +19,9 @@ namespace deformconv {
 
 // Where the samples of one window come from: the block's offset and mask (mask undefined for
 // DCN v1), and the plans the launchers made of them for this window (make_plans, into a buffer
-// the driver allocates once per call), which im2col and col2im of the window share; undefined
-// where the launchers make none.
+// the driver allocates once per call), which col2im needs and im2col shares when the backward
+// runs both; undefined where the launchers make none, or where im2col runs alone (it then
+// makes each sample's plan as it reads it).
 struct WindowSampling {
   at::Tensor offset;
   at::Tensor mask;
