@@ -166,19 +166,42 @@ def forward_backward_step(run: Callable, tensors) -> Callable[[], None]:
 def gemm_steps(shape: Shape, dtype: torch.dtype,
                device: str = "cpu") -> Dict[str, Callable[[], None]]:
     """The GEMMs of deformconv's im2col formulation alone, whole-size, on random columns in its
-    layout (per image and conv group, pixels x taps * channels): forward, the output; backward,
-    the columns gradient and the weight gradient. No im2col + GEMM implementation can beat
-    them, so they measure how much of the gap to a dense convolution is sampling and how much
-    is the GEMMs themselves."""
+    layout (per image and conv group, pixels x taps * channels), in the form deformconv runs
+    them: forward, the output; backward, the columns gradient and the weight gradient. On the
+    CPU in float32 with one conv group that form is a 1x1 convolution over the columns viewed
+    as a channels-last image (oneDNN), elsewhere batched matrix products (bmm). No im2col +
+    GEMM implementation can beat them, so they measure how much of the gap to a dense
+    convolution is sampling and how much is the GEMMs themselves."""
     out_h, out_w = shape.output_size()
+    pixels = out_h * out_w
     matrices = shape.batch * shape.groups
     rows = shape.in_channels // shape.groups * shape.kernel * shape.kernel
     out_per_group = shape.out_channels // shape.groups
     options = dict(device=device, dtype=dtype)
-    columns = torch.randn(matrices, out_h * out_w, rows).to(**options)
-    weight = torch.randn(shape.groups, out_per_group, rows).to(**options).repeat(shape.batch, 1,
-                                                                                1)
-    grad_output = torch.randn(matrices, out_per_group, out_h * out_w).to(**options)
+    columns = torch.randn(matrices, pixels, rows).to(**options)
+    weight = torch.randn(shape.groups, out_per_group, rows).to(**options)
+    grad_output = torch.randn(matrices, out_per_group, pixels).to(**options)
+    as_convolution = (device == "cpu" and dtype == torch.float32 and shape.groups == 1
+                      and torch.backends.mkldnn.is_available()
+                      and torch.backends.mkldnn.enabled)
+    if as_convolution:
+        image = columns.permute(0, 2, 1).unsqueeze(2)  # (N, rows, 1, pixels), channels-last
+        weight_1x1 = weight.view(shape.out_channels, rows, 1, 1)
+        grad_image = grad_output.unsqueeze(2)
+
+        def forward():
+            torch.nn.functional.conv2d(image, weight_1x1)
+
+        def forward_backward():
+            forward()
+            torch.ops.aten.convolution_backward(grad_image, image, weight_1x1, None, [1, 1],
+                                                [0, 0], [1, 1], False, [0, 0], 1,
+                                                [True, True, False])
+
+        return {"GEMMs alone forward": forward,
+                "GEMMs alone forward+backward": forward_backward}
+
+    weight = weight.repeat(shape.batch, 1, 1)
     # Results go to buffers allocated once: the allocation of a fresh columns-sized buffer
     # (page faults) is not GEMM work.
     output, grad_weight = torch.empty_like(grad_output), torch.empty_like(weight)

@@ -1,5 +1,5 @@
-// CPU launchers: at::parallel_for over the shared element functions, and the CPU kernels of
-// the ops.
+// CPU launchers: parallel loops over the shared element functions (parallel_tasks), and the
+// CPU kernels of the ops.
 //
 // The sampling plans of a window are made once, in parallel; each stage then applies a plan to
 // the consecutive channels it serves (channels-last layouts, see deform_conv2d_kernel.cuh).
@@ -11,6 +11,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <vector>
 
 #include "../common/deform_conv2d_kernel.cuh"
@@ -37,6 +38,30 @@
 
 namespace deformconv {
 namespace {
+
+// Runs run(begin, end) over the tasks [0, tasks) in parallel. The stages below cut their work
+// into tasks that each write outputs of their own, mostly far more tasks than threads, and the
+// threads take them in turn from a shared counter, a chunk at a time, rather than a fixed share
+// each as at::parallel_for hands out: when another process takes part of a core, the thread on
+// it runs fewer tasks instead of keeping the others waiting at the end of every stage. Which
+// thread runs a task does not change its result.
+template <typename Function>
+void parallel_tasks(int64_t tasks, const Function& run) {
+  const int64_t threads = at::get_num_threads();
+  if (threads == 1 || tasks <= 1 || at::in_parallel_region()) {
+    run(int64_t(0), tasks);
+    return;
+  }
+  // About a sixteenth of a thread's share: small enough to rebalance, large enough that the
+  // counter is seldom contended.
+  const int64_t chunk = std::max<int64_t>(1, tasks / (16 * threads));
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    for (int64_t begin = next.fetch_add(chunk); begin < tasks; begin = next.fetch_add(chunk)) {
+      run(begin, std::min(tasks, begin + chunk));
+    }
+  });
+}
 
 // About this many samples per task when plans are made or offset gradients summed: enough
 // work to amortise a task, and tasks enough to balance the threads.
@@ -129,7 +154,7 @@ void make_plans_cpu(const DeformConv2dGeometry& g, int64_t batch, const at::Tens
     Plan* plan_data = reinterpret_cast<Plan*>(plans.mutable_data_ptr());
     const scalar_t* offset_data = offset.const_data_ptr<scalar_t>();
     const scalar_t* mask_data = data_or_null<scalar_t>(mask);
-    at::parallel_for(0, batch * stretches.per_image, 1, [&](int64_t begin, int64_t end) {
+    parallel_tasks(batch * stretches.per_image, [&](int64_t begin, int64_t end) {
       for (int64_t task = begin; task < end; ++task) {
         const auto [n, first_pixel, pixels] = stretch_of(g, stretches, task);
         Plan* task_plans = plan_data + (n * g.window_pixels + first_pixel) * plans_per_pixel;
@@ -211,8 +236,8 @@ void im2col_cpu(const DeformConv2dGeometry& g, int64_t batch, const at::Tensor& 
         sampling.plans.defined() ? plans_of<at::opmath_type<scalar_t>>(sampling) : nullptr,
         sampling.offset.const_data_ptr<scalar_t>(), data_or_null<scalar_t>(sampling.mask),
         input.const_data_ptr<scalar_t>(), columns.mutable_data_ptr<scalar_t>()};
-    at::parallel_for(0, batch * stretches.per_image, 1,
-                     [&](int64_t begin, int64_t end) { im2col_tasks(t, begin, end); });
+    parallel_tasks(batch * stretches.per_image,
+                   [&](int64_t begin, int64_t end) { im2col_tasks(t, begin, end); });
   });
 }
 
@@ -282,8 +307,8 @@ void col2im_cpu(const DeformConv2dGeometry& g, int64_t batch, const at::Tensor& 
                                  sums.mutable_data_ptr<at::opmath_type<scalar_t>>(),
                                  rows_per_band,
                                  bands};
-    at::parallel_for(0, batch * bands, 1,
-                     [&](int64_t begin, int64_t end) { col2im_tasks(t, begin, end); });
+    parallel_tasks(batch * bands,
+                   [&](int64_t begin, int64_t end) { col2im_tasks(t, begin, end); });
     store_input_gradient_sums(sums, grad_input);
   });
 }
@@ -415,8 +440,8 @@ void offset_mask_grad_cpu(const DeformConv2dGeometry& g, int64_t batch,
                                          mutable_data_or_null<scalar_t>(grad_offset),
                                          mutable_data_or_null<scalar_t>(grad_mask),
                                          stretches};
-    at::parallel_for(0, batch * stretches.per_image, 1,
-                     [&](int64_t begin, int64_t end) { offset_mask_grad_tasks(t, begin, end); });
+    parallel_tasks(batch * stretches.per_image,
+                   [&](int64_t begin, int64_t end) { offset_mask_grad_tasks(t, begin, end); });
   });
 }
 
@@ -454,7 +479,7 @@ void transpose_cpu(const at::Tensor& src, at::Tensor& dst) {
   DEFORMCONV_DISPATCH(src.scalar_type(), "deform_conv2d_transpose_cpu", [&] {
     const scalar_t* from = src.const_data_ptr<scalar_t>();
     scalar_t* to = dst.mutable_data_ptr<scalar_t>();
-    at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    parallel_tasks(tiles, [&](int64_t begin, int64_t end) {
       transpose_tiles(from, to, rows, cols, begin, end);
     });
   });
