@@ -173,9 +173,21 @@ at::Tensor weight_1x1(const at::Tensor& weight, const WorkSplit& w) {
   return weight_rows(weight, w).view({w.groups * w.out_per_group, w.rows_per_group, 1, 1});
 }
 
+// The weight as the GEMMs of the windows take it: weight_1x1 when as_convolution, else the
+// per-group weight matrices repeated for every image of a block, so that one batched GEMM
+// covers the whole block, (step * G, C_out / G, K * C_in / G).
+at::Tensor gemm_weight(const at::Tensor& weight, const WorkSplit& w, bool as_convolution) {
+  if (as_convolution) {
+    return weight_1x1(weight, w);
+  }
+  return weight_rows(weight, w)
+      .unsqueeze(0)
+      .expand({w.step, w.groups, w.out_per_group, w.rows_per_group})
+      .reshape({w.step * w.groups, w.out_per_group, w.rows_per_group});
+}
+
 // The forward GEMM of a window: output_window (images * G, C_out / G, window) = the weight
-// times the window's columns, plus the bias. `weight` is weight_1x1 when as_convolution, else
-// the per-group weights repeated per image, (step * G, C_out / G, K * C_in / G).
+// times the window's columns, plus the bias, `weight` from gemm_weight.
 void multiply_window(const DeformConv2dGeometry& g, const WorkSplit& w, int64_t images,
                      const at::Tensor& columns, const at::Tensor& weight,
                      const std::optional<at::Tensor>& bias, bool as_convolution,
@@ -200,7 +212,7 @@ void multiply_window(const DeformConv2dGeometry& g, const WorkSplit& w, int64_t 
 }
 
 // The backward GEMMs of a window, for grad_output_window (images, G, C_out / G, window) and
-// `weight` as multiply_window takes it. Adds the window's share of the weight gradient to
+// `weight` from gemm_weight. Adds the window's share of the weight gradient to
 // grad_weight_rows when that is defined (`columns` then holds the window's columns), and
 // returns the gradient of the window's columns when want_columns_grad, in the layout of the
 // columns: a tensor of the convolution's, or the columns buffer itself, overwritten.
@@ -438,15 +450,7 @@ at::Tensor deform_conv2d_forward(
   const auto [step, window, G, out_per_group, rows_per_group, P] = w;
   at::Tensor columns = columns_buffer(g, w, input_arg.options());
   const bool as_convolution = gemms_as_convolutions(g, input_arg);
-  // The per-group weight matrices repeated for every image of a block, so that one batched
-  // GEMM covers the whole block: (step * G, C_out / G, K * C_in / G); or the weight of
-  // Note [GEMMs as 1x1 convolutions].
-  const at::Tensor weight_batched =
-      as_convolution ? weight_1x1(weight_arg, w)
-                     : weight_rows(weight_arg, w)
-                           .unsqueeze(0)
-                           .expand({step, G, out_per_group, rows_per_group})
-                           .reshape({step * G, out_per_group, rows_per_group});
+  const at::Tensor weight_batched = gemm_weight(weight_arg, w, as_convolution);
 
   for (int64_t first = 0; first < batch; first += step) {
     const int64_t images = std::min(step, batch - first);
@@ -508,15 +512,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> deform_co
   at::Tensor plans =
       want_input ? plans_buffer(launchers, g, w, input_arg.options()) : at::Tensor();
   const bool as_convolution = gemms_as_convolutions(g, input_arg);
-  // Per-group weights repeated per image, (step * G, C_out / G, K * C_in / G), or the weight of
-  // Note [GEMMs as 1x1 convolutions].
-  const at::Tensor weight_batched =
-      as_convolution ? weight_1x1(weight_arg, w)
-      : want_columns_grad ? weight_rows(weight_arg, w)
-                                .unsqueeze(0)
-                                .expand({step, G, out_per_group, rows_per_group})
-                                .reshape({step * G, out_per_group, rows_per_group})
-                          : at::Tensor();
+  // The convolution's backward takes the weight even for the weight gradient alone.
+  const at::Tensor weight_batched = as_convolution || want_columns_grad
+      ? gemm_weight(weight_arg, w, as_convolution)
+      : at::Tensor();
   // The weight gradient in the order of weight_rows; permuted into grad_weight at the end.
   at::Tensor grad_weight_rows =
       want_weight ? at::zeros({G, out_per_group, rows_per_group}, weight_arg.options())
