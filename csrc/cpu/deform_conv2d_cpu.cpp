@@ -487,13 +487,16 @@ void transpose_cpu(const at::Tensor& src, at::Tensor& dst) {
 
 // 4 MiB of scratch per window (columns and plans): within the last-level cache of a CPU. A
 // plan takes 48 bytes in float32, 64 in float64.
-constexpr DeformConv2dLaunchers kCpuLaunchers{int64_t(4) << 20,
-                                              sizeof(SamplingPlan<double>),
-                                              make_plans_cpu,
-                                              im2col_cpu,
-                                              col2im_cpu,
-                                              offset_mask_grad_cpu,
-                                              transpose_cpu};
+constexpr DeformConv2dLaunchers kCpuLaunchers{
+    .columns_tile_bytes = int64_t(4) << 20,
+    .plan_bytes_per_sample = sizeof(SamplingPlan<double>),
+    .make_plans = make_plans_cpu,
+    .im2col = im2col_cpu,
+    .col2im = col2im_cpu,
+    .offset_mask_grad = offset_mask_grad_cpu,
+    .transpose = transpose_cpu,
+    .onednn_gemms = true,
+};
 
 at::Tensor deform_conv2d_cpu(const at::Tensor& input, const at::Tensor& offset,
                              const at::Tensor& weight, const std::optional<at::Tensor>& mask,

@@ -216,13 +216,16 @@ void transpose_cuda(const at::Tensor& src, at::Tensor& dst) { dst.copy_(src.tran
 
 const DeformConv2dLaunchers& cuda_launchers() {
   // 256 MiB of columns per window: whole feature maps at detection resolutions in one GEMM.
-  static const DeformConv2dLaunchers launchers{int64_t(256) << 20,
-                                               0,
-                                               nullptr,
-                                               im2col_cuda,
-                                               col2im_cuda,
-                                               offset_mask_grad_cuda,
-                                               transpose_cuda};
+  static const DeformConv2dLaunchers launchers{
+      .columns_tile_bytes = int64_t(256) << 20,
+      .plan_bytes_per_sample = 0,
+      .make_plans = nullptr,
+      .im2col = im2col_cuda,
+      .col2im = col2im_cuda,
+      .offset_mask_grad = offset_mask_grad_cuda,
+      .transpose = transpose_cuda,
+      .onednn_gemms = false,
+  };
   return launchers;
 }
 

@@ -154,9 +154,11 @@ WindowSampling window_sampling(const DeformConv2dLaunchers& launchers,
 // gradient is that convolution's input gradient. On the CPU in float32, ATen runs them on
 // oneDNN's convolution kernels, which match dense convolution's speed on every x86 ISA, where
 // ATen's bmm runs on MKL's sgemm, about half as fast on AMD CPUs. Elsewhere (float64, half
-// precision, conv groups, CUDA, no oneDNN), the driver multiplies with bmm.
-bool gemms_as_convolutions(const DeformConv2dGeometry& g, const at::Tensor& input) {
-  return g.groups == 1 && input.is_cpu() && input.scalar_type() == at::kFloat &&
+// precision, conv groups, launchers without onednn_gemms such as CUDA's, no oneDNN), the
+// driver multiplies with bmm.
+bool gemms_as_convolutions(const DeformConv2dLaunchers& launchers, const DeformConv2dGeometry& g,
+                           const at::Tensor& input) {
+  return launchers.onednn_gemms && g.groups == 1 && input.scalar_type() == at::kFloat &&
       at::hasMKLDNN() && at::globalContext().userEnabledMkldnn();
 }
 
@@ -449,7 +451,7 @@ at::Tensor deform_conv2d_forward(
   const WorkSplit w = split_work(g, batch, im2col_step, input_arg.scalar_type(), launchers);
   const auto [step, window, G, out_per_group, rows_per_group, P] = w;
   at::Tensor columns = columns_buffer(g, w, input_arg.options());
-  const bool as_convolution = gemms_as_convolutions(g, input_arg);
+  const bool as_convolution = gemms_as_convolutions(launchers, g, input_arg);
   const at::Tensor weight_batched = gemm_weight(weight_arg, w, as_convolution);
 
   for (int64_t first = 0; first < batch; first += step) {
@@ -511,7 +513,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> deform_co
   at::Tensor columns = columns_buffer(g, w, input_arg.options());
   at::Tensor plans =
       want_input ? plans_buffer(launchers, g, w, input_arg.options()) : at::Tensor();
-  const bool as_convolution = gemms_as_convolutions(g, input_arg);
+  const bool as_convolution = gemms_as_convolutions(launchers, g, input_arg);
   // The convolution's backward takes the weight even for the weight gradient alone.
   const at::Tensor weight_batched = as_convolution || want_columns_grad
       ? gemm_weight(weight_arg, w, as_convolution)

@@ -55,6 +55,9 @@ struct DeformConv2dLaunchers {
   // dst (M, C, R) = src (M, R, C) with the last two dimensions swapped, both contiguous: the
   // copies between the (C_in, H * W) planes of the user's tensors and channels-last.
   void (*transpose)(const at::Tensor& src, at::Tensor& dst);
+  // Whether the driver may run the GEMMs of float32 windows with one conv group as oneDNN 1x1
+  // convolutions (Note [GEMMs as 1x1 convolutions]): on the CPU, not on CUDA.
+  bool onednn_gemms;
 };
 
 // The dtypes of every launcher: float32 and float64, and float16 and bfloat16 (arithmetic in
