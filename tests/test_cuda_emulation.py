@@ -177,7 +177,7 @@ def test_half_precision_input_gradient_sums_in_float32(emulated, dtype, launcher
 
 def test_several_windows_per_block(emulated, index_arithmetic):
     # With a window budget of one byte the driver tiles the 1,600 output pixels into windows of
-    # its minimum, 512 pixels: 4 windows per block, the last of 64.
+    # its minimum, 512 pixels, evened out: 3 windows per block, of 534, 534 and 532 pixels.
     geometry = Geometry("windows", 3, 8, 6, 40, 40, (3, 3), padding=(1, 1), groups=2,
                         offset_groups=2)
     operands = make_operands(geometry)

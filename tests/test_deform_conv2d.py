@@ -172,10 +172,11 @@ def test_package_metadata():
 
 @pytest.mark.parametrize("im2col_step", [0, 3])
 def test_output_pixels_tiled_into_windows(im2col_step):
-    # The CPU launchers aim at 4 MiB of columns per window of output pixels (at least 512
-    # pixels): float64, 7 images of 16 channels and 9 taps give 8 KiB per pixel, so the 1,600
-    # output pixels are worked in 4 windows (3 of 520 and 1 of 40) with the default step, and
-    # in windows of 1,213 and 387 with im2col_step 3; windows must join up seamlessly.
+    # The CPU launchers aim at 4 MiB of columns and plans per window of output pixels, at least
+    # 512 pixels, evened out: in float64, 16 channels and 4 deform groups of 9 taps take 3,456
+    # bytes per pixel and image, so with the default step (all 7 images) and with im2col_step 3
+    # the 1,600 output pixels are worked in windows of 534, 534 and 532; windows must join up
+    # seamlessly.
     geometry = Geometry("windows", 7, 16, 8, 40, 40, (3, 3), padding=(1, 1), groups=2,
                         offset_groups=4)
     operands = make_operands(geometry)

@@ -50,9 +50,11 @@ int64_t images_per_block(const DeformConv2dGeometry& g, int64_t batch, int64_t i
 }
 
 // Output pixels per window of a block of `images`: as many as fit in the launchers' tile budget,
-// at least kMinWindowPixels (or all). Smaller windows keep the columns buffer in cache and
-// spare the page faults of a fresh buffer of hundreds of megabytes; the GEMMs stay large
-// enough to run at full speed.
+// at least kMinWindowPixels (or all), then evened out over the windows, whose count is rounded
+// down: no short last window, whose GEMMs would pay the same per-call costs (the weight's
+// reorder and gradient, C_out x K * C_in each) for a sliver of pixels. Smaller windows keep the
+// columns buffer in cache and spare the page faults of a fresh buffer of hundreds of megabytes;
+// the GEMMs stay large enough to run at full speed.
 constexpr int64_t kMinWindowPixels = 512;
 
 int64_t pixels_per_window(const DeformConv2dGeometry& g, int64_t images, at::ScalarType dtype,
@@ -61,8 +63,10 @@ int64_t pixels_per_window(const DeformConv2dGeometry& g, int64_t images, at::Sca
       1, images * g.taps() *
           (g.in_channels * c10::elementSize(dtype) +
            g.offset_groups * launchers.plan_bytes_per_sample));
-  return std::min(g.out_pixels(),
-                  std::max(kMinWindowPixels, launchers.columns_tile_bytes / bytes_per_pixel));
+  const int64_t budget = std::min(
+      g.out_pixels(), std::max(kMinWindowPixels, launchers.columns_tile_bytes / bytes_per_pixel));
+  const int64_t windows = std::max<int64_t>(1, g.out_pixels() / budget);
+  return (g.out_pixels() + windows - 1) / windows;
 }
 
 // How forward and backward split their work: blocks of `step` images, windows of `window`
