@@ -488,6 +488,7 @@ void transpose_cpu(const at::Tensor& src, at::Tensor& dst) {
 // 4 MiB of scratch per window (columns and plans): within the last-level cache of a CPU. A
 // plan takes 48 bytes in float32, 64 in float64.
 constexpr DeformConv2dLaunchers kCpuLaunchers{
+    .block_columns_bytes = int64_t(4) << 20,
     .columns_tile_bytes = int64_t(4) << 20,
     .plan_bytes_per_sample = sizeof(SamplingPlan<double>),
     .make_plans = make_plans_cpu,

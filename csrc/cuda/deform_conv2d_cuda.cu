@@ -217,6 +217,7 @@ void transpose_cuda(const at::Tensor& src, at::Tensor& dst) { dst.copy_(src.tran
 const DeformConv2dLaunchers& cuda_launchers() {
   // 256 MiB of columns per window: whole feature maps at detection resolutions in one GEMM.
   static const DeformConv2dLaunchers launchers{
+      .block_columns_bytes = int64_t(64) << 20,
       .columns_tile_bytes = int64_t(256) << 20,
       .plan_bytes_per_sample = 0,
       .make_plans = nullptr,

@@ -34,19 +34,17 @@ at::Tensor scratch_empty(c10::IntArrayRef sizes, const at::TensorOptions& option
   return buffer;
 }
 
-// With im2col_step = 0 the block holds as many images as fit in this many bytes of columns
-// (at least one image). 64 MiB keeps the scratch memory of a forward well below the size of
-// typical activations while giving the GEMMs blocks of a few hundred thousand columns.
-constexpr int64_t kAutoColumnsBudgetBytes = int64_t(64) << 20;
-
+// With im2col_step = 0 the block holds as many images as fit in the launchers'
+// block_columns_bytes of full columns (at least one image).
 int64_t images_per_block(const DeformConv2dGeometry& g, int64_t batch, int64_t im2col_step,
-                         at::ScalarType dtype) {
+                         at::ScalarType dtype, const DeformConv2dLaunchers& launchers) {
   if (im2col_step > 0) {
     return std::min(batch, im2col_step);
   }
   const int64_t bytes_per_image =
       std::max<int64_t>(1, g.in_channels * g.taps() * g.out_pixels() * c10::elementSize(dtype));
-  return std::clamp<int64_t>(kAutoColumnsBudgetBytes / bytes_per_image, 1, std::max<int64_t>(batch, 1));
+  return std::clamp<int64_t>(launchers.block_columns_bytes / bytes_per_image, 1,
+                             std::max<int64_t>(batch, 1));
 }
 
 // Output pixels per window of a block of `images`: as many as fit in the launchers' tile budget,
@@ -83,7 +81,7 @@ struct WorkSplit {
 WorkSplit split_work(const DeformConv2dGeometry& g, int64_t batch, int64_t im2col_step,
                      at::ScalarType dtype, const DeformConv2dLaunchers& launchers) {
   WorkSplit w;
-  w.step = images_per_block(g, batch, im2col_step, dtype);
+  w.step = images_per_block(g, batch, im2col_step, dtype, launchers);
   w.window = pixels_per_window(g, w.step, dtype, launchers);
   w.groups = g.groups;
   w.out_per_group = g.out_channels / g.groups;

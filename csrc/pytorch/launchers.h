@@ -29,6 +29,12 @@ struct WindowSampling {
 };
 
 struct DeformConv2dLaunchers {
+  // With im2col_step = 0, a block holds as many images as fit in this many bytes of full
+  // columns (C_in * K * H_out * W_out elements per image), at least one. On a GPU, 64 MiB gives
+  // the GEMMs blocks of a few hundred thousand columns while keeping the scratch memory well
+  // below typical activations; on the CPU, whose windows bound the columns anyway, a block of
+  // about one window keeps each image's input and gradients in cache.
+  int64_t block_columns_bytes;
   // Bytes of columns buffer and scratch to aim for per window of output pixels (the driver
   // tiles the pixels of a block of images so): about the cache of a CPU, or far more on a GPU,
   // whose GEMMs want large operands and whose allocator reuses memory.
