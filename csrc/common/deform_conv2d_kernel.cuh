@@ -141,7 +141,6 @@ C10_HOST_DEVICE inline SampleIndex make_sample_index(const DeformConv2dGeometry&
 // dividend of the launch is below 2^31.
 template <typename Divisor>
 struct IndexDivisors {
-  using divisor_type = Divisor;
   Divisor channels_per_group, channels_per_offset_group, taps, window_pixels, groups,
       offset_groups, out_width, kernel_w;
 

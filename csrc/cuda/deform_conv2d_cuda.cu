@@ -56,9 +56,10 @@ void with_index_divisors(const DeformConv2dGeometry& g, int64_t entries, const L
 
 // One thread per columns entry: neighbouring threads take neighbouring channels of one sample,
 // so their input reads and columns writes coalesce. Each remakes the sample's plan, which costs
-// a few arithmetic instructions next to the memory traffic.
-template <typename scalar_t, typename Divisor>
-__global__ void im2col_kernel(DeformConv2dGeometry g, IndexDivisors<Divisor> divisors,
+// a few arithmetic instructions next to the memory traffic. In every kernel, `divisors` is the
+// IndexDivisors that with_index_divisors chose for the launch.
+template <typename scalar_t, typename Divisors>
+__global__ void im2col_kernel(DeformConv2dGeometry g, Divisors divisors,
                               int64_t total, const scalar_t* input, const scalar_t* offset,
                               const scalar_t* mask, scalar_t* columns) {
   DEFORMCONV_GRID_STRIDE_LOOP(index, total) {
@@ -72,8 +73,8 @@ __global__ void im2col_kernel(DeformConv2dGeometry g, IndexDivisors<Divisor> div
 // As im2col_kernel; entries of different threads hit the same input pixels, so
 // scatter_with_plan adds atomically (scatter_add under __CUDA_ARCH__), into a gradient of
 // at::opmath_type (Note [Input gradient sums in float32]).
-template <typename scalar_t, typename Divisor>
-__global__ void col2im_kernel(DeformConv2dGeometry g, IndexDivisors<Divisor> divisors,
+template <typename scalar_t, typename Divisors>
+__global__ void col2im_kernel(DeformConv2dGeometry g, Divisors divisors,
                               int64_t total, const scalar_t* grad_columns,
                               const scalar_t* offset, const scalar_t* mask,
                               at::opmath_type<scalar_t>* grad_input) {
@@ -93,8 +94,8 @@ __global__ void col2im_kernel(DeformConv2dGeometry g, IndexDivisors<Divisor> div
 // team is an aligned run of lanes of one warp and the block (a multiple of the warp) holds
 // whole teams; a team's lanes take the same samples, so each shuffle has all of its members.
 // The sums are added in a fixed order: the result does not depend on thread scheduling.
-template <typename scalar_t, typename Divisor>
-__global__ void offset_mask_grad_kernel(DeformConv2dGeometry g, IndexDivisors<Divisor> divisors,
+template <typename scalar_t, typename Divisors>
+__global__ void offset_mask_grad_kernel(DeformConv2dGeometry g, Divisors divisors,
                                         int64_t samples, int lanes,
                                         const scalar_t* grad_columns, const scalar_t* input,
                                         const scalar_t* offset, const scalar_t* mask,
@@ -153,8 +154,7 @@ void im2col_cuda(const DeformConv2dGeometry& g, int64_t batch, const at::Tensor&
   const int64_t total = columns_entries_in(g, batch);
   DEFORMCONV_DISPATCH(input.scalar_type(), "deform_conv2d_im2col_cuda", [&] {
     with_index_divisors(g, total, [&](const auto& divisors) {
-      using Divisor = typename std::decay_t<decltype(divisors)>::divisor_type;
-      const auto kernel = &im2col_kernel<scalar_t, Divisor>;
+      const auto kernel = &im2col_kernel<scalar_t, std::decay_t<decltype(divisors)>>;
       DEFORMCONV_LAUNCH(kernel, blocks_for(total), kThreadsPerBlock,
                         c10::cuda::getCurrentCUDAStream())(
               g, divisors, total, input.const_data_ptr<scalar_t>(),
@@ -174,8 +174,7 @@ void col2im_cuda(const DeformConv2dGeometry& g, int64_t batch, const at::Tensor&
     // Note [Input gradient sums in float32]
     at::Tensor sums = input_gradient_sums<scalar_t>(grad_input);
     with_index_divisors(g, total, [&](const auto& divisors) {
-      using Divisor = typename std::decay_t<decltype(divisors)>::divisor_type;
-      const auto kernel = &col2im_kernel<scalar_t, Divisor>;
+      const auto kernel = &col2im_kernel<scalar_t, std::decay_t<decltype(divisors)>>;
       DEFORMCONV_LAUNCH(kernel, blocks_for(total), kThreadsPerBlock,
                         c10::cuda::getCurrentCUDAStream())(
               g, divisors, total, grad_columns.const_data_ptr<scalar_t>(),
@@ -197,8 +196,7 @@ void offset_mask_grad_cuda(const DeformConv2dGeometry& g, int64_t batch,
   const int lanes = team_lanes(g);
   DEFORMCONV_DISPATCH(input.scalar_type(), "deform_conv2d_offset_mask_grad_cuda", [&] {
     with_index_divisors(g, samples, [&](const auto& divisors) {
-      using Divisor = typename std::decay_t<decltype(divisors)>::divisor_type;
-      const auto kernel = &offset_mask_grad_kernel<scalar_t, Divisor>;
+      const auto kernel = &offset_mask_grad_kernel<scalar_t, std::decay_t<decltype(divisors)>>;
       DEFORMCONV_LAUNCH(kernel, blocks_for(samples * lanes),
                         kThreadsPerBlock, c10::cuda::getCurrentCUDAStream())(
               g, divisors, samples, lanes, grad_columns.const_data_ptr<scalar_t>(),
