@@ -398,10 +398,11 @@ C10_HOST_DEVICE inline OffsetMaskGrad<at::opmath_type<scalar_t>> start_offset_ma
     const DeformConv2dGeometry& g, const SampleIndex& s, const scalar_t* offset,
     const scalar_t* mask) {
   using opmath_t = at::opmath_type<scalar_t>;
-  OffsetMaskGrad<opmath_t> acc;
-  opmath_t y, x;
-  sample_position(g, s, offset, mask, y, x, acc.mask);
-  acc.cell = locate_cell(y, x, g.in_height, g.in_width);
+  opmath_t y, x, m;
+  sample_position(g, s, offset, mask, y, x, m);
+  // The cell is built in place: assigned from a returned copy, its flags would be stored byte
+  // by byte and reloaded as one word, a store-forwarding stall on x86 per sample.
+  OffsetMaskGrad<opmath_t> acc{locate_cell(y, x, g.in_height, g.in_width), {}, m};
   corner_indices(acc.cell, g.in_width, acc.index);
   return acc;
 }

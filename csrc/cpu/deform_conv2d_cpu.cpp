@@ -32,8 +32,10 @@
 // it, which the compiler's heuristics alone do not promise.
 #if defined(__GNUC__)
 #define DEFORMCONV_INLINE inline __attribute__((always_inline))
+#define DEFORMCONV_NOINLINE __attribute__((noinline))
 #else
 #define DEFORMCONV_INLINE inline
+#define DEFORMCONV_NOINLINE
 #endif
 
 namespace deformconv {
@@ -182,6 +184,43 @@ const SamplingPlan<opmath_t>* plans_of_pixel(const DeformConv2dGeometry& g,
   return plans + (n * g.window_pixels + window_pixel) * g.offset_groups * g.taps();
 }
 
+// Kept out of line: inlined, its vectorised form would set up per-corner lane masks for every
+// sample, even for those that never come here.
+template <typename scalar_t>
+DEFORMCONV_NOINLINE void sample_channels_one_by_one(
+    const SamplingPlan<at::opmath_type<scalar_t>>& plan, const scalar_t* channel,
+    int64_t channel_stride, int64_t count, scalar_t* out) {
+  for (int64_t c = 0; c < count; ++c) {
+    out[c] = sample_with_plan(plan, channel + c, channel_stride);
+  }
+}
+
+// sample_with_plan over `count` consecutive channels. When all four corners carry weight, as
+// nearly every sample does, the channels are a plain weighted sum of four rows, which the
+// compiler vectorises without masks; otherwise they go one by one through the shared function,
+// which skips the corners without weight (so that an infinite input there cannot make NaN).
+template <typename scalar_t>
+DEFORMCONV_INLINE void sample_channels(const SamplingPlan<at::opmath_type<scalar_t>>& plan,
+                                       const scalar_t* channel, int64_t channel_stride,
+                                       int64_t count, scalar_t* __restrict out) {
+  using opmath_t = at::opmath_type<scalar_t>;
+  const opmath_t* w = plan.weight;
+  if (w[0] != opmath_t(0) && w[1] != opmath_t(0) && w[2] != opmath_t(0) && w[3] != opmath_t(0)) {
+    const scalar_t* __restrict row_0 = channel + plan.index[0] * channel_stride;
+    const scalar_t* __restrict row_1 = channel + plan.index[1] * channel_stride;
+    const scalar_t* __restrict row_2 = channel + plan.index[2] * channel_stride;
+    const scalar_t* __restrict row_3 = channel + plan.index[3] * channel_stride;
+    for (int64_t c = 0; c < count; ++c) {
+      out[c] = static_cast<scalar_t>(w[0] * static_cast<opmath_t>(row_0[c]) +
+                                     w[1] * static_cast<opmath_t>(row_1[c]) +
+                                     w[2] * static_cast<opmath_t>(row_2[c]) +
+                                     w[3] * static_cast<opmath_t>(row_3[c]));
+    }
+    return;
+  }
+  sample_channels_one_by_one(plan, channel, channel_stride, count, out);
+}
+
 template <typename scalar_t>
 struct Im2colTask {
   const DeformConv2dGeometry& g;
@@ -214,11 +253,8 @@ DEFORMCONV_VECTOR_CLONES void im2col_tasks(const Im2colTask<scalar_t>& t, int64_
               : make_sampling_plan(g, s, t.offset, t.mask);
           const int64_t entries = columns_at(g, n, pixel, tap);
           for (const ChannelRun& run : t.runs[group]) {
-            scalar_t* out = t.columns + run.column_offset + entries;
-            const scalar_t* in = channel_of(g, t.input, n, run.first);
-            for (int64_t c = 0; c < run.count; ++c) {
-              out[c] = sample_with_plan(plan, in + c, g.in_channels);
-            }
+            sample_channels(plan, channel_of(g, t.input, n, run.first), g.in_channels, run.count,
+                            t.columns + run.column_offset + entries);
           }
         }
       }
@@ -352,6 +388,31 @@ DEFORMCONV_INLINE void load_lanes(const scalar_t* data, typename LanesOf<opmath_
   }
 }
 
+// Adds the upper half of partial[0, width) onto its lower half, and so on down to partial[0]:
+// the sum of the lanes in log2(kLanes) dependent steps rather than kLanes, in an order fixed
+// by the code, not by the machine. Recursion on a constant width, so that every loop unrolls
+// and the partial sums stay in registers.
+template <int64_t width, typename opmath_t>
+DEFORMCONV_INLINE opmath_t sum_halves(opmath_t* partial) {
+  if constexpr (width == 1) {
+    return partial[0];
+  } else {
+    for (int64_t lane = 0; lane < width / 2; ++lane) {
+      partial[lane] += partial[lane + width / 2];
+    }
+    return sum_halves<width / 2>(partial);
+  }
+}
+
+template <typename opmath_t>
+DEFORMCONV_INLINE opmath_t sum_of_lanes(const typename LanesOf<opmath_t>::type& lanes) {
+  opmath_t partial[kLanes];
+  for (int64_t lane = 0; lane < kLanes; ++lane) {
+    partial[lane] = lanes[lane];
+  }
+  return sum_halves<kLanes>(partial);
+}
+
 // One sample's sums over the channels of its deform group: kLanes channels at a time in
 // vector lanes, the rest one by one; the lanes are added up in a fixed order, so the result
 // does not depend on the machine.
@@ -390,11 +451,9 @@ DEFORMCONV_INLINE OffsetMaskGradSums<at::opmath_type<scalar_t>> offset_mask_grad
       accumulate_offset_mask_grad(acc, grad[c], in + c, g.in_channels, rest);
     }
   }
-  for (int64_t lane = 0; lane < kLanes; ++lane) {
-    rest.y += sum_y[lane];
-    rest.x += sum_x[lane];
-    rest.m += sum_m[lane];
-  }
+  rest.y += sum_of_lanes<opmath_t>(sum_y);
+  rest.x += sum_of_lanes<opmath_t>(sum_x);
+  rest.m += sum_of_lanes<opmath_t>(sum_m);
   return rest;
 }
 
