@@ -1,11 +1,9 @@
 #pragma once
 
-// The arithmetic of deformable convolution, one element at a time.
-//
-// Every function here is C10_HOST_DEVICE: g++ compiles it for the CPU launchers and nvcc for
-// the CUDA kernels, so the CPU test suite exercises exactly the arithmetic the GPU runs. The
-// launchers only choose the loop (at::parallel_for or a grid-stride loop); the single
-// device-specific line is the scatter-add in `scatter_add`.
+// The indexing of DCN v1/v2 (deform_conv2d), one element at a time: which sample an element
+// belongs to, where its offset and mask are, where its columns entry lies. The bilinear
+// arithmetic itself is bilinear_sampling.cuh's. Every function is C10_HOST_DEVICE, as there;
+// the launchers only choose the loop (parallel tasks on the CPU, a grid-stride loop on CUDA).
 //
 // Conventions (DESIGN.md §1), for image n, deform group g, tap k = i * kW + j, output pixel
 // p = ho * W_out + wo:
@@ -24,75 +22,13 @@
 #include <ATen/OpMathType.h>
 #include <c10/macros/Macros.h>
 
-#include <cmath>
 #include <cstdint>
 
-#if defined(__CUDACC__)
-#include <ATen/cuda/Atomic.cuh>
-#endif
-
+#include "bilinear_sampling.cuh"
 #include "deform_conv2d_geometry.h"
 #include "invariant_divisor.h"
 
 namespace deformconv {
-
-// The unit cell of the input grid that holds a sample at (y, x):
-//
-//        x0      x0+1
-//   y0   v00 ---- v01      lx = x - x0, ly = y - y0, both in [0, 1)
-//         |  *     |       value = (1-ly)(1-lx) v00 + (1-ly) lx v01
-//   y0+1 v10 ---- v11            +    ly (1-lx) v10 +    ly  lx v11
-//
-// A corner outside the image reads as 0; a sample outside (-1, H) x (-1, W) is 0 as a whole.
-// The cell is the one that starts at (floor(y), floor(x)), so at integer coordinates the
-// derivative is one-sided from above: mmcv's convention, which its published vectors need.
-template <typename opmath_t>
-struct BilinearCell {
-  bool inside = false;  // false also for NaN or infinite coordinates
-  int64_t y0 = 0;
-  int64_t x0 = 0;
-  opmath_t ly = 0;
-  opmath_t lx = 0;
-  bool top = false;     // row y0 is in the image
-  bool bottom = false;  // row y0 + 1 is in the image
-  bool left = false;    // column x0 is in the image
-  bool right = false;   // column x0 + 1 is in the image
-};
-
-template <typename opmath_t>
-C10_HOST_DEVICE inline BilinearCell<opmath_t> locate_cell(
-    opmath_t y, opmath_t x, int64_t height, int64_t width) {
-  BilinearCell<opmath_t> cell;
-  // Phrased positively so that NaN fails; this bound also keeps floor() within int64 range
-  // before the cast, which would be undefined behaviour for huge or non-finite values.
-  cell.inside = y > opmath_t(-1) && y < static_cast<opmath_t>(height) &&
-      x > opmath_t(-1) && x < static_cast<opmath_t>(width);
-  if (!cell.inside) {
-    return cell;
-  }
-  const opmath_t y_floor = ::floor(y);
-  const opmath_t x_floor = ::floor(x);
-  cell.y0 = static_cast<int64_t>(y_floor);
-  cell.x0 = static_cast<int64_t>(x_floor);
-  cell.ly = y - y_floor;
-  cell.lx = x - x_floor;
-  cell.top = cell.y0 >= 0;
-  cell.bottom = cell.y0 + 1 < height;
-  cell.left = cell.x0 >= 0;
-  cell.right = cell.x0 + 1 < width;
-  return cell;
-}
-
-// Where one sample reads the input and with which weights, the mask folded in. A plan is made
-// once per (image, deform group, tap, output pixel) and serves every channel of the deform
-// group, in the forward im2col and in the backward col2im: the bilinear weights are never
-// recomputed per channel. A corner outside the image has weight 0 and index 0, so that reading
-// it stays in bounds.
-template <typename opmath_t>
-struct SamplingPlan {
-  int64_t index[4];    // pixel in the H * W grid: (y0, x0), (y0, x0+1), (y0+1, x0), (y0+1, x0+1)
-  opmath_t weight[4];  // mask * bilinear weight of that corner
-};
 
 // The sample position of tap (i, j) at output pixel (ho, wo), before the learned offset.
 C10_HOST_DEVICE inline int64_t undeformed_y(const DeformConv2dGeometry& g, int64_t ho, int64_t i) {
@@ -209,31 +145,7 @@ C10_HOST_DEVICE inline void sample_position(
       : static_cast<opmath_t>(mask[((s.n * g.offset_groups + s.group) * K + s.tap) * P + s.pixel]);
 }
 
-// The corners of a cell that lie inside the image; the derivative needs the value of each of
-// them, even one of zero bilinear weight. & rather than &&: no branches.
-template <typename opmath_t>
-C10_HOST_DEVICE inline void corners_inside(const BilinearCell<opmath_t>& cell, bool inside[4]) {
-  inside[0] = cell.top & cell.left;
-  inside[1] = cell.top & cell.right;
-  inside[2] = cell.bottom & cell.left;
-  inside[3] = cell.bottom & cell.right;
-}
-
-// The grid index of each corner of a cell, 0 for a corner outside the image (never read, but a
-// valid address to read).
-template <typename opmath_t>
-C10_HOST_DEVICE inline void corner_indices(const BilinearCell<opmath_t>& cell, int64_t width,
-                                           int64_t index[4]) {
-  bool inside[4];
-  corners_inside(cell, inside);
-  const int64_t top_left = cell.y0 * width + cell.x0;
-  const int64_t corner_index[4] = {top_left, top_left + 1, top_left + width,
-                                   top_left + width + 1};
-  for (int corner = 0; corner < 4; ++corner) {
-    index[corner] = inside[corner] ? corner_index[corner] : 0;
-  }
-}
-
+// The plan of one sample of this op: its position and mask from the offset and mask tensors.
 template <typename scalar_t>
 C10_HOST_DEVICE inline SamplingPlan<at::opmath_type<scalar_t>> make_sampling_plan(
     const DeformConv2dGeometry& g, const SampleIndex& s, const scalar_t* offset,
@@ -241,18 +153,7 @@ C10_HOST_DEVICE inline SamplingPlan<at::opmath_type<scalar_t>> make_sampling_pla
   using opmath_t = at::opmath_type<scalar_t>;
   opmath_t y, x, m;
   sample_position(g, s, offset, mask, y, x, m);
-  const BilinearCell<opmath_t> cell = locate_cell(y, x, g.in_height, g.in_width);
-  const opmath_t hy = opmath_t(1) - cell.ly;
-  const opmath_t hx = opmath_t(1) - cell.lx;
-  bool inside[4];
-  corners_inside(cell, inside);
-  const opmath_t corner_weight[4] = {hy * hx, hy * cell.lx, cell.ly * hx, cell.ly * cell.lx};
-  SamplingPlan<opmath_t> plan;
-  corner_indices(cell, g.in_width, plan.index);
-  for (int corner = 0; corner < 4; ++corner) {
-    plan.weight[corner] = inside[corner] ? m * corner_weight[corner] : opmath_t(0);
-  }
-  return plan;
+  return plan_at(y, x, m, g.in_height, g.in_width);
 }
 
 // First input channel of a deform group; its channels are [first, first + per group).
@@ -311,88 +212,7 @@ C10_HOST_DEVICE inline scalar_t* channel_of(const DeformConv2dGeometry& g, scala
   return data + n * g.in_pixels() * g.in_channels + channel;
 }
 
-// mask * bilinear(input, sampled position) of one channel: one columns entry. `channel` points
-// at the channel's value at grid pixel 0 (channel_of). Every corner is read, outside ones at
-// index 0, and a zero weight is selected away rather than multiplied, so that an infinite
-// input value at a corner that takes no part cannot turn the sample into NaN. Without branches
-// a CPU loop over consecutive channels vectorises.
-template <typename scalar_t>
-C10_HOST_DEVICE inline scalar_t sample_with_plan(
-    const SamplingPlan<at::opmath_type<scalar_t>>& plan, const scalar_t* channel,
-    int64_t channel_stride) {
-  using opmath_t = at::opmath_type<scalar_t>;
-  opmath_t value = 0;
-  for (int corner = 0; corner < 4; ++corner) {
-    const opmath_t read = static_cast<opmath_t>(channel[plan.index[corner] * channel_stride]);
-    value += plan.weight[corner] != opmath_t(0) ? plan.weight[corner] * read : opmath_t(0);
-  }
-  return static_cast<scalar_t>(value);
-}
-
-// Adds into a gradient buffer. On the GPU several threads hit the same input pixel, so the add
-// is atomic; the CPU launcher gives each task its own channels, so its writes are disjoint.
-template <typename scalar_t>
-C10_HOST_DEVICE inline void scatter_add(scalar_t* address, scalar_t value) {
-#if defined(__CUDA_ARCH__)
-  gpuAtomicAddNoReturn(address, value);
-#else
-  *address += value;
-#endif
-}
-
-// The adjoint of sample_with_plan at one corner, for `channels` consecutive channels (1 on the
-// GPU, a run on the CPU): adds weight * columns gradient onto the input gradient, `channel`
-// pointing as in sample_with_plan. The caller skips corners of zero weight (outside the image
-// among them), so an infinite gradient cannot make NaN there. The input gradient is of the
-// columns' type, or float where the CUDA launcher accumulates half precision in float32.
-template <typename scalar_t, typename grad_t>
-C10_HOST_DEVICE inline void scatter_corner(
-    const SamplingPlan<at::opmath_type<scalar_t>>& plan, int corner,
-    const scalar_t* grad_columns, int64_t channels, grad_t* grad_channel,
-    int64_t channel_stride) {
-  using opmath_t = at::opmath_type<scalar_t>;
-  const opmath_t weight = plan.weight[corner];
-  grad_t* grad_corner = grad_channel + plan.index[corner] * channel_stride;
-  for (int64_t c = 0; c < channels; ++c) {
-    scatter_add(grad_corner + c,
-                static_cast<grad_t>(weight * static_cast<opmath_t>(grad_columns[c])));
-  }
-}
-
-// The adjoint of sample_with_plan, every corner.
-template <typename scalar_t, typename grad_t>
-C10_HOST_DEVICE inline void scatter_with_plan(
-    const SamplingPlan<at::opmath_type<scalar_t>>& plan, const scalar_t* grad_columns,
-    int64_t channels, grad_t* grad_channel, int64_t channel_stride) {
-  for (int corner = 0; corner < 4; ++corner) {
-    if (plan.weight[corner] != 0) {
-      scatter_corner(plan, corner, grad_columns, channels, grad_channel, channel_stride);
-    }
-  }
-}
-
-// Gradients of the offsets and the mask of one sample. With column value c = m * bilinear(y, x)
-// and its gradient G_c, summed over the channels of the deform group:
-//   dL/dm = sum_c G_c * bilinear_c(y, x)
-//   dL/dy = m * sum_c G_c * d bilinear_c / dy,   d/dy = (1-lx)(v10 - v00) + lx (v11 - v01)
-//   dL/dx = m * sum_c G_c * d bilinear_c / dx,   d/dx = (1-ly)(v01 - v00) + ly (v11 - v10)
-// In three steps, so that a launcher may visit channels in the order that suits its memory:
-// locate the sample once, accumulate channel by channel, write once. Each sample writes only
-// its own outputs: no atomics on either device.
-template <typename opmath_t>
-struct OffsetMaskGrad {
-  BilinearCell<opmath_t> cell;
-  int64_t index[4];  // corner_indices of the cell
-  opmath_t mask = 1;
-};
-
-// The three sums above, without the factor m. A launcher may keep several (one per vector lane
-// on the CPU) and add them up at the end.
-template <typename opmath_t>
-struct OffsetMaskGradSums {
-  opmath_t y = 0, x = 0, m = 0;
-};
-
+// Locates one sample of this op for its offset and mask gradients.
 template <typename scalar_t>
 C10_HOST_DEVICE inline OffsetMaskGrad<at::opmath_type<scalar_t>> start_offset_mask_grad(
     const DeformConv2dGeometry& g, const SampleIndex& s, const scalar_t* offset,
@@ -400,46 +220,7 @@ C10_HOST_DEVICE inline OffsetMaskGrad<at::opmath_type<scalar_t>> start_offset_ma
   using opmath_t = at::opmath_type<scalar_t>;
   opmath_t y, x, m;
   sample_position(g, s, offset, mask, y, x, m);
-  // The cell is built in place: assigned from a returned copy, its flags would be stored byte
-  // by byte and reloaded as one word, a store-forwarding stall on x86 per sample.
-  OffsetMaskGrad<opmath_t> acc{locate_cell(y, x, g.in_height, g.in_width), {}, m};
-  corner_indices(acc.cell, g.in_width, acc.index);
-  return acc;
-}
-
-// Adds the share of one channel to the three sums: its columns gradient `grad` and its values
-// v00, v01, v10, v11 at the cell's corners (0 outside). value_t is opmath_t, or, in the CPU
-// launcher, a vector of opmath_t holding consecutive channels (the same arithmetic in every
-// lane). Separate arguments rather than an array, so that vectors stay in registers.
-template <typename opmath_t, typename value_t>
-C10_HOST_DEVICE inline void add_offset_mask_grad_terms(
-    const BilinearCell<opmath_t>& cell, const value_t& grad, const value_t& v00,
-    const value_t& v01, const value_t& v10, const value_t& v11, value_t& sum_y, value_t& sum_x,
-    value_t& sum_m) {
-  const opmath_t hy = opmath_t(1) - cell.ly;
-  const opmath_t hx = opmath_t(1) - cell.lx;
-  sum_y += grad * (hx * (v10 - v00) + cell.lx * (v11 - v01));
-  sum_x += grad * (hy * (v01 - v00) + cell.ly * (v11 - v10));
-  sum_m += grad * (hy * (hx * v00 + cell.lx * v01) + cell.ly * (hx * v10 + cell.lx * v11));
-}
-
-// Adds one channel's share, `channel` pointing as in sample_with_plan. The caller skips
-// samples outside.
-template <typename scalar_t>
-C10_HOST_DEVICE inline void accumulate_offset_mask_grad(
-    const OffsetMaskGrad<at::opmath_type<scalar_t>>& acc, scalar_t grad_column,
-    const scalar_t* channel, int64_t channel_stride,
-    OffsetMaskGradSums<at::opmath_type<scalar_t>>& sums) {
-  using opmath_t = at::opmath_type<scalar_t>;
-  bool inside[4];
-  corners_inside(acc.cell, inside);
-  opmath_t v[4];
-  for (int corner = 0; corner < 4; ++corner) {
-    v[corner] =
-        inside[corner] ? static_cast<opmath_t>(channel[acc.index[corner] * channel_stride]) : 0;
-  }
-  add_offset_mask_grad_terms(acc.cell, static_cast<opmath_t>(grad_column), v[0], v[1], v[2], v[3],
-                             sums.y, sums.x, sums.m);
+  return start_position_grad(y, x, m, g.in_height, g.in_width);
 }
 
 // Writes the sample's offset and mask gradients; either pointer may be null (not asked for).
