@@ -8,11 +8,16 @@
 
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <atomic>
 #include <vector>
+
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
 
 #include "../common/deform_conv2d_kernel.cuh"
 #include "../pytorch/deform_conv2d.h"
@@ -136,13 +141,13 @@ PixelStretch stretch_of(const DeformConv2dGeometry& g, const PixelStretches& str
           std::min(stretches.pixels, g.window_pixels - first_pixel)};
 }
 
-// The sampling plans of every sample of the window, (image, window pixel, deform group, tap),
-// made in parallel once per window (make_plans_cpu) and then read by every channel that uses
-// them, in im2col and in col2im. They live in the driver's byte buffer, plan_bytes_per_sample
-// each at most, which it counts in the window's scratch memory.
+// The CPU's window preparation: the sampling plans of every sample of the window, (image,
+// window pixel, deform group, tap), made in parallel once per window and then read by every
+// channel that uses them, in im2col and in col2im. They live in the driver's workspace,
+// workspace_bytes_per_sample each at most, which it counts in the window's scratch memory.
 template <typename opmath_t>
 const SamplingPlan<opmath_t>* plans_of(const WindowSampling& sampling) {
-  return reinterpret_cast<const SamplingPlan<opmath_t>*>(sampling.plans.const_data_ptr());
+  return reinterpret_cast<const SamplingPlan<opmath_t>*>(sampling.prepared.const_data_ptr());
 }
 
 void make_plans_cpu(const DeformConv2dGeometry& g, int64_t batch, const at::Tensor& offset,
@@ -269,7 +274,7 @@ void im2col_cpu(const DeformConv2dGeometry& g, int64_t batch, const at::Tensor& 
   DEFORMCONV_DISPATCH(input.scalar_type(), "deform_conv2d_im2col_cpu", [&] {
     const Im2colTask<scalar_t> t{
         g, runs, stretches,
-        sampling.plans.defined() ? plans_of<at::opmath_type<scalar_t>>(sampling) : nullptr,
+        sampling.prepared.defined() ? plans_of<at::opmath_type<scalar_t>>(sampling) : nullptr,
         sampling.offset.const_data_ptr<scalar_t>(), data_or_null<scalar_t>(sampling.mask),
         input.const_data_ptr<scalar_t>(), columns.mutable_data_ptr<scalar_t>()};
     parallel_tasks(batch * stretches.per_image,
@@ -544,13 +549,32 @@ void transpose_cpu(const at::Tensor& src, at::Tensor& dst) {
   });
 }
 
+// A scratch buffer of the driver's. A large one is fresh memory from the system on every call,
+// and its first touch page-faults 4 KiB at a time; on Linux it asks for transparent huge pages
+// instead (madvise, advisory: the kernel may decline), as PyTorch's THP_MEM_ALLOC_ENABLE does
+// for every allocation.
+at::Tensor scratch_cpu(c10::IntArrayRef sizes, const at::TensorOptions& options) {
+  at::Tensor buffer = at::empty(sizes, options);
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  constexpr uintptr_t kHugePage = uintptr_t(1) << 21;
+  const auto begin = reinterpret_cast<uintptr_t>(buffer.data_ptr());
+  const uintptr_t first = (begin + kHugePage - 1) & ~(kHugePage - 1);
+  const uintptr_t last = (begin + buffer.nbytes()) & ~(kHugePage - 1);
+  if (last > first) {
+    madvise(reinterpret_cast<void*>(first), last - first, MADV_HUGEPAGE);
+  }
+#endif
+  return buffer;
+}
+
 // 4 MiB of scratch per window (columns and plans): within the last-level cache of a CPU. A
 // plan takes 48 bytes in float32, 64 in float64.
 constexpr DeformConv2dLaunchers kCpuLaunchers{
     .block_columns_bytes = int64_t(4) << 20,
     .columns_tile_bytes = int64_t(4) << 20,
-    .plan_bytes_per_sample = sizeof(SamplingPlan<double>),
-    .make_plans = make_plans_cpu,
+    .workspace_bytes_per_sample = sizeof(SamplingPlan<double>),
+    .prepare_window = make_plans_cpu,
+    .scratch = scratch_cpu,
     .im2col = im2col_cpu,
     .col2im = col2im_cpu,
     .offset_mask_grad = offset_mask_grad_cpu,

@@ -8,6 +8,7 @@
 
 #include <ATen/Dispatch.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAStream.h>
 
@@ -145,8 +146,8 @@ int64_t columns_entries_in(const DeformConv2dGeometry& g, int64_t batch) {
   return batch * g.in_channels * g.taps() * g.window_pixels;
 }
 
-// The CUDA launchers make no window plans (sampling.plans is undefined): each thread makes the
-// plan of its own sample.
+// The CUDA launchers prepare nothing per window (sampling.prepared is undefined): each thread
+// makes the plan of its own sample.
 void im2col_cuda(const DeformConv2dGeometry& g, int64_t batch, const at::Tensor& input,
                  const WindowSampling& sampling, at::Tensor& columns) {
   const at::Tensor& offset = sampling.offset;
@@ -210,6 +211,11 @@ void offset_mask_grad_cuda(const DeformConv2dGeometry& g, int64_t batch,
 
 void transpose_cuda(const at::Tensor& src, at::Tensor& dst) { dst.copy_(src.transpose(1, 2)); }
 
+// The caching allocator reuses its blocks: nothing to ask of the memory system.
+at::Tensor scratch_cuda(c10::IntArrayRef sizes, const at::TensorOptions& options) {
+  return at::empty(sizes, options);
+}
+
 }  // namespace
 
 const DeformConv2dLaunchers& cuda_launchers() {
@@ -217,8 +223,9 @@ const DeformConv2dLaunchers& cuda_launchers() {
   static const DeformConv2dLaunchers launchers{
       .block_columns_bytes = int64_t(64) << 20,
       .columns_tile_bytes = int64_t(256) << 20,
-      .plan_bytes_per_sample = 0,
-      .make_plans = nullptr,
+      .workspace_bytes_per_sample = 0,
+      .prepare_window = nullptr,
+      .scratch = scratch_cuda,
       .im2col = im2col_cuda,
       .col2im = col2im_cuda,
       .offset_mask_grad = offset_mask_grad_cuda,

@@ -5,34 +5,9 @@
 
 #include <algorithm>
 
-#if defined(__linux__)
-#include <sys/mman.h>
-#endif
-
 namespace deformconv {
 
 namespace {
-
-// A scratch buffer of the op. On the CPU, a large one is fresh memory from the system on every
-// call, and its first touch page-faults 4 KiB at a time; on Linux it asks for transparent huge
-// pages instead (madvise, advisory: the kernel may decline), which takes 4 ms off the 34 MB
-// channels-last copy of a 128 x 200 x 336 input. PyTorch's THP_MEM_ALLOC_ENABLE does the same
-// for every allocation.
-at::Tensor scratch_empty(c10::IntArrayRef sizes, const at::TensorOptions& options) {
-  at::Tensor buffer = at::empty(sizes, options);
-#if defined(__linux__) && defined(MADV_HUGEPAGE)
-  constexpr uintptr_t kHugePage = uintptr_t(1) << 21;
-  if (buffer.is_cpu()) {
-    const auto begin = reinterpret_cast<uintptr_t>(buffer.data_ptr());
-    const uintptr_t first = (begin + kHugePage - 1) & ~(kHugePage - 1);
-    const uintptr_t last = (begin + buffer.nbytes()) & ~(kHugePage - 1);
-    if (last > first) {
-      madvise(reinterpret_cast<void*>(first), last - first, MADV_HUGEPAGE);
-    }
-  }
-#endif
-  return buffer;
-}
 
 // With im2col_step = 0 the block holds as many images as fit in the launchers'
 // block_columns_bytes of full columns (at least one image).
@@ -60,7 +35,7 @@ int64_t pixels_per_window(const DeformConv2dGeometry& g, int64_t images, at::Sca
   const int64_t bytes_per_pixel = std::max<int64_t>(
       1, images * g.taps() *
           (g.in_channels * c10::elementSize(dtype) +
-           g.offset_groups * launchers.plan_bytes_per_sample));
+           g.offset_groups * launchers.workspace_bytes_per_sample));
   const int64_t budget = std::min(
       g.out_pixels(), std::max(kMinWindowPixels, launchers.columns_tile_bytes / bytes_per_pixel));
   const int64_t windows = std::max<int64_t>(1, g.out_pixels() / budget);
@@ -91,9 +66,9 @@ WorkSplit split_work(const DeformConv2dGeometry& g, int64_t batch, int64_t im2co
 }
 
 // The columns buffer for `step` images and one window, allocated once per call.
-at::Tensor columns_buffer(const DeformConv2dGeometry& g, const WorkSplit& w,
-                          const at::TensorOptions& options) {
-  return scratch_empty({w.step * g.in_channels * g.taps() * w.window}, options);
+at::Tensor columns_buffer(const DeformConv2dLaunchers& launchers, const DeformConv2dGeometry& g,
+                          const WorkSplit& w, const at::TensorOptions& options) {
+  return launchers.scratch({w.step * g.in_channels * g.taps() * w.window}, options);
 }
 
 // The part of the columns buffer that holds `images` images of the current window, as
@@ -120,33 +95,33 @@ at::Tensor channels_last_block(const DeformConv2dLaunchers& launchers, const at:
   if (channels_last.is_contiguous() || !block.is_contiguous()) {
     return channels_last.contiguous();
   }
-  at::Tensor copy = scratch_empty(channels_last.sizes(), block.options());
+  at::Tensor copy = launchers.scratch(channels_last.sizes(), block.options());
   at::Tensor planes = copy.view({images, -1, block.size(1)});
   launchers.transpose(block.view({images, block.size(1), -1}), planes);
   return copy;
 }
 
-// The buffer of one window's sampling plans, allocated once per call; undefined where the
-// launchers make none.
-at::Tensor plans_buffer(const DeformConv2dLaunchers& launchers, const DeformConv2dGeometry& g,
-                        const WorkSplit& w, const at::TensorOptions& options) {
-  if (launchers.make_plans == nullptr) {
+// The workspace of one window's prepare_window, allocated once per call; undefined where the
+// launchers prepare nothing.
+at::Tensor window_workspace(const DeformConv2dLaunchers& launchers, const DeformConv2dGeometry& g,
+                            const WorkSplit& w, const at::TensorOptions& options) {
+  if (launchers.prepare_window == nullptr) {
     return at::Tensor();
   }
-  return scratch_empty(
-      {w.step * w.window * g.offset_groups * g.taps() * launchers.plan_bytes_per_sample},
+  return launchers.scratch(
+      {w.step * w.window * g.offset_groups * g.taps() * launchers.workspace_bytes_per_sample},
       options.dtype(at::kByte));
 }
 
-// The sampling of the current window of a block, its plans made once for every launcher.
+// The sampling of the current window of a block, prepared once for every launcher.
 WindowSampling window_sampling(const DeformConv2dLaunchers& launchers,
                                const DeformConv2dGeometry& g, int64_t images,
                                const at::Tensor& offset_block, const at::Tensor& mask_block,
-                               at::Tensor& plans) {
-  if (launchers.make_plans != nullptr) {
-    launchers.make_plans(g, images, offset_block, mask_block, plans);
+                               at::Tensor& workspace) {
+  if (launchers.prepare_window != nullptr) {
+    launchers.prepare_window(g, images, offset_block, mask_block, workspace);
   }
-  return {offset_block, mask_block, plans};
+  return {offset_block, mask_block, workspace};
 }
 
 // Note [GEMMs as 1x1 convolutions]
@@ -452,7 +427,7 @@ at::Tensor deform_conv2d_forward(
   }
   const WorkSplit w = split_work(g, batch, im2col_step, input_arg.scalar_type(), launchers);
   const auto [step, window, G, out_per_group, rows_per_group, P] = w;
-  at::Tensor columns = columns_buffer(g, w, input_arg.options());
+  at::Tensor columns = columns_buffer(launchers, g, w, input_arg.options());
   const bool as_convolution = gemms_as_convolutions(launchers, g, input_arg);
   const at::Tensor weight_batched = gemm_weight(weight_arg, w, as_convolution);
 
@@ -465,7 +440,7 @@ at::Tensor deform_conv2d_forward(
         output.narrow(0, first, images).view({images * G, out_per_group, P});
     for (g.window_begin = 0; g.window_begin < P; g.window_begin += window) {
       g.window_pixels = std::min(window, P - g.window_begin);
-      // No plans: im2col locates each sample as it reads it.
+      // Nothing prepared: im2col locates each sample as it reads it.
       launchers.im2col(g, images, input_block, WindowSampling{offset_block, mask_block, {}},
                        columns);
       // (images * G, C_out / G, window) inside the output: rows P apart.
@@ -512,9 +487,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> deform_co
   const WorkSplit w = split_work(g, batch, im2col_step, input_arg.scalar_type(), launchers);
   const auto [step, window, G, out_per_group, rows_per_group, P] = w;
   // Holds the columns for the weight gradient, then (with bmm) the gradient of the columns.
-  at::Tensor columns = columns_buffer(g, w, input_arg.options());
-  at::Tensor plans =
-      want_input ? plans_buffer(launchers, g, w, input_arg.options()) : at::Tensor();
+  at::Tensor columns = columns_buffer(launchers, g, w, input_arg.options());
+  at::Tensor workspace =
+      want_input ? window_workspace(launchers, g, w, input_arg.options()) : at::Tensor();
   const bool as_convolution = gemms_as_convolutions(launchers, g, input_arg);
   // The convolution's backward takes the weight even for the weight gradient alone.
   const at::Tensor weight_batched = as_convolution || want_columns_grad
@@ -543,7 +518,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> deform_co
     if (want_input) {
       if (!grad_input_in_place) {
         grad_input_block =
-            scratch_empty({images, g.in_height, g.in_width, g.in_channels}, input_arg.options());
+            launchers.scratch({images, g.in_height, g.in_width, g.in_channels},
+                              input_arg.options());
       }
       grad_input_block.zero_();
     }
@@ -556,10 +532,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> deform_co
       // (images, G, C_out / G, window) inside grad_output: rows P apart.
       const at::Tensor grad_output_window =
           grad_output_block.narrow(3, g.window_begin, g.window_pixels);
-      // Plans for col2im, which im2col then shares; im2col alone and the offset and mask
+      // Prepared for col2im, which im2col then shares; im2col alone and the offset and mask
       // gradients locate their samples themselves.
       const WindowSampling sampling =
-          want_input ? window_sampling(launchers, g, images, offset_block, mask_block, plans)
+          want_input ? window_sampling(launchers, g, images, offset_block, mask_block, workspace)
                      : WindowSampling{offset_block, mask_block, at::Tensor()};
       if (want_weight) {
         launchers.im2col(g, images, input_block, sampling, columns);

@@ -1,6 +1,6 @@
 #pragma once
 
-// The device-specific surface of deformconv: three launchers over the element functions of
+// The device-specific surface of deformconv: launchers over the element functions of
 // common/deform_conv2d_kernel.cuh. The driver (deform_conv2d.h) is written once against this
 // table; cpu/ and cuda/ each fill it in. Every tensor is contiguous, allocated or laid out by
 // the driver, on the launcher's device, and holds one block of `batch` images; mask is
@@ -18,14 +18,14 @@
 namespace deformconv {
 
 // Where the samples of one window come from: the block's offset and mask (mask undefined for
-// DCN v1), and the plans the launchers made of them for this window (make_plans, into a buffer
-// the driver allocates once per call), which col2im needs and im2col shares when the backward
-// runs both; undefined where the launchers make none, or where im2col runs alone (it then
-// makes each sample's plan as it reads it).
+// DCN v1), and the launchers' own preparation of them for this window (prepare_window, into a
+// workspace the driver allocates once per call), which the launchers that run after it share:
+// on the CPU, the sampling plans that col2im needs and im2col reuses. Undefined where the
+// launchers prepare nothing, or where im2col runs alone.
 struct WindowSampling {
   at::Tensor offset;
   at::Tensor mask;
-  at::Tensor plans;
+  at::Tensor prepared;
 };
 
 struct DeformConv2dLaunchers {
@@ -39,13 +39,18 @@ struct DeformConv2dLaunchers {
   // tiles the pixels of a block of images so): about the cache of a CPU, or far more on a GPU,
   // whose GEMMs want large operands and whose allocator reuses memory.
   int64_t columns_tile_bytes;
-  // Bytes of plans per sample (image, deform group, tap, pixel) of a window, which the tile
-  // budget covers too.
-  int64_t plan_bytes_per_sample;
-  // Fills `plans` (bytes, plan_bytes_per_sample per sample of the window at least) with the
-  // window's sampling plans; null where each thread makes its own (CUDA).
-  void (*make_plans)(const DeformConv2dGeometry& geometry, int64_t batch,
-                     const at::Tensor& offset, const at::Tensor& mask, at::Tensor& plans);
+  // Bytes of workspace per sample (image, deform group, tap, pixel) of a window that
+  // prepare_window fills, which the tile budget covers too; 0 without prepare_window.
+  int64_t workspace_bytes_per_sample;
+  // Fills `workspace` (bytes, workspace_bytes_per_sample per sample of the window at least) with
+  // what the window's other launchers share, from its offset and mask; null where they share
+  // nothing (CUDA: each thread locates its own sample).
+  void (*prepare_window)(const DeformConv2dGeometry& geometry, int64_t batch,
+                         const at::Tensor& offset, const at::Tensor& mask,
+                         at::Tensor& workspace);
+  // An uninitialised buffer for the driver's scratch (columns, channels-last copies, the
+  // workspace), so that a device may ask its memory system for what suits large buffers.
+  at::Tensor (*scratch)(c10::IntArrayRef sizes, const at::TensorOptions& options);
   // columns sampled from input.
   void (*im2col)(const DeformConv2dGeometry& geometry, int64_t batch, const at::Tensor& input,
                  const WindowSampling& sampling, at::Tensor& columns);
