@@ -27,11 +27,6 @@ struct DeformConv2dGeometry {
   int64_t dilation_w;
   int64_t groups;         // convolution groups: split of input and output channels
   int64_t offset_groups;  // deform groups: input channels sharing one offset/mask field
-  // The output pixels [window_begin, window_begin + window_pixels) that the current columns
-  // buffer holds: the launchers work on one window at a time, so that the buffer can stay
-  // small. All pixels when the work is not tiled.
-  int64_t window_begin;
-  int64_t window_pixels;
 
   C10_HOST_DEVICE int64_t taps() const { return kernel_h * kernel_w; }
   C10_HOST_DEVICE int64_t in_pixels() const { return in_height * in_width; }
@@ -40,6 +35,14 @@ struct DeformConv2dGeometry {
     return in_channels / offset_groups;
   }
   C10_HOST_DEVICE int64_t channels_per_group() const { return in_channels / groups; }
+};
+
+// The output pixels [begin, begin + pixels) that the current columns buffer holds: the driver
+// hands the launchers one window at a time, so that the buffer can stay small. All pixels when
+// the work is not tiled.
+struct PixelWindow {
+  int64_t begin;
+  int64_t pixels;
 };
 
 }  // namespace deformconv

@@ -80,11 +80,11 @@ struct IndexDivisors {
   Divisor channels_per_group, channels_per_offset_group, taps, window_pixels, groups,
       offset_groups, out_width, kernel_w;
 
-  explicit IndexDivisors(const DeformConv2dGeometry& g)
+  IndexDivisors(const DeformConv2dGeometry& g, const PixelWindow& window)
       : channels_per_group(g.channels_per_group()),
         channels_per_offset_group(g.channels_per_offset_group()),
         taps(g.taps()),
-        window_pixels(g.window_pixels),
+        window_pixels(window.pixels),
         groups(g.groups),
         offset_groups(g.offset_groups),
         out_width(g.out_width),
@@ -94,25 +94,28 @@ struct IndexDivisors {
 // Sample (block image, deform group, tap, window pixel) of a window from its row and column.
 template <typename Divisor>
 C10_HOST_DEVICE inline SampleIndex sample_of_window(const DeformConv2dGeometry& g,
+                                                    const PixelWindow& window,
                                                     const IndexDivisors<Divisor>& d, int64_t n,
                                                     int64_t group, int64_t tap,
                                                     int64_t window_pixel) {
-  const int64_t pixel = g.window_begin + window_pixel;
+  const int64_t pixel = window.begin + window_pixel;
   int64_t out_x, kernel_x;
   const int64_t out_y = divide(pixel, d.out_width, out_x);
   const int64_t kernel_y = divide(tap, d.kernel_w, kernel_x);
   return sample_at(g, n, group, tap, pixel, out_y, out_x, kernel_y, kernel_x);
 }
 
-// Sample `index` of the current window: (block image, deform group, tap, pixel of the window).
+// Sample `index` of a window: (block image, deform group, tap, pixel of the window).
 template <typename Divisor>
-C10_HOST_DEVICE inline SampleIndex decompose_sample_index(
-    const DeformConv2dGeometry& g, const IndexDivisors<Divisor>& d, int64_t index) {
+C10_HOST_DEVICE inline SampleIndex decompose_sample_index(const DeformConv2dGeometry& g,
+                                                          const PixelWindow& window,
+                                                          const IndexDivisors<Divisor>& d,
+                                                          int64_t index) {
   int64_t window_pixel, tap, group;
   index = divide(index, d.window_pixels, window_pixel);
   index = divide(index, d.taps, tap);
   const int64_t n = divide(index, d.offset_groups, group);
-  return sample_of_window(g, d, n, group, tap, window_pixel);
+  return sample_of_window(g, window, d, n, group, tap, window_pixel);
 }
 
 // The sample of the next output pixel, same image, deform group and tap. A caller
@@ -162,36 +165,41 @@ C10_HOST_DEVICE inline int64_t first_channel(const DeformConv2dGeometry& g, int6
 }
 
 // Flat position of (block image, conv group, window pixel, tap, channel within the conv group)
-// in the columns buffer, laid out in that order.
-C10_HOST_DEVICE inline int64_t columns_entry(const DeformConv2dGeometry& g, int64_t n,
+// in the columns buffer of a window, laid out in that order.
+C10_HOST_DEVICE inline int64_t columns_entry(const DeformConv2dGeometry& g,
+                                             const PixelWindow& window, int64_t n,
                                              int64_t conv_group, int64_t window_pixel,
                                              int64_t tap, int64_t channel_in_group) {
-  return (((n * g.groups + conv_group) * g.window_pixels + window_pixel) * g.taps() + tap) *
+  return (((n * g.groups + conv_group) * window.pixels + window_pixel) * g.taps() + tap) *
       g.channels_per_group() + channel_in_group;
 }
 
 // Flat position of (block image, window pixel, tap, input channel) in the columns buffer.
-C10_HOST_DEVICE inline int64_t column_index(const DeformConv2dGeometry& g, int64_t n,
+C10_HOST_DEVICE inline int64_t column_index(const DeformConv2dGeometry& g,
+                                            const PixelWindow& window, int64_t n,
                                             int64_t window_pixel, int64_t tap, int64_t channel) {
   const int64_t conv_group = channel / g.channels_per_group();
-  return columns_entry(g, n, conv_group, window_pixel, tap,
+  return columns_entry(g, window, n, conv_group, window_pixel, tap,
                        channel - conv_group * g.channels_per_group());
 }
 
 // The same for input channel `channel` of a sample, dividing with a launch's divisors.
 template <typename Divisor>
 C10_HOST_DEVICE inline int64_t column_index(const DeformConv2dGeometry& g,
+                                            const PixelWindow& window,
                                             const IndexDivisors<Divisor>& d,
                                             const SampleIndex& s, int64_t channel) {
   int64_t channel_in_group;
   const int64_t conv_group = divide(channel, d.channels_per_group, channel_in_group);
-  return columns_entry(g, s.n, conv_group, s.pixel - g.window_begin, s.tap, channel_in_group);
+  return columns_entry(g, window, s.n, conv_group, s.pixel - window.begin, s.tap,
+                       channel_in_group);
 }
 
-// The inverse of column_index: the sample and the input channel of columns entry `index` of
-// the current window. (The GPU launchers run one thread per entry.)
+// The inverse of column_index: the sample and the input channel of columns entry `index` of a
+// window. (The GPU launchers run one thread per entry.)
 template <typename Divisor>
 C10_HOST_DEVICE inline SampleIndex decompose_column_index(const DeformConv2dGeometry& g,
+                                                          const PixelWindow& window,
                                                           const IndexDivisors<Divisor>& d,
                                                           int64_t index, int64_t& channel) {
   int64_t channel_in_group, tap, window_pixel, conv_group, unused;
@@ -201,7 +209,7 @@ C10_HOST_DEVICE inline SampleIndex decompose_column_index(const DeformConv2dGeom
   const int64_t n = divide(index, d.groups, conv_group);
   channel = conv_group * g.channels_per_group() + channel_in_group;
   const int64_t group = divide(channel, d.channels_per_offset_group, unused);
-  return sample_of_window(g, d, n, group, tap, window_pixel);
+  return sample_of_window(g, window, d, n, group, tap, window_pixel);
 }
 
 // Channel `channel` of grid pixel 0 of block image n in a channels-last (block, H, W, C_in)

@@ -83,30 +83,33 @@ struct ChannelRun {
   int64_t column_offset;
 };
 
-std::vector<ChannelRun> channel_runs(const DeformConv2dGeometry& g, int64_t begin, int64_t end) {
+std::vector<ChannelRun> channel_runs(const DeformConv2dGeometry& g, const PixelWindow& window,
+                                     int64_t begin, int64_t end) {
   std::vector<ChannelRun> runs;
   const int64_t per_group = g.channels_per_group();
   for (int64_t c = begin; c < end;) {
     const int64_t stop = std::min(end, (c / per_group + 1) * per_group);
-    runs.push_back({c, stop - c, column_index(g, 0, 0, 0, c)});
+    runs.push_back({c, stop - c, column_index(g, window, 0, 0, 0, c)});
     c = stop;
   }
   return runs;
 }
 
 // The runs of each deform group's channels.
-std::vector<std::vector<ChannelRun>> runs_of_offset_groups(const DeformConv2dGeometry& g) {
+std::vector<std::vector<ChannelRun>> runs_of_offset_groups(const DeformConv2dGeometry& g,
+                                                           const PixelWindow& window) {
   std::vector<std::vector<ChannelRun>> runs;
   for (int64_t group = 0; group < g.offset_groups; ++group) {
     const int64_t first = first_channel(g, group);
-    runs.push_back(channel_runs(g, first, first + g.channels_per_offset_group()));
+    runs.push_back(channel_runs(g, window, first, first + g.channels_per_offset_group()));
   }
   return runs;
 }
 
 // Where the columns entries of (image n, window pixel, tap) start, before a run's offset.
-int64_t columns_at(const DeformConv2dGeometry& g, int64_t n, int64_t window_pixel, int64_t tap) {
-  return n * g.window_pixels * g.taps() * g.in_channels +
+int64_t columns_at(const DeformConv2dGeometry& g, const PixelWindow& window, int64_t n,
+                   int64_t window_pixel, int64_t tap) {
+  return n * window.pixels * g.taps() * g.in_channels +
       (window_pixel * g.taps() + tap) * g.channels_per_group();
 }
 
@@ -122,9 +125,9 @@ struct PixelStretches {
   int64_t per_image;  // stretches per image
 };
 
-PixelStretches pixel_stretches(const DeformConv2dGeometry& g) {
+PixelStretches pixel_stretches(const DeformConv2dGeometry& g, const PixelWindow& window) {
   const int64_t pixels = pixels_per_task(g.offset_groups * g.taps());
-  return {pixels, (g.window_pixels + pixels - 1) / pixels};
+  return {pixels, (window.pixels + pixels - 1) / pixels};
 }
 
 // Stretch `task`: block image n, window pixels [first_pixel, first_pixel + pixels).
@@ -134,11 +137,11 @@ struct PixelStretch {
   int64_t pixels;
 };
 
-PixelStretch stretch_of(const DeformConv2dGeometry& g, const PixelStretches& stretches,
+PixelStretch stretch_of(const PixelWindow& window, const PixelStretches& stretches,
                         int64_t task) {
   const int64_t first_pixel = task % stretches.per_image * stretches.pixels;
   return {task / stretches.per_image, first_pixel,
-          std::min(stretches.pixels, g.window_pixels - first_pixel)};
+          std::min(stretches.pixels, window.pixels - first_pixel)};
 }
 
 // The CPU's window preparation: the sampling plans of every sample of the window, (image,
@@ -150,26 +153,26 @@ const SamplingPlan<opmath_t>* plans_of(const WindowSampling& sampling) {
   return reinterpret_cast<const SamplingPlan<opmath_t>*>(sampling.prepared.const_data_ptr());
 }
 
-void make_plans_cpu(const DeformConv2dGeometry& g, int64_t batch, const at::Tensor& offset,
-                    const at::Tensor& mask, at::Tensor& plans) {
+void make_plans_cpu(const DeformConv2dGeometry& g, const PixelWindow& window, int64_t batch,
+                    const at::Tensor& offset, const at::Tensor& mask, at::Tensor& plans) {
   const int64_t plans_per_pixel = g.offset_groups * g.taps();
-  const PixelStretches stretches = pixel_stretches(g);
+  const PixelStretches stretches = pixel_stretches(g, window);
   DEFORMCONV_DISPATCH(offset.scalar_type(), "deform_conv2d_plans_cpu", [&] {
     using Plan = SamplingPlan<at::opmath_type<scalar_t>>;
     TORCH_INTERNAL_ASSERT(plans.numel() >=
-                          batch * g.window_pixels * plans_per_pixel * int64_t(sizeof(Plan)));
+                          batch * window.pixels * plans_per_pixel * int64_t(sizeof(Plan)));
     Plan* plan_data = reinterpret_cast<Plan*>(plans.mutable_data_ptr());
     const scalar_t* offset_data = offset.const_data_ptr<scalar_t>();
     const scalar_t* mask_data = data_or_null<scalar_t>(mask);
     parallel_tasks(batch * stretches.per_image, [&](int64_t begin, int64_t end) {
       for (int64_t task = begin; task < end; ++task) {
-        const auto [n, first_pixel, pixels] = stretch_of(g, stretches, task);
-        Plan* task_plans = plan_data + (n * g.window_pixels + first_pixel) * plans_per_pixel;
+        const auto [n, first_pixel, pixels] = stretch_of(window, stretches, task);
+        Plan* task_plans = plan_data + (n * window.pixels + first_pixel) * plans_per_pixel;
         // Along each (deform group, tap) row, stepping the sample instead of dividing per
         // sample.
         for (int64_t group = 0; group < g.offset_groups; ++group) {
           for (int64_t tap = 0; tap < g.taps(); ++tap) {
-            SampleIndex s = make_sample_index(g, n, group, tap, g.window_begin + first_pixel);
+            SampleIndex s = make_sample_index(g, n, group, tap, window.begin + first_pixel);
             for (int64_t i = 0; i < pixels; ++i, next_pixel(g, s)) {
               task_plans[i * plans_per_pixel + group * g.taps() + tap] =
                   make_sampling_plan(g, s, offset_data, mask_data);
@@ -184,9 +187,10 @@ void make_plans_cpu(const DeformConv2dGeometry& g, int64_t batch, const at::Tens
 // The plans of (image n, window pixel): offset_groups * K of them, deform group major.
 template <typename opmath_t>
 const SamplingPlan<opmath_t>* plans_of_pixel(const DeformConv2dGeometry& g,
+                                             const PixelWindow& window,
                                              const SamplingPlan<opmath_t>* plans, int64_t n,
                                              int64_t window_pixel) {
-  return plans + (n * g.window_pixels + window_pixel) * g.offset_groups * g.taps();
+  return plans + (n * window.pixels + window_pixel) * g.offset_groups * g.taps();
 }
 
 // Kept out of line: inlined, its vectorised form would set up per-corner lane masks for every
@@ -229,6 +233,7 @@ DEFORMCONV_INLINE void sample_channels(const SamplingPlan<at::opmath_type<scalar
 template <typename scalar_t>
 struct Im2colTask {
   const DeformConv2dGeometry& g;
+  PixelWindow window;
   const std::vector<std::vector<ChannelRun>>& runs;
   PixelStretches stretches;
   // The window's plans, or null: each task then makes the plans of its own samples as it
@@ -247,16 +252,16 @@ DEFORMCONV_VECTOR_CLONES void im2col_tasks(const Im2colTask<scalar_t>& t, int64_
                                            int64_t end) {
   const DeformConv2dGeometry& g = t.g;
   for (int64_t task = begin; task < end; ++task) {
-    const auto [n, first_pixel, pixels] = stretch_of(g, t.stretches, task);
+    const auto [n, first_pixel, pixels] = stretch_of(t.window, t.stretches, task);
     for (int64_t group = 0; group < g.offset_groups; ++group) {
       for (int64_t tap = 0; tap < g.taps(); ++tap) {
-        SampleIndex s = make_sample_index(g, n, group, tap, g.window_begin + first_pixel);
+        SampleIndex s = make_sample_index(g, n, group, tap, t.window.begin + first_pixel);
         for (int64_t pixel = first_pixel; pixel < first_pixel + pixels;
              ++pixel, next_pixel(g, s)) {
           const auto plan = t.plans != nullptr
-              ? plans_of_pixel(g, t.plans, n, pixel)[group * g.taps() + tap]
+              ? plans_of_pixel(g, t.window, t.plans, n, pixel)[group * g.taps() + tap]
               : make_sampling_plan(g, s, t.offset, t.mask);
-          const int64_t entries = columns_at(g, n, pixel, tap);
+          const int64_t entries = columns_at(g, t.window, n, pixel, tap);
           for (const ChannelRun& run : t.runs[group]) {
             sample_channels(plan, channel_of(g, t.input, n, run.first), g.in_channels, run.count,
                             t.columns + run.column_offset + entries);
@@ -267,13 +272,13 @@ DEFORMCONV_VECTOR_CLONES void im2col_tasks(const Im2colTask<scalar_t>& t, int64_
   }
 }
 
-void im2col_cpu(const DeformConv2dGeometry& g, int64_t batch, const at::Tensor& input,
-                const WindowSampling& sampling, at::Tensor& columns) {
-  const auto runs = runs_of_offset_groups(g);
-  const PixelStretches stretches = pixel_stretches(g);
+void im2col_cpu(const DeformConv2dGeometry& g, const PixelWindow& window, int64_t batch,
+                const at::Tensor& input, const WindowSampling& sampling, at::Tensor& columns) {
+  const auto runs = runs_of_offset_groups(g, window);
+  const PixelStretches stretches = pixel_stretches(g, window);
   DEFORMCONV_DISPATCH(input.scalar_type(), "deform_conv2d_im2col_cpu", [&] {
     const Im2colTask<scalar_t> t{
-        g, runs, stretches,
+        g, window, runs, stretches,
         sampling.prepared.defined() ? plans_of<at::opmath_type<scalar_t>>(sampling) : nullptr,
         sampling.offset.const_data_ptr<scalar_t>(), data_or_null<scalar_t>(sampling.mask),
         input.const_data_ptr<scalar_t>(), columns.mutable_data_ptr<scalar_t>()};
@@ -285,6 +290,7 @@ void im2col_cpu(const DeformConv2dGeometry& g, int64_t batch, const at::Tensor& 
 template <typename scalar_t>
 struct Col2imTask {
   const DeformConv2dGeometry& g;
+  PixelWindow window;
   const std::vector<std::vector<ChannelRun>>& runs;
   const SamplingPlan<at::opmath_type<scalar_t>>* plans;
   const scalar_t* grad_columns;
@@ -308,12 +314,12 @@ DEFORMCONV_VECTOR_CLONES void col2im_tasks(const Col2imTask<scalar_t>& t, int64_
     const int64_t n = task / t.bands;
     const int64_t band_begin = task % t.bands * t.rows_per_band * g.in_width;
     const int64_t band_end = std::min(band_begin + t.rows_per_band * g.in_width, g.in_pixels());
-    for (int64_t pixel = 0; pixel < g.window_pixels; ++pixel) {
-      const auto* plans = plans_of_pixel(g, t.plans, n, pixel);
+    for (int64_t pixel = 0; pixel < t.window.pixels; ++pixel) {
+      const auto* plans = plans_of_pixel(g, t.window, t.plans, n, pixel);
       for (int64_t group = 0; group < g.offset_groups; ++group) {
         for (int64_t tap = 0; tap < g.taps(); ++tap) {
           const auto& plan = plans[group * g.taps() + tap];
-          const int64_t entries = columns_at(g, n, pixel, tap);
+          const int64_t entries = columns_at(g, t.window, n, pixel, tap);
           for (int corner = 0; corner < 4; ++corner) {
             const int64_t index = plan.index[corner];
             if (plan.weight[corner] == opmath_t(0) || index < band_begin || index >= band_end) {
@@ -331,9 +337,10 @@ DEFORMCONV_VECTOR_CLONES void col2im_tasks(const Col2imTask<scalar_t>& t, int64_
   }
 }
 
-void col2im_cpu(const DeformConv2dGeometry& g, int64_t batch, const at::Tensor& grad_columns,
-                const WindowSampling& sampling, at::Tensor& grad_input) {
-  const auto runs = runs_of_offset_groups(g);
+void col2im_cpu(const DeformConv2dGeometry& g, const PixelWindow& window, int64_t batch,
+                const at::Tensor& grad_columns, const WindowSampling& sampling,
+                at::Tensor& grad_input) {
+  const auto runs = runs_of_offset_groups(g, window);
   // About two bands per thread over the block's images: every task scans all the plans of its
   // image, so many more bands would multiply that cost.
   const int64_t wanted_bands = (2 * at::get_num_threads() + batch - 1) / batch;
@@ -342,6 +349,7 @@ void col2im_cpu(const DeformConv2dGeometry& g, int64_t batch, const at::Tensor& 
   DEFORMCONV_DISPATCH(grad_columns.scalar_type(), "deform_conv2d_col2im_cpu", [&] {
     at::Tensor sums = input_gradient_sums<scalar_t>(grad_input);
     const Col2imTask<scalar_t> t{g,
+                                 window,
                                  runs,
                                  plans_of<at::opmath_type<scalar_t>>(sampling),
                                  grad_columns.const_data_ptr<scalar_t>(),
@@ -357,6 +365,7 @@ void col2im_cpu(const DeformConv2dGeometry& g, int64_t batch, const at::Tensor& 
 template <typename scalar_t>
 struct OffsetMaskGradTask {
   const DeformConv2dGeometry& g;
+  PixelWindow window;
   const std::vector<std::vector<ChannelRun>>& runs;
   const scalar_t* grad_columns;
   const scalar_t* input;
@@ -471,15 +480,16 @@ DEFORMCONV_VECTOR_CLONES void offset_mask_grad_tasks(const OffsetMaskGradTask<sc
   using opmath_t = at::opmath_type<scalar_t>;
   const DeformConv2dGeometry& g = t.g;
   for (int64_t task = begin; task < end; ++task) {
-    const auto [n, first_pixel, pixels] = stretch_of(g, t.stretches, task);
+    const auto [n, first_pixel, pixels] = stretch_of(t.window, t.stretches, task);
     for (int64_t group = 0; group < g.offset_groups; ++group) {
       for (int64_t tap = 0; tap < g.taps(); ++tap) {
-        SampleIndex s = make_sample_index(g, n, group, tap, g.window_begin + first_pixel);
+        SampleIndex s = make_sample_index(g, n, group, tap, t.window.begin + first_pixel);
         for (int64_t i = 0; i < pixels; ++i, next_pixel(g, s)) {
           const auto acc = start_offset_mask_grad(g, s, t.offset, t.mask);
+          const int64_t entries = columns_at(g, t.window, n, first_pixel + i, tap);
           const auto sums = acc.cell.inside
-              ? offset_mask_grad_of_sample(g, n, columns_at(g, n, first_pixel + i, tap),
-                                           t.runs[group], acc, t.grad_columns, t.input)
+              ? offset_mask_grad_of_sample(g, n, entries, t.runs[group], acc, t.grad_columns,
+                                           t.input)
               : OffsetMaskGradSums<opmath_t>{};
           finish_offset_mask_grad(g, s, acc, sums, t.grad_offset, t.grad_mask);
         }
@@ -488,14 +498,15 @@ DEFORMCONV_VECTOR_CLONES void offset_mask_grad_tasks(const OffsetMaskGradTask<sc
   }
 }
 
-void offset_mask_grad_cpu(const DeformConv2dGeometry& g, int64_t batch,
-                          const at::Tensor& grad_columns, const at::Tensor& input,
+void offset_mask_grad_cpu(const DeformConv2dGeometry& g, const PixelWindow& window,
+                          int64_t batch, const at::Tensor& grad_columns, const at::Tensor& input,
                           const WindowSampling& sampling, at::Tensor& grad_offset,
                           at::Tensor& grad_mask) {
-  const auto runs = runs_of_offset_groups(g);
-  const PixelStretches stretches = pixel_stretches(g);
+  const auto runs = runs_of_offset_groups(g, window);
+  const PixelStretches stretches = pixel_stretches(g, window);
   DEFORMCONV_DISPATCH(input.scalar_type(), "deform_conv2d_offset_mask_grad_cpu", [&] {
     const OffsetMaskGradTask<scalar_t> t{g,
+                                         window,
                                          runs,
                                          grad_columns.const_data_ptr<scalar_t>(),
                                          input.const_data_ptr<scalar_t>(),

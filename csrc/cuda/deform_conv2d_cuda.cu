@@ -42,12 +42,13 @@ int64_t blocks_for(int64_t total) {
 // indices of the launch, and every size that the index arithmetic divides are at most
 // DEFORMCONV_NARROW_INDEX_LIMIT.
 template <typename Launch>
-void with_index_divisors(const DeformConv2dGeometry& g, int64_t entries, const Launch& launch) {
+void with_index_divisors(const DeformConv2dGeometry& g, const PixelWindow& window, int64_t entries,
+                         const Launch& launch) {
   const int64_t largest_dividend = std::max({entries, g.out_pixels(), g.in_channels, g.taps()});
   if (largest_dividend <= DEFORMCONV_NARROW_INDEX_LIMIT) {
-    launch(IndexDivisors<InvariantDivisor>(g));
+    launch(IndexDivisors<InvariantDivisor>(g, window));
   } else {
-    launch(IndexDivisors<int64_t>(g));
+    launch(IndexDivisors<int64_t>(g, window));
   }
 }
 
@@ -60,12 +61,12 @@ void with_index_divisors(const DeformConv2dGeometry& g, int64_t entries, const L
 // a few arithmetic instructions next to the memory traffic. In every kernel, `divisors` is the
 // IndexDivisors that with_index_divisors chose for the launch.
 template <typename scalar_t, typename Divisors>
-__global__ void im2col_kernel(DeformConv2dGeometry g, Divisors divisors,
+__global__ void im2col_kernel(DeformConv2dGeometry g, PixelWindow window, Divisors divisors,
                               int64_t total, const scalar_t* input, const scalar_t* offset,
                               const scalar_t* mask, scalar_t* columns) {
   DEFORMCONV_GRID_STRIDE_LOOP(index, total) {
     int64_t channel;
-    const SampleIndex s = decompose_column_index(g, divisors, index, channel);
+    const SampleIndex s = decompose_column_index(g, window, divisors, index, channel);
     const auto plan = make_sampling_plan(g, s, offset, mask);
     columns[index] = sample_with_plan(plan, channel_of(g, input, s.n, channel), g.in_channels);
   }
@@ -75,13 +76,13 @@ __global__ void im2col_kernel(DeformConv2dGeometry g, Divisors divisors,
 // scatter_with_plan adds atomically (scatter_add under __CUDA_ARCH__), into a gradient of
 // at::opmath_type (Note [Input gradient sums in float32]).
 template <typename scalar_t, typename Divisors>
-__global__ void col2im_kernel(DeformConv2dGeometry g, Divisors divisors,
+__global__ void col2im_kernel(DeformConv2dGeometry g, PixelWindow window, Divisors divisors,
                               int64_t total, const scalar_t* grad_columns,
                               const scalar_t* offset, const scalar_t* mask,
                               at::opmath_type<scalar_t>* grad_input) {
   DEFORMCONV_GRID_STRIDE_LOOP(index, total) {
     int64_t channel;
-    const SampleIndex s = decompose_column_index(g, divisors, index, channel);
+    const SampleIndex s = decompose_column_index(g, window, divisors, index, channel);
     const auto plan = make_sampling_plan(g, s, offset, mask);
     scatter_with_plan(plan, grad_columns + index, 1, channel_of(g, grad_input, s.n, channel),
                       g.in_channels);
@@ -96,7 +97,8 @@ __global__ void col2im_kernel(DeformConv2dGeometry g, Divisors divisors,
 // whole teams; a team's lanes take the same samples, so each shuffle has all of its members.
 // The sums are added in a fixed order: the result does not depend on thread scheduling.
 template <typename scalar_t, typename Divisors>
-__global__ void offset_mask_grad_kernel(DeformConv2dGeometry g, Divisors divisors,
+__global__ void offset_mask_grad_kernel(DeformConv2dGeometry g, PixelWindow window,
+                                        Divisors divisors,
                                         int64_t samples, int lanes,
                                         const scalar_t* grad_columns, const scalar_t* input,
                                         const scalar_t* offset, const scalar_t* mask,
@@ -108,13 +110,13 @@ __global__ void offset_mask_grad_kernel(DeformConv2dGeometry g, Divisors divisor
   const int64_t teams_in_grid = static_cast<int64_t>(blockDim.x) * gridDim.x / lanes;
   for (int64_t index = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / lanes;
        index < samples; index += teams_in_grid) {
-    const SampleIndex s = decompose_sample_index(g, divisors, index);
+    const SampleIndex s = decompose_sample_index(g, window, divisors, index);
     const auto acc = start_offset_mask_grad(g, s, offset, mask);
     OffsetMaskGradSums<opmath_t> sums;
     if (acc.cell.inside) {
       const int64_t end = first_channel(g, s.group) + g.channels_per_offset_group();
       for (int64_t c = first_channel(g, s.group) + lane; c < end; c += lanes) {
-        accumulate_offset_mask_grad(acc, grad_columns[column_index(g, divisors, s, c)],
+        accumulate_offset_mask_grad(acc, grad_columns[column_index(g, window, divisors, s, c)],
                                     channel_of(g, input, s.n, c), g.in_channels, sums);
       }
     }
@@ -138,27 +140,28 @@ int team_lanes(const DeformConv2dGeometry& g) {
   return lanes;
 }
 
-int64_t samples_in(const DeformConv2dGeometry& g, int64_t batch) {
-  return batch * g.offset_groups * g.taps() * g.window_pixels;
+int64_t samples_in(const DeformConv2dGeometry& g, const PixelWindow& window, int64_t batch) {
+  return batch * g.offset_groups * g.taps() * window.pixels;
 }
 
-int64_t columns_entries_in(const DeformConv2dGeometry& g, int64_t batch) {
-  return batch * g.in_channels * g.taps() * g.window_pixels;
+int64_t columns_entries_in(const DeformConv2dGeometry& g, const PixelWindow& window,
+                           int64_t batch) {
+  return batch * g.in_channels * g.taps() * window.pixels;
 }
 
 // The CUDA launchers prepare nothing per window (sampling.prepared is undefined): each thread
 // makes the plan of its own sample.
-void im2col_cuda(const DeformConv2dGeometry& g, int64_t batch, const at::Tensor& input,
-                 const WindowSampling& sampling, at::Tensor& columns) {
+void im2col_cuda(const DeformConv2dGeometry& g, const PixelWindow& window, int64_t batch,
+                 const at::Tensor& input, const WindowSampling& sampling, at::Tensor& columns) {
   const at::Tensor& offset = sampling.offset;
   const at::Tensor& mask = sampling.mask;
-  const int64_t total = columns_entries_in(g, batch);
+  const int64_t total = columns_entries_in(g, window, batch);
   DEFORMCONV_DISPATCH(input.scalar_type(), "deform_conv2d_im2col_cuda", [&] {
-    with_index_divisors(g, total, [&](const auto& divisors) {
+    with_index_divisors(g, window, total, [&](const auto& divisors) {
       const auto kernel = &im2col_kernel<scalar_t, std::decay_t<decltype(divisors)>>;
       DEFORMCONV_LAUNCH(kernel, blocks_for(total), kThreadsPerBlock,
                         c10::cuda::getCurrentCUDAStream())(
-              g, divisors, total, input.const_data_ptr<scalar_t>(),
+              g, window, divisors, total, input.const_data_ptr<scalar_t>(),
               offset.const_data_ptr<scalar_t>(), data_or_null<scalar_t>(mask),
               columns.mutable_data_ptr<scalar_t>());
       C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -166,19 +169,20 @@ void im2col_cuda(const DeformConv2dGeometry& g, int64_t batch, const at::Tensor&
   });
 }
 
-void col2im_cuda(const DeformConv2dGeometry& g, int64_t batch, const at::Tensor& grad_columns,
-                 const WindowSampling& sampling, at::Tensor& grad_input) {
+void col2im_cuda(const DeformConv2dGeometry& g, const PixelWindow& window, int64_t batch,
+                 const at::Tensor& grad_columns, const WindowSampling& sampling,
+                 at::Tensor& grad_input) {
   const at::Tensor& offset = sampling.offset;
   const at::Tensor& mask = sampling.mask;
-  const int64_t total = columns_entries_in(g, batch);
+  const int64_t total = columns_entries_in(g, window, batch);
   DEFORMCONV_DISPATCH(grad_columns.scalar_type(), "deform_conv2d_col2im_cuda", [&] {
     // Note [Input gradient sums in float32]
     at::Tensor sums = input_gradient_sums<scalar_t>(grad_input);
-    with_index_divisors(g, total, [&](const auto& divisors) {
+    with_index_divisors(g, window, total, [&](const auto& divisors) {
       const auto kernel = &col2im_kernel<scalar_t, std::decay_t<decltype(divisors)>>;
       DEFORMCONV_LAUNCH(kernel, blocks_for(total), kThreadsPerBlock,
                         c10::cuda::getCurrentCUDAStream())(
-              g, divisors, total, grad_columns.const_data_ptr<scalar_t>(),
+              g, window, divisors, total, grad_columns.const_data_ptr<scalar_t>(),
               offset.const_data_ptr<scalar_t>(), data_or_null<scalar_t>(mask),
               sums.mutable_data_ptr<at::opmath_type<scalar_t>>());
       C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -187,20 +191,20 @@ void col2im_cuda(const DeformConv2dGeometry& g, int64_t batch, const at::Tensor&
   });
 }
 
-void offset_mask_grad_cuda(const DeformConv2dGeometry& g, int64_t batch,
+void offset_mask_grad_cuda(const DeformConv2dGeometry& g, const PixelWindow& window, int64_t batch,
                            const at::Tensor& grad_columns, const at::Tensor& input,
                            const WindowSampling& sampling, at::Tensor& grad_offset,
                            at::Tensor& grad_mask) {
   const at::Tensor& offset = sampling.offset;
   const at::Tensor& mask = sampling.mask;
-  const int64_t samples = samples_in(g, batch);
+  const int64_t samples = samples_in(g, window, batch);
   const int lanes = team_lanes(g);
   DEFORMCONV_DISPATCH(input.scalar_type(), "deform_conv2d_offset_mask_grad_cuda", [&] {
-    with_index_divisors(g, samples, [&](const auto& divisors) {
+    with_index_divisors(g, window, samples, [&](const auto& divisors) {
       const auto kernel = &offset_mask_grad_kernel<scalar_t, std::decay_t<decltype(divisors)>>;
       DEFORMCONV_LAUNCH(kernel, blocks_for(samples * lanes),
                         kThreadsPerBlock, c10::cuda::getCurrentCUDAStream())(
-              g, divisors, samples, lanes, grad_columns.const_data_ptr<scalar_t>(),
+              g, window, divisors, samples, lanes, grad_columns.const_data_ptr<scalar_t>(),
               input.const_data_ptr<scalar_t>(), offset.const_data_ptr<scalar_t>(),
               data_or_null<scalar_t>(mask), mutable_data_or_null<scalar_t>(grad_offset),
               mutable_data_or_null<scalar_t>(grad_mask));

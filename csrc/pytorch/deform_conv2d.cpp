@@ -4,6 +4,7 @@
 #include <c10/util/irange.h>
 
 #include <algorithm>
+#include <vector>
 
 namespace deformconv {
 
@@ -42,11 +43,12 @@ int64_t pixels_per_window(const DeformConv2dGeometry& g, int64_t images, at::Sca
   return (g.out_pixels() + windows - 1) / windows;
 }
 
-// How forward and backward split their work: blocks of `step` images, windows of `window`
-// output pixels, and the per-group GEMM shapes (C_out / G) x (C_in / G * K) x pixels.
+// How forward and backward split their work: blocks of `step` images, windows of
+// `window_pixels` output pixels, and the per-group GEMM shapes (C_out / G) x (C_in / G * K) x
+// pixels.
 struct WorkSplit {
   int64_t step;
-  int64_t window;
+  int64_t window_pixels;
   int64_t groups;
   int64_t out_per_group;
   int64_t rows_per_group;
@@ -57,7 +59,7 @@ WorkSplit split_work(const DeformConv2dGeometry& g, int64_t batch, int64_t im2co
                      at::ScalarType dtype, const DeformConv2dLaunchers& launchers) {
   WorkSplit w;
   w.step = images_per_block(g, batch, im2col_step, dtype, launchers);
-  w.window = pixels_per_window(g, w.step, dtype, launchers);
+  w.window_pixels = pixels_per_window(g, w.step, dtype, launchers);
   w.groups = g.groups;
   w.out_per_group = g.out_channels / g.groups;
   w.rows_per_group = g.in_channels / g.groups * g.taps();
@@ -65,18 +67,27 @@ WorkSplit split_work(const DeformConv2dGeometry& g, int64_t batch, int64_t im2co
   return w;
 }
 
+// The windows of a block, in order: window_pixels output pixels each, the last maybe fewer.
+std::vector<PixelWindow> windows_of(const WorkSplit& w) {
+  std::vector<PixelWindow> windows;
+  for (int64_t begin = 0; begin < w.pixels; begin += w.window_pixels) {
+    windows.push_back({begin, std::min(w.window_pixels, w.pixels - begin)});
+  }
+  return windows;
+}
+
 // The columns buffer for `step` images and one window, allocated once per call.
 at::Tensor columns_buffer(const DeformConv2dLaunchers& launchers, const DeformConv2dGeometry& g,
                           const WorkSplit& w, const at::TensorOptions& options) {
-  return launchers.scratch({w.step * g.in_channels * g.taps() * w.window}, options);
+  return launchers.scratch({w.step * g.in_channels * g.taps() * w.window_pixels}, options);
 }
 
-// The part of the columns buffer that holds `images` images of the current window, as
+// The part of the columns buffer that holds `images` images of `window`, as
 // (images * G, window pixels, K * C_in / G): one matrix per image and conv group.
-at::Tensor columns_of_window(const at::Tensor& columns, const DeformConv2dGeometry& g,
-                             const WorkSplit& w, int64_t images) {
-  return columns.narrow(0, 0, images * g.in_channels * g.taps() * g.window_pixels)
-      .view({images * w.groups, g.window_pixels, w.rows_per_group});
+at::Tensor columns_of_window(const at::Tensor& columns, const WorkSplit& w,
+                             const PixelWindow& window, int64_t images) {
+  return columns.narrow(0, 0, images * w.groups * window.pixels * w.rows_per_group)
+      .view({images * w.groups, window.pixels, w.rows_per_group});
 }
 
 // The weight in the order of a columns row, per conv group: (G, C_out / G, K * C_in / G), its
@@ -109,17 +120,18 @@ at::Tensor window_workspace(const DeformConv2dLaunchers& launchers, const Deform
     return at::Tensor();
   }
   return launchers.scratch(
-      {w.step * w.window * g.offset_groups * g.taps() * launchers.workspace_bytes_per_sample},
+      {w.step * w.window_pixels * g.offset_groups * g.taps() *
+       launchers.workspace_bytes_per_sample},
       options.dtype(at::kByte));
 }
 
-// The sampling of the current window of a block, prepared once for every launcher.
+// The sampling of a window of a block, prepared once for every launcher.
 WindowSampling window_sampling(const DeformConv2dLaunchers& launchers,
-                               const DeformConv2dGeometry& g, int64_t images,
-                               const at::Tensor& offset_block, const at::Tensor& mask_block,
-                               at::Tensor& workspace) {
+                               const DeformConv2dGeometry& g, const PixelWindow& window,
+                               int64_t images, const at::Tensor& offset_block,
+                               const at::Tensor& mask_block, at::Tensor& workspace) {
   if (launchers.prepare_window != nullptr) {
-    launchers.prepare_window(g, images, offset_block, mask_block, workspace);
+    launchers.prepare_window(g, window, images, offset_block, mask_block, workspace);
   }
   return {offset_block, mask_block, workspace};
 }
@@ -139,11 +151,11 @@ bool gemms_as_convolutions(const DeformConv2dLaunchers& launchers, const DeformC
       at::hasMKLDNN() && at::globalContext().userEnabledMkldnn();
 }
 
-// The columns of `images` images of the current window as the channels-last image of the Note,
-// (images, K * C_in, 1, window).
-at::Tensor columns_as_image(const at::Tensor& columns, const DeformConv2dGeometry& g,
-                            const WorkSplit& w, int64_t images) {
-  return columns_of_window(columns, g, w, images).permute({0, 2, 1}).unsqueeze(2);
+// The columns of `images` images of `window` as the channels-last image of the Note,
+// (images, K * C_in, 1, window pixels).
+at::Tensor columns_as_image(const at::Tensor& columns, const WorkSplit& w,
+                            const PixelWindow& window, int64_t images) {
+  return columns_of_window(columns, w, window, images).permute({0, 2, 1}).unsqueeze(2);
 }
 
 // The weight as the 1x1 convolution of the Note takes it: (C_out, K * C_in, 1, 1), its input
@@ -167,22 +179,22 @@ at::Tensor gemm_weight(const at::Tensor& weight, const WorkSplit& w, bool as_con
 
 // The forward GEMM of a window: output_window (images * G, C_out / G, window) = the weight
 // times the window's columns, plus the bias, `weight` from gemm_weight.
-void multiply_window(const DeformConv2dGeometry& g, const WorkSplit& w, int64_t images,
+void multiply_window(const WorkSplit& w, const PixelWindow& window, int64_t images,
                      const at::Tensor& columns, const at::Tensor& weight,
                      const std::optional<at::Tensor>& bias, bool as_convolution,
                      at::Tensor& output_window) {
   if (as_convolution) {
     // (images, C_out, 1, window), channels-last.
-    const at::Tensor product = at::mkldnn_convolution(columns_as_image(columns, g, w, images),
+    const at::Tensor product = at::mkldnn_convolution(columns_as_image(columns, w, window, images),
                                                       weight, bias, {0, 0}, {1, 1}, {1, 1}, 1);
     output_window.copy_(product.squeeze(2));
     return;
   }
   const at::Tensor weight_block = weight.narrow(0, 0, images * w.groups);
   // (images * G, K * C_in / G, window): the transposed columns, as the GEMM takes them.
-  const at::Tensor columns_block = columns_of_window(columns, g, w, images).transpose(1, 2);
+  const at::Tensor columns_block = columns_of_window(columns, w, window, images).transpose(1, 2);
   if (bias.has_value()) {
-    output_window.view({images, w.groups, w.out_per_group, g.window_pixels})
+    output_window.view({images, w.groups, w.out_per_group, window.pixels})
         .copy_(bias->view({1, w.groups, w.out_per_group, 1}));
     output_window.baddbmm_(weight_block, columns_block);
   } else {
@@ -195,9 +207,9 @@ void multiply_window(const DeformConv2dGeometry& g, const WorkSplit& w, int64_t 
 // grad_weight_rows when that is defined (`columns` then holds the window's columns), and
 // returns the gradient of the window's columns when want_columns_grad, in the layout of the
 // columns: a tensor of the convolution's, or the columns buffer itself, overwritten.
-at::Tensor window_gradient_gemms(const DeformConv2dGeometry& g, const WorkSplit& w,
-                                 int64_t images, at::Tensor& columns,
-                                 const at::Tensor& grad_output_window, const at::Tensor& weight,
+at::Tensor window_gradient_gemms(const WorkSplit& w, const PixelWindow& window, int64_t images,
+                                 at::Tensor& columns, const at::Tensor& grad_output_window,
+                                 const at::Tensor& weight,
                                  bool as_convolution, bool want_columns_grad,
                                  at::Tensor& grad_weight_rows) {
   const bool want_weight = grad_weight_rows.defined();
@@ -206,7 +218,7 @@ at::Tensor window_gradient_gemms(const DeformConv2dGeometry& g, const WorkSplit&
     // window), channels-last as the input is, which is the columns layout; of its weight, the
     // window's share of weight_rows.
     const auto [grad_image, grad_weight_window, grad_bias] = at::convolution_backward(
-        grad_output_window.squeeze(1).unsqueeze(2), columns_as_image(columns, g, w, images),
+        grad_output_window.squeeze(1).unsqueeze(2), columns_as_image(columns, w, window, images),
         weight, std::nullopt, {1, 1}, {0, 0}, {1, 1}, false, {0, 0}, 1,
         {want_columns_grad, want_weight, false});
     if (want_weight) {
@@ -214,10 +226,10 @@ at::Tensor window_gradient_gemms(const DeformConv2dGeometry& g, const WorkSplit&
     }
     return want_columns_grad ? grad_image.permute({0, 2, 3, 1}).reshape({-1}) : at::Tensor();
   }
-  const at::Tensor columns_block = columns_of_window(columns, g, w, images);
+  const at::Tensor columns_block = columns_of_window(columns, w, window, images);
   if (want_weight) {
     const at::Tensor columns_grouped =
-        columns_block.view({images, w.groups, g.window_pixels, w.rows_per_group});
+        columns_block.view({images, w.groups, window.pixels, w.rows_per_group});
     for (const auto n : c10::irange(images)) {
       grad_weight_rows.baddbmm_(grad_output_window[n], columns_grouped[n]);
     }
@@ -227,7 +239,7 @@ at::Tensor window_gradient_gemms(const DeformConv2dGeometry& g, const WorkSplit&
   }
   at::Tensor grad_columns = columns_block;  // the same buffer, reused
   at::bmm_out(grad_columns,
-              grad_output_window.reshape({images * w.groups, w.out_per_group, g.window_pixels})
+              grad_output_window.reshape({images * w.groups, w.out_per_group, window.pixels})
                   .transpose(1, 2),
               weight.narrow(0, 0, images * w.groups));
   return columns;
@@ -359,8 +371,6 @@ DeformConv2dGeometry check_deform_conv2d_arguments(
                     dilated_kernel_w, "), so that the output is not empty");
   g.out_height = output_length(g.in_height, g.kernel_h, g.stride_h, g.pad_h, g.dilation_h);
   g.out_width = output_length(g.in_width, g.kernel_w, g.stride_w, g.pad_w, g.dilation_w);
-  g.window_begin = 0;
-  g.window_pixels = g.out_pixels();
 
   const int64_t batch = input.size(0);
   const auto check_field = [&](const char* name, const at::Tensor& field, int64_t channels,
@@ -426,7 +436,7 @@ at::Tensor deform_conv2d_forward(
     return output;
   }
   const WorkSplit w = split_work(g, batch, im2col_step, input_arg.scalar_type(), launchers);
-  const auto [step, window, G, out_per_group, rows_per_group, P] = w;
+  const auto [step, window_pixels, G, out_per_group, rows_per_group, P] = w;
   at::Tensor columns = columns_buffer(launchers, g, w, input_arg.options());
   const bool as_convolution = gemms_as_convolutions(launchers, g, input_arg);
   const at::Tensor weight_batched = gemm_weight(weight_arg, w, as_convolution);
@@ -438,14 +448,13 @@ at::Tensor deform_conv2d_forward(
     const at::Tensor mask_block = mask.defined() ? mask.narrow(0, first, images) : at::Tensor();
     const at::Tensor output_block =
         output.narrow(0, first, images).view({images * G, out_per_group, P});
-    for (g.window_begin = 0; g.window_begin < P; g.window_begin += window) {
-      g.window_pixels = std::min(window, P - g.window_begin);
+    for (const PixelWindow& window : windows_of(w)) {
       // Nothing prepared: im2col locates each sample as it reads it.
-      launchers.im2col(g, images, input_block, WindowSampling{offset_block, mask_block, {}},
-                       columns);
+      launchers.im2col(g, window, images, input_block,
+                       WindowSampling{offset_block, mask_block, {}}, columns);
       // (images * G, C_out / G, window) inside the output: rows P apart.
-      at::Tensor output_window = output_block.narrow(2, g.window_begin, g.window_pixels);
-      multiply_window(g, w, images, columns, weight_batched, bias, as_convolution,
+      at::Tensor output_window = output_block.narrow(2, window.begin, window.pixels);
+      multiply_window(w, window, images, columns, weight_batched, bias, as_convolution,
                       output_window);
     }
   }
@@ -485,7 +494,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> deform_co
   }
 
   const WorkSplit w = split_work(g, batch, im2col_step, input_arg.scalar_type(), launchers);
-  const auto [step, window, G, out_per_group, rows_per_group, P] = w;
+  const auto [step, window_pixels, G, out_per_group, rows_per_group, P] = w;
   // Holds the columns for the weight gradient, then (with bmm) the gradient of the columns.
   at::Tensor columns = columns_buffer(launchers, g, w, input_arg.options());
   at::Tensor workspace =
@@ -527,27 +536,27 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> deform_co
         want_offset ? grad_offset.narrow(0, first, images) : at::Tensor();
     at::Tensor grad_mask_block = want_mask ? grad_mask.narrow(0, first, images) : at::Tensor();
 
-    for (g.window_begin = 0; g.window_begin < P; g.window_begin += window) {
-      g.window_pixels = std::min(window, P - g.window_begin);
+    for (const PixelWindow& window : windows_of(w)) {
       // (images, G, C_out / G, window) inside grad_output: rows P apart.
       const at::Tensor grad_output_window =
-          grad_output_block.narrow(3, g.window_begin, g.window_pixels);
+          grad_output_block.narrow(3, window.begin, window.pixels);
       // Prepared for col2im, which im2col then shares; im2col alone and the offset and mask
       // gradients locate their samples themselves.
       const WindowSampling sampling =
-          want_input ? window_sampling(launchers, g, images, offset_block, mask_block, workspace)
+          want_input ? window_sampling(launchers, g, window, images, offset_block, mask_block,
+                                       workspace)
                      : WindowSampling{offset_block, mask_block, at::Tensor()};
       if (want_weight) {
-        launchers.im2col(g, images, input_block, sampling, columns);
+        launchers.im2col(g, window, images, input_block, sampling, columns);
       }
       const at::Tensor grad_columns =
-          window_gradient_gemms(g, w, images, columns, grad_output_window, weight_batched,
+          window_gradient_gemms(w, window, images, columns, grad_output_window, weight_batched,
                                 as_convolution, want_columns_grad, grad_weight_rows);
       if (want_input) {
-        launchers.col2im(g, images, grad_columns, sampling, grad_input_block);
+        launchers.col2im(g, window, images, grad_columns, sampling, grad_input_block);
       }
       if (want_offset || want_mask) {
-        launchers.offset_mask_grad(g, images, grad_columns, input_block, sampling,
+        launchers.offset_mask_grad(g, window, images, grad_columns, input_block, sampling,
                                    grad_offset_block, grad_mask_block);
       }
     }

@@ -5,7 +5,7 @@
 // table; cpu/ and cuda/ each fill it in. Every tensor is contiguous, allocated or laid out by
 // the driver, on the launcher's device, and holds one block of `batch` images; mask is
 // undefined for DCN v1. Input-shaped tensors are channels-last, (batch, H, W, C_in), and the
-// columns cover the geometry's window of output pixels in the layout of
+// columns cover the window of output pixels the driver hands over, in the layout of
 // deform_conv2d_kernel.cuh: (batch, G, window pixels, K, C_in / G).
 
 #include <ATen/OpMathType.h>
@@ -45,24 +45,24 @@ struct DeformConv2dLaunchers {
   // Fills `workspace` (bytes, workspace_bytes_per_sample per sample of the window at least) with
   // what the window's other launchers share, from its offset and mask; null where they share
   // nothing (CUDA: each thread locates its own sample).
-  void (*prepare_window)(const DeformConv2dGeometry& geometry, int64_t batch,
-                         const at::Tensor& offset, const at::Tensor& mask,
+  void (*prepare_window)(const DeformConv2dGeometry& geometry, const PixelWindow& window,
+                         int64_t batch, const at::Tensor& offset, const at::Tensor& mask,
                          at::Tensor& workspace);
   // An uninitialised buffer for the driver's scratch (columns, channels-last copies, the
   // workspace), so that a device may ask its memory system for what suits large buffers.
   at::Tensor (*scratch)(c10::IntArrayRef sizes, const at::TensorOptions& options);
   // columns sampled from input.
-  void (*im2col)(const DeformConv2dGeometry& geometry, int64_t batch, const at::Tensor& input,
-                 const WindowSampling& sampling, at::Tensor& columns);
+  void (*im2col)(const DeformConv2dGeometry& geometry, const PixelWindow& window, int64_t batch,
+                 const at::Tensor& input, const WindowSampling& sampling, at::Tensor& columns);
   // grad_input += the adjoint of im2col applied to grad_columns.
-  void (*col2im)(const DeformConv2dGeometry& geometry, int64_t batch,
+  void (*col2im)(const DeformConv2dGeometry& geometry, const PixelWindow& window, int64_t batch,
                  const at::Tensor& grad_columns, const WindowSampling& sampling,
                  at::Tensor& grad_input);
   // grad_offset and grad_mask (each may be undefined: not asked for) from grad_columns.
-  void (*offset_mask_grad)(const DeformConv2dGeometry& geometry, int64_t batch,
-                           const at::Tensor& grad_columns, const at::Tensor& input,
-                           const WindowSampling& sampling, at::Tensor& grad_offset,
-                           at::Tensor& grad_mask);
+  void (*offset_mask_grad)(const DeformConv2dGeometry& geometry, const PixelWindow& window,
+                           int64_t batch, const at::Tensor& grad_columns,
+                           const at::Tensor& input, const WindowSampling& sampling,
+                           at::Tensor& grad_offset, at::Tensor& grad_mask);
   // dst (M, C, R) = src (M, R, C) with the last two dimensions swapped, both contiguous: the
   // copies between the (C_in, H * W) planes of the user's tensors and channels-last.
   void (*transpose)(const at::Tensor& src, at::Tensor& dst);

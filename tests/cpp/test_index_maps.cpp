@@ -17,6 +17,7 @@ namespace {
 using deformconv::DeformConv2dGeometry;
 using deformconv::IndexDivisors;
 using deformconv::InvariantDivisor;
+using deformconv::PixelWindow;
 using deformconv::SampleIndex;
 
 int failures = 0;
@@ -32,10 +33,16 @@ bool same(const SampleIndex& a, const SampleIndex& b) {
       a.out_y == b.out_y && a.out_x == b.out_x && a.grid_y == b.grid_y && a.grid_x == b.grid_x;
 }
 
+// A geometry and a window of its output pixels.
+struct Case {
+  DeformConv2dGeometry g;
+  PixelWindow window;
+};
+
 // in_channels, groups, offset_groups, kernel, stride, pad, dilation, window [begin, +pixels)
-DeformConv2dGeometry geometry(int64_t channels, int64_t groups, int64_t offset_groups,
-                              int64_t kernel_h, int64_t kernel_w, int64_t stride, int64_t pad,
-                              int64_t dilation, int64_t window_begin, int64_t window_pixels) {
+Case geometry(int64_t channels, int64_t groups, int64_t offset_groups, int64_t kernel_h,
+              int64_t kernel_w, int64_t stride, int64_t pad, int64_t dilation,
+              int64_t window_begin, int64_t window_pixels) {
   DeformConv2dGeometry g{};
   g.in_channels = channels;
   g.in_height = 7;
@@ -50,21 +57,23 @@ DeformConv2dGeometry geometry(int64_t channels, int64_t groups, int64_t offset_g
   g.out_width = (g.in_width + 2 * pad - (dilation * (kernel_w - 1) + 1)) / stride + 1;
   g.groups = groups;
   g.offset_groups = offset_groups;
-  g.window_begin = window_begin;
-  g.window_pixels = window_pixels;
-  return g;
+  return {g, {window_begin, window_pixels}};
 }
 
 template <typename Divisor>
-void check(const DeformConv2dGeometry& g, int64_t batch) {
-  const IndexDivisors<Divisor> divisors(g);
-  const int64_t entries = batch * g.in_channels * g.taps() * g.window_pixels;
+void check(const Case& c, int64_t batch) {
+  const DeformConv2dGeometry& g = c.g;
+  const PixelWindow& window = c.window;
+  const IndexDivisors<Divisor> divisors(g, window);
+  const int64_t entries = batch * g.in_channels * g.taps() * window.pixels;
   for (int64_t index = 0; index < entries; ++index) {
     int64_t channel = -1;
-    const SampleIndex s = deformconv::decompose_column_index(g, divisors, index, channel);
-    expect(deformconv::column_index(g, divisors, s, channel) == index, "column_index round trip",
-           index);
-    expect(deformconv::column_index(g, s.n, s.pixel - g.window_begin, s.tap, channel) == index,
+    const SampleIndex s =
+        deformconv::decompose_column_index(g, window, divisors, index, channel);
+    expect(deformconv::column_index(g, window, divisors, s, channel) == index,
+           "column_index round trip", index);
+    expect(deformconv::column_index(g, window, s.n, s.pixel - window.begin, s.tap, channel) ==
+               index,
            "column_index of the CPU launchers", index);
     expect(s.group == channel / g.channels_per_offset_group(), "deform group of channel", index);
     expect(same(s, deformconv::make_sample_index(g, s.n, s.group, s.tap, s.pixel)),
@@ -75,9 +84,9 @@ void check(const DeformConv2dGeometry& g, int64_t batch) {
   for (int64_t n = 0; n < batch; ++n) {
     for (int64_t group = 0; group < g.offset_groups; ++group) {
       for (int64_t tap = 0; tap < g.taps(); ++tap) {
-        SampleIndex s = deformconv::make_sample_index(g, n, group, tap, g.window_begin);
-        for (int64_t p = 0; p < g.window_pixels; ++p, ++index, deformconv::next_pixel(g, s)) {
-          expect(same(s, deformconv::decompose_sample_index(g, divisors, index)),
+        SampleIndex s = deformconv::make_sample_index(g, n, group, tap, window.begin);
+        for (int64_t p = 0; p < window.pixels; ++p, ++index, deformconv::next_pixel(g, s)) {
+          expect(same(s, deformconv::decompose_sample_index(g, window, divisors, index)),
                  "sample round trip", index);
         }
       }
@@ -140,7 +149,7 @@ void check_invariant_division() {
 
 int main() {
   // (channels, groups, offset groups, kH, kW, stride, pad, dilation, window begin, pixels)
-  const DeformConv2dGeometry geometries[] = {
+  const Case geometries[] = {
       geometry(6, 1, 1, 3, 3, 1, 1, 1, 0, 63),
       geometry(12, 3, 2, 3, 2, 2, 1, 1, 5, 11),  // deform groups across conv groups
       geometry(12, 2, 3, 2, 3, 1, 2, 2, 17, 40),
