@@ -423,7 +423,7 @@ at::Tensor deform_conv2d_forward(
     const std::optional<at::Tensor>& mask_arg, const std::optional<at::Tensor>& bias,
     c10::IntArrayRef stride, c10::IntArrayRef padding, c10::IntArrayRef dilation, int64_t groups,
     int64_t offset_groups, int64_t im2col_step) {
-  DeformConv2dGeometry g =
+  const DeformConv2dGeometry g =
       check_deform_conv2d_arguments(input_arg, offset_arg, weight_arg, mask_arg, bias, stride,
                                     padding, dilation, groups, offset_groups, im2col_step);
   const at::Tensor offset = offset_arg.contiguous();
@@ -436,18 +436,17 @@ at::Tensor deform_conv2d_forward(
     return output;
   }
   const WorkSplit w = split_work(g, batch, im2col_step, input_arg.scalar_type(), launchers);
-  const auto [step, window_pixels, G, out_per_group, rows_per_group, P] = w;
   at::Tensor columns = columns_buffer(launchers, g, w, input_arg.options());
   const bool as_convolution = gemms_as_convolutions(launchers, g, input_arg);
   const at::Tensor weight_batched = gemm_weight(weight_arg, w, as_convolution);
 
-  for (int64_t first = 0; first < batch; first += step) {
-    const int64_t images = std::min(step, batch - first);
+  for (int64_t first = 0; first < batch; first += w.step) {
+    const int64_t images = std::min(w.step, batch - first);
     const at::Tensor input_block = channels_last_block(launchers, input_arg, first, images);
     const at::Tensor offset_block = offset.narrow(0, first, images);
     const at::Tensor mask_block = mask.defined() ? mask.narrow(0, first, images) : at::Tensor();
     const at::Tensor output_block =
-        output.narrow(0, first, images).view({images * G, out_per_group, P});
+        output.narrow(0, first, images).view({images * w.groups, w.out_per_group, w.pixels});
     for (const PixelWindow& window : windows_of(w)) {
       // Nothing prepared: im2col locates each sample as it reads it.
       launchers.im2col(g, window, images, input_block,
@@ -461,112 +460,186 @@ at::Tensor deform_conv2d_forward(
   return output;
 }
 
+namespace {
+
+// The gradients the backward is asked for (output_mask; the mask's only where there is a mask).
+struct WantedGradients {
+  bool input, offset, weight, mask, bias;
+
+  // The gradient of the columns, which the input, offset and mask gradients come from.
+  bool columns() const { return input || offset || mask; }
+  // The input values, which all but the input gradient read.
+  bool input_values() const { return weight || offset || mask; }
+};
+
+// What a backward makes once and uses for every block of images.
+struct BackwardScratch {
+  WorkSplit w;
+  // The columns for the weight gradient, then (with bmm) the gradient of the columns.
+  at::Tensor columns;
+  // prepare_window's, for col2im.
+  at::Tensor workspace;
+  bool as_convolution;
+  // gemm_weight's; the convolution's backward takes it even for the weight gradient alone.
+  at::Tensor weight;
+  // The weight gradient in the order of weight_rows, summed over the windows.
+  at::Tensor grad_weight_rows;
+};
+
+BackwardScratch backward_scratch(const DeformConv2dLaunchers& launchers,
+                                 const DeformConv2dGeometry& g, const WantedGradients& want,
+                                 int64_t batch, int64_t im2col_step, const at::Tensor& input,
+                                 const at::Tensor& weight) {
+  BackwardScratch scratch;
+  scratch.w = split_work(g, batch, im2col_step, input.scalar_type(), launchers);
+  const WorkSplit& w = scratch.w;
+  scratch.columns = columns_buffer(launchers, g, w, input.options());
+  if (want.input) {
+    scratch.workspace = window_workspace(launchers, g, w, input.options());
+  }
+  scratch.as_convolution = gemms_as_convolutions(launchers, g, input);
+  if (scratch.as_convolution || want.columns()) {
+    scratch.weight = gemm_weight(weight, w, scratch.as_convolution);
+  }
+  if (want.weight) {
+    scratch.grad_weight_rows =
+        at::zeros({w.groups, w.out_per_group, w.rows_per_group}, weight.options());
+  }
+  return scratch;
+}
+
+// One block of images: its operands, and where its gradients go (undefined where not wanted).
+struct BackwardBlock {
+  int64_t first;
+  int64_t images;
+  at::Tensor input;        // channels-last, (images, H, W, C_in)
+  at::Tensor offset;
+  at::Tensor mask;
+  at::Tensor grad_output;  // (images, G, C_out / G, P)
+  // Channels-last and zeroed, for col2im to add into: grad_input's own memory when grad_input
+  // is channels-last, else a block-sized buffer copied into grad_input afterwards.
+  at::Tensor grad_input;
+  bool grad_input_in_place;
+  at::Tensor grad_offset;
+  at::Tensor grad_mask;
+};
+
+BackwardBlock backward_block(const DeformConv2dLaunchers& launchers,
+                             const DeformConv2dGeometry& g, const WantedGradients& want,
+                             const WorkSplit& w, int64_t first, int64_t images,
+                             const at::Tensor& grad_output, const at::Tensor& input,
+                             const at::Tensor& offset, const at::Tensor& mask,
+                             const at::Tensor& grad_input, const at::Tensor& grad_offset,
+                             const at::Tensor& grad_mask) {
+  BackwardBlock block;
+  block.first = first;
+  block.images = images;
+  if (want.input_values()) {
+    block.input = channels_last_block(launchers, input, first, images);
+  }
+  block.offset = offset.narrow(0, first, images);
+  if (mask.defined()) {
+    block.mask = mask.narrow(0, first, images);
+  }
+  block.grad_output =
+      grad_output.narrow(0, first, images).view({images, w.groups, w.out_per_group, w.pixels});
+  block.grad_input_in_place = false;
+  if (want.input) {
+    block.grad_input = grad_input.narrow(0, first, images).permute({0, 2, 3, 1});
+    block.grad_input_in_place = block.grad_input.is_contiguous();
+    if (!block.grad_input_in_place) {
+      block.grad_input =
+          launchers.scratch({images, g.in_height, g.in_width, g.in_channels}, input.options());
+    }
+    block.grad_input.zero_();
+  }
+  if (want.offset) {
+    block.grad_offset = grad_offset.narrow(0, first, images);
+  }
+  if (want.mask) {
+    block.grad_mask = grad_mask.narrow(0, first, images);
+  }
+  return block;
+}
+
+// The gradients of one window of a block: its columns (for the weight gradient), the GEMMs,
+// then the columns gradient taken back to the input, offset and mask.
+void backward_window(const DeformConv2dLaunchers& launchers, const DeformConv2dGeometry& g,
+                     const WantedGradients& want, BackwardScratch& scratch,
+                     BackwardBlock& block, const PixelWindow& window) {
+  // (images, G, C_out / G, window) inside grad_output: rows P apart.
+  const at::Tensor grad_output_window = block.grad_output.narrow(3, window.begin, window.pixels);
+  // Prepared for col2im, which im2col then shares; im2col alone and the offset and mask
+  // gradients locate their samples themselves.
+  const WindowSampling sampling = want.input
+      ? window_sampling(launchers, g, window, block.images, block.offset, block.mask,
+                        scratch.workspace)
+      : WindowSampling{block.offset, block.mask, at::Tensor()};
+  if (want.weight) {
+    launchers.im2col(g, window, block.images, block.input, sampling, scratch.columns);
+  }
+  const at::Tensor grad_columns = window_gradient_gemms(
+      scratch.w, window, block.images, scratch.columns, grad_output_window, scratch.weight,
+      scratch.as_convolution, want.columns(), scratch.grad_weight_rows);
+  if (want.input) {
+    launchers.col2im(g, window, block.images, grad_columns, sampling, block.grad_input);
+  }
+  if (want.offset || want.mask) {
+    launchers.offset_mask_grad(g, window, block.images, grad_columns, block.input, sampling,
+                               block.grad_offset, block.grad_mask);
+  }
+}
+
+}  // namespace
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> deform_conv2d_backward(
     const DeformConv2dLaunchers& launchers, const at::Tensor& grad_output_arg,
     const at::Tensor& input_arg, const at::Tensor& offset_arg, const at::Tensor& weight_arg,
     const std::optional<at::Tensor>& mask_arg, c10::IntArrayRef stride,
     c10::IntArrayRef padding, c10::IntArrayRef dilation, int64_t groups, int64_t offset_groups,
     int64_t im2col_step, std::array<bool, 5> output_mask) {
-  DeformConv2dGeometry g = check_deform_conv2d_backward_arguments(
+  const DeformConv2dGeometry g = check_deform_conv2d_backward_arguments(
       grad_output_arg, input_arg, offset_arg, weight_arg, mask_arg, stride, padding, dilation,
       groups, offset_groups, im2col_step);
   const int64_t batch = input_arg.size(0);
-
   const at::Tensor grad_output = grad_output_arg.contiguous();
   const at::Tensor offset = offset_arg.contiguous();
   const at::Tensor mask = mask_arg.has_value() ? mask_arg->contiguous() : at::Tensor();
+  const WantedGradients want{output_mask[0], output_mask[1], output_mask[2],
+                             output_mask[3] && mask.defined(), output_mask[4]};
 
-  const auto [want_input, want_offset, want_weight, want_mask_arg, want_bias] = output_mask;
-  const bool want_mask = want_mask_arg && mask.defined();
   // The input and weight gradients keep the memory format of input and weight; the offset and
   // mask gradients are contiguous, and written in full, so they need no zero fill.
-  at::Tensor grad_input = want_input ? at::empty_like(input_arg) : at::Tensor();
-  at::Tensor grad_offset = want_offset ? at::empty_like(offset) : at::Tensor();
-  at::Tensor grad_weight = want_weight ? at::empty_like(weight_arg) : at::Tensor();
-  at::Tensor grad_mask = want_mask ? at::empty_like(mask) : at::Tensor();
-  at::Tensor grad_bias = want_bias ? grad_output.sum({0, 2, 3}) : at::Tensor();
-
-  const bool want_columns_grad = want_input || want_offset || want_mask;
-  if (batch == 0 || !(want_columns_grad || want_weight)) {
-    if (want_input) grad_input.zero_();
-    if (want_weight) grad_weight.zero_();
+  at::Tensor grad_input = want.input ? at::empty_like(input_arg) : at::Tensor();
+  at::Tensor grad_offset = want.offset ? at::empty_like(offset) : at::Tensor();
+  at::Tensor grad_weight = want.weight ? at::empty_like(weight_arg) : at::Tensor();
+  at::Tensor grad_mask = want.mask ? at::empty_like(mask) : at::Tensor();
+  at::Tensor grad_bias = want.bias ? grad_output.sum({0, 2, 3}) : at::Tensor();
+  if (batch == 0 || !(want.columns() || want.weight)) {
+    if (want.input) grad_input.zero_();
+    if (want.weight) grad_weight.zero_();
     return {grad_input, grad_offset, grad_weight, grad_mask, grad_bias};
   }
 
-  const WorkSplit w = split_work(g, batch, im2col_step, input_arg.scalar_type(), launchers);
-  const auto [step, window_pixels, G, out_per_group, rows_per_group, P] = w;
-  // Holds the columns for the weight gradient, then (with bmm) the gradient of the columns.
-  at::Tensor columns = columns_buffer(launchers, g, w, input_arg.options());
-  at::Tensor workspace =
-      want_input ? window_workspace(launchers, g, w, input_arg.options()) : at::Tensor();
-  const bool as_convolution = gemms_as_convolutions(launchers, g, input_arg);
-  // The convolution's backward takes the weight even for the weight gradient alone.
-  const at::Tensor weight_batched = as_convolution || want_columns_grad
-      ? gemm_weight(weight_arg, w, as_convolution)
-      : at::Tensor();
-  // The weight gradient in the order of weight_rows; permuted into grad_weight at the end.
-  at::Tensor grad_weight_rows =
-      want_weight ? at::zeros({G, out_per_group, rows_per_group}, weight_arg.options())
-                  : at::Tensor();
-
+  BackwardScratch scratch =
+      backward_scratch(launchers, g, want, batch, im2col_step, input_arg, weight_arg);
+  const int64_t step = scratch.w.step;
   for (int64_t first = 0; first < batch; first += step) {
-    const int64_t images = std::min(step, batch - first);
-    // The input gradient alone needs no input values.
-    const at::Tensor input_block = want_weight || want_offset || want_mask
-        ? channels_last_block(launchers, input_arg, first, images)
-        : at::Tensor();
-    const at::Tensor offset_block = offset.narrow(0, first, images);
-    const at::Tensor mask_block = mask.defined() ? mask.narrow(0, first, images) : at::Tensor();
-    const at::Tensor grad_output_block =
-        grad_output.narrow(0, first, images).view({images, G, out_per_group, P});
-    // col2im adds into a zeroed channels-last gradient: grad_input's own memory when grad_input
-    // is channels-last, else a block-sized buffer copied into grad_input afterwards.
-    at::Tensor grad_input_block =
-        want_input ? grad_input.narrow(0, first, images).permute({0, 2, 3, 1}) : at::Tensor();
-    const bool grad_input_in_place = want_input && grad_input_block.is_contiguous();
-    if (want_input) {
-      if (!grad_input_in_place) {
-        grad_input_block =
-            launchers.scratch({images, g.in_height, g.in_width, g.in_channels},
-                              input_arg.options());
-      }
-      grad_input_block.zero_();
+    BackwardBlock block =
+        backward_block(launchers, g, want, scratch.w, first, std::min(step, batch - first),
+                       grad_output, input_arg, offset, mask, grad_input, grad_offset, grad_mask);
+    for (const PixelWindow& window : windows_of(scratch.w)) {
+      backward_window(launchers, g, want, scratch, block, window);
     }
-    at::Tensor grad_offset_block =
-        want_offset ? grad_offset.narrow(0, first, images) : at::Tensor();
-    at::Tensor grad_mask_block = want_mask ? grad_mask.narrow(0, first, images) : at::Tensor();
-
-    for (const PixelWindow& window : windows_of(w)) {
-      // (images, G, C_out / G, window) inside grad_output: rows P apart.
-      const at::Tensor grad_output_window =
-          grad_output_block.narrow(3, window.begin, window.pixels);
-      // Prepared for col2im, which im2col then shares; im2col alone and the offset and mask
-      // gradients locate their samples themselves.
-      const WindowSampling sampling =
-          want_input ? window_sampling(launchers, g, window, images, offset_block, mask_block,
-                                       workspace)
-                     : WindowSampling{offset_block, mask_block, at::Tensor()};
-      if (want_weight) {
-        launchers.im2col(g, window, images, input_block, sampling, columns);
-      }
-      const at::Tensor grad_columns =
-          window_gradient_gemms(w, window, images, columns, grad_output_window, weight_batched,
-                                as_convolution, want_columns_grad, grad_weight_rows);
-      if (want_input) {
-        launchers.col2im(g, window, images, grad_columns, sampling, grad_input_block);
-      }
-      if (want_offset || want_mask) {
-        launchers.offset_mask_grad(g, window, images, grad_columns, input_block, sampling,
-                                   grad_offset_block, grad_mask_block);
-      }
-    }
-    if (want_input && !grad_input_in_place) {
-      copy_from_channels_last(launchers, grad_input_block, grad_input.narrow(0, first, images));
+    if (want.input && !block.grad_input_in_place) {
+      copy_from_channels_last(launchers, block.grad_input,
+                              grad_input.narrow(0, block.first, block.images));
     }
   }
-  if (want_weight) {
-    grad_weight.copy_(grad_weight_rows.view({g.out_channels, g.kernel_h, g.kernel_w,
-                                             rows_per_group / g.taps()})
+  if (want.weight) {
+    grad_weight.copy_(scratch.grad_weight_rows
+                          .view({g.out_channels, g.kernel_h, g.kernel_w,
+                                 g.in_channels / g.groups})
                           .permute({0, 3, 1, 2}));
   }
   return {grad_input, grad_offset, grad_weight, grad_mask, grad_bias};
