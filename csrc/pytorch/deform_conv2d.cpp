@@ -141,8 +141,8 @@ WindowSampling window_sampling(const DeformConv2dLaunchers& launchers,
 // `window` pixels and K * C_in channels, (images, window, K * C_in). The forward GEMM is then a
 // 1x1 convolution of that image with the weight as (C_out, K * C_in, 1, 1), and the columns
 // gradient is that convolution's input gradient. On the CPU in float32, ATen runs them on
-// oneDNN's convolution kernels, which match dense convolution's speed on every x86 ISA, where
-// ATen's bmm runs on MKL's sgemm, about half as fast on AMD CPUs. Elsewhere (float64, half
+// oneDNN's convolution kernels, the ones dense convolution runs on, where ATen's bmm runs on
+// MKL's sgemm, which is tuned for Intel's CPUs rather than AMD's. Elsewhere (float64, half
 // precision, conv groups, launchers without onednn_gemms such as CUDA's, no oneDNN), the
 // driver multiplies with bmm.
 bool gemms_as_convolutions(const DeformConv2dLaunchers& launchers, const DeformConv2dGeometry& g,
