@@ -126,13 +126,13 @@ C10_HOST_DEVICE inline SamplingPlan<opmath_t> plan_at(opmath_t y, opmath_t x, op
   return plan;
 }
 
-// m * bilinear(image, (y, x)) of one channel (in DCN v2, one columns entry), `channel` as in
-// the comment at the top. Every corner is read, outside ones at
-// index 0, and a zero weight is selected away rather than multiplied, so that an infinite
-// input value at a corner that takes no part cannot turn the sample into NaN. Without branches
-// a CPU loop over consecutive channels vectorises.
+// m * bilinear(image, (y, x)) of one channel, `channel` as in the comment at the top, in the
+// accumulation type (at::opmath_type). Every corner is read, outside ones at index 0, and a
+// zero weight is selected away rather than multiplied, so that an infinite input value at a
+// corner that takes no part cannot turn the sample into NaN. Without branches a CPU loop over
+// consecutive channels vectorises.
 template <typename scalar_t>
-C10_HOST_DEVICE inline scalar_t sample_with_plan(
+C10_HOST_DEVICE inline at::opmath_type<scalar_t> sample_value_with_plan(
     const SamplingPlan<at::opmath_type<scalar_t>>& plan, const scalar_t* channel,
     int64_t channel_stride) {
   using opmath_t = at::opmath_type<scalar_t>;
@@ -141,7 +141,15 @@ C10_HOST_DEVICE inline scalar_t sample_with_plan(
     const opmath_t read = static_cast<opmath_t>(channel[plan.index[corner] * channel_stride]);
     value += plan.weight[corner] != opmath_t(0) ? plan.weight[corner] * read : opmath_t(0);
   }
-  return static_cast<scalar_t>(value);
+  return value;
+}
+
+// The same, in the tensor's type: one columns entry of DCN v2.
+template <typename scalar_t>
+C10_HOST_DEVICE inline scalar_t sample_with_plan(
+    const SamplingPlan<at::opmath_type<scalar_t>>& plan, const scalar_t* channel,
+    int64_t channel_stride) {
+  return static_cast<scalar_t>(sample_value_with_plan(plan, channel, channel_stride));
 }
 
 // Adds into a gradient buffer. On the GPU several threads hit the same image pixel, so the add

@@ -12,7 +12,6 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <atomic>
 #include <vector>
 
 #if defined(__linux__)
@@ -21,54 +20,10 @@
 
 #include "../common/deform_conv2d_kernel.cuh"
 #include "../pytorch/deform_conv2d.h"
-
-// x86-64 builds with GCC carry an AVX-512, an AVX2 and a baseline copy of each stage; the
-// dynamic loader picks the best one for the CPU at hand, so a wheel built on one machine
-// stays correct on another. Elsewhere the compiler's default target is used.
-#if defined(__x86_64__) && defined(__ELF__) && defined(__GNUC__) && !defined(__clang__) && \
-    !defined(__SANITIZE_ADDRESS__)
-#define DEFORMCONV_VECTOR_CLONES \
-  __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#else
-#define DEFORMCONV_VECTOR_CLONES
-#endif
-
-// A helper of a cloned stage runs with the stage's instruction set only if it is inlined into
-// it, which the compiler's heuristics alone do not promise.
-#if defined(__GNUC__)
-#define DEFORMCONV_INLINE inline __attribute__((always_inline))
-#define DEFORMCONV_NOINLINE __attribute__((noinline))
-#else
-#define DEFORMCONV_INLINE inline
-#define DEFORMCONV_NOINLINE
-#endif
+#include "cpu_loops.h"
 
 namespace deformconv {
 namespace {
-
-// Runs run(begin, end) over the tasks [0, tasks) in parallel. The stages below cut their work
-// into tasks that each write outputs of their own, mostly far more tasks than threads, and the
-// threads take them in turn from a shared counter, a chunk at a time, rather than a fixed share
-// each as at::parallel_for hands out: when another process takes part of a core, the thread on
-// it runs fewer tasks instead of keeping the others waiting at the end of every stage. Which
-// thread runs a task does not change its result.
-template <typename Function>
-void parallel_tasks(int64_t tasks, const Function& run) {
-  const int64_t threads = at::get_num_threads();
-  if (threads == 1 || tasks <= 1 || at::in_parallel_region()) {
-    run(int64_t(0), tasks);
-    return;
-  }
-  // About a sixteenth of a thread's share: small enough to rebalance, large enough that the
-  // counter is seldom contended.
-  const int64_t chunk = std::max<int64_t>(1, tasks / (16 * threads));
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-    for (int64_t begin = next.fetch_add(chunk); begin < tasks; begin = next.fetch_add(chunk)) {
-      run(begin, std::min(tasks, begin + chunk));
-    }
-  });
-}
 
 // About this many samples per task when plans are made or offset gradients summed: enough
 // work to amortise a task, and tasks enough to balance the threads.
@@ -193,43 +148,6 @@ const SamplingPlan<opmath_t>* plans_of_pixel(const DeformConv2dGeometry& g,
   return plans + (n * window.pixels + window_pixel) * g.offset_groups * g.taps();
 }
 
-// Kept out of line: inlined, its vectorised form would set up per-corner lane masks for every
-// sample, even for those that never come here.
-template <typename scalar_t>
-DEFORMCONV_NOINLINE void sample_channels_one_by_one(
-    const SamplingPlan<at::opmath_type<scalar_t>>& plan, const scalar_t* channel,
-    int64_t channel_stride, int64_t count, scalar_t* out) {
-  for (int64_t c = 0; c < count; ++c) {
-    out[c] = sample_with_plan(plan, channel + c, channel_stride);
-  }
-}
-
-// sample_with_plan over `count` consecutive channels. When all four corners carry weight, as
-// nearly every sample does, the channels are a plain weighted sum of four rows, which the
-// compiler vectorises without masks; otherwise they go one by one through the shared function,
-// which skips the corners without weight (so that an infinite input there cannot make NaN).
-template <typename scalar_t>
-DEFORMCONV_INLINE void sample_channels(const SamplingPlan<at::opmath_type<scalar_t>>& plan,
-                                       const scalar_t* channel, int64_t channel_stride,
-                                       int64_t count, scalar_t* __restrict out) {
-  using opmath_t = at::opmath_type<scalar_t>;
-  const opmath_t* w = plan.weight;
-  if (w[0] != opmath_t(0) && w[1] != opmath_t(0) && w[2] != opmath_t(0) && w[3] != opmath_t(0)) {
-    const scalar_t* __restrict row_0 = channel + plan.index[0] * channel_stride;
-    const scalar_t* __restrict row_1 = channel + plan.index[1] * channel_stride;
-    const scalar_t* __restrict row_2 = channel + plan.index[2] * channel_stride;
-    const scalar_t* __restrict row_3 = channel + plan.index[3] * channel_stride;
-    for (int64_t c = 0; c < count; ++c) {
-      out[c] = static_cast<scalar_t>(w[0] * static_cast<opmath_t>(row_0[c]) +
-                                     w[1] * static_cast<opmath_t>(row_1[c]) +
-                                     w[2] * static_cast<opmath_t>(row_2[c]) +
-                                     w[3] * static_cast<opmath_t>(row_3[c]));
-    }
-    return;
-  }
-  sample_channels_one_by_one(plan, channel, channel_stride, count, out);
-}
-
 template <typename scalar_t>
 struct Im2colTask {
   const DeformConv2dGeometry& g;
@@ -263,7 +181,7 @@ DEFORMCONV_VECTOR_CLONES void im2col_tasks(const Im2colTask<scalar_t>& t, int64_
               : make_sampling_plan(g, s, t.offset, t.mask);
           const int64_t entries = columns_at(g, t.window, n, pixel, tap);
           for (const ChannelRun& run : t.runs[group]) {
-            sample_channels(plan, channel_of(g, t.input, n, run.first), g.in_channels, run.count,
+            sample_channels<false>(plan, channel_of(g, t.input, n, run.first), g.in_channels, run.count,
                             t.columns + run.column_offset + entries);
           }
         }
@@ -376,99 +294,18 @@ struct OffsetMaskGradTask {
   PixelStretches stretches;
 };
 
-// kLanes values of opmath_t in one GCC/Clang vector (lowered to what the target has: one
-// AVX-512 register of floats, two AVX2 ones, ...). Arithmetic on it is lane by lane, so the
-// offset/mask gradient sums run kLanes channels at a time through the shared
-// add_offset_mask_grad_terms; reductions are written with explicit lanes because the compiler
-// may not reorder floating-point sums by itself.
-constexpr int64_t kLanes = 16;
-template <typename opmath_t>
-struct LanesOf;
-template <>
-struct LanesOf<float> {
-  typedef float type __attribute__((vector_size(kLanes * sizeof(float))));
-};
-template <>
-struct LanesOf<double> {
-  typedef double type __attribute__((vector_size(kLanes * sizeof(double))));
-};
-
-// kLanes consecutive values from `data` (of any dtype) as opmath_t lanes. (An out-parameter:
-// returning a vector by value would give these inline helpers an ABI that differs per clone.)
-template <typename opmath_t, typename scalar_t>
-DEFORMCONV_INLINE void load_lanes(const scalar_t* data, typename LanesOf<opmath_t>::type& lanes) {
-  for (int64_t lane = 0; lane < kLanes; ++lane) {
-    lanes[lane] = static_cast<opmath_t>(data[lane]);
-  }
-}
-
-// Adds the upper half of partial[0, width) onto its lower half, and so on down to partial[0]:
-// the sum of the lanes in log2(kLanes) dependent steps rather than kLanes, in an order fixed
-// by the code, not by the machine. Recursion on a constant width, so that every loop unrolls
-// and the partial sums stay in registers.
-template <int64_t width, typename opmath_t>
-DEFORMCONV_INLINE opmath_t sum_halves(opmath_t* partial) {
-  if constexpr (width == 1) {
-    return partial[0];
-  } else {
-    for (int64_t lane = 0; lane < width / 2; ++lane) {
-      partial[lane] += partial[lane + width / 2];
-    }
-    return sum_halves<width / 2>(partial);
-  }
-}
-
-template <typename opmath_t>
-DEFORMCONV_INLINE opmath_t sum_of_lanes(const typename LanesOf<opmath_t>::type& lanes) {
-  opmath_t partial[kLanes];
-  for (int64_t lane = 0; lane < kLanes; ++lane) {
-    partial[lane] = lanes[lane];
-  }
-  return sum_halves<kLanes>(partial);
-}
-
-// One sample's sums over the channels of its deform group: kLanes channels at a time in
-// vector lanes, the rest one by one; the lanes are added up in a fixed order, so the result
-// does not depend on the machine.
+// One sample's sums over the channels of its deform group, run by run.
 template <typename scalar_t>
 DEFORMCONV_INLINE OffsetMaskGradSums<at::opmath_type<scalar_t>> offset_mask_grad_of_sample(
     const DeformConv2dGeometry& g, int64_t n, int64_t entries,
     const std::vector<ChannelRun>& runs, const OffsetMaskGrad<at::opmath_type<scalar_t>>& acc,
     const scalar_t* grad_columns, const scalar_t* input) {
-  using opmath_t = at::opmath_type<scalar_t>;
-  using Lanes = typename LanesOf<opmath_t>::type;
-  bool inside[4];
-  corners_inside(acc.cell, inside);
-  Lanes sum_y = {}, sum_x = {}, sum_m = {};
-  OffsetMaskGradSums<opmath_t> rest;
+  LaneSums<at::opmath_type<scalar_t>> sums;
   for (const ChannelRun& run : runs) {
-    const scalar_t* grad = grad_columns + run.column_offset + entries;
-    const scalar_t* in = channel_of(g, input, n, run.first);
-    const scalar_t* corner_0 = in + acc.index[0] * g.in_channels;
-    const scalar_t* corner_1 = in + acc.index[1] * g.in_channels;
-    const scalar_t* corner_2 = in + acc.index[2] * g.in_channels;
-    const scalar_t* corner_3 = in + acc.index[3] * g.in_channels;
-    int64_t c = 0;
-    for (; c + kLanes <= run.count; c += kLanes) {
-      // Corners outside read index 0 (a valid address) and are then replaced by 0.
-      Lanes grad_lanes, v00, v01, v10, v11;
-      load_lanes<opmath_t>(grad + c, grad_lanes);
-      load_lanes<opmath_t>(corner_0 + c, v00);
-      load_lanes<opmath_t>(corner_1 + c, v01);
-      load_lanes<opmath_t>(corner_2 + c, v10);
-      load_lanes<opmath_t>(corner_3 + c, v11);
-      add_offset_mask_grad_terms(acc.cell, grad_lanes, inside[0] ? v00 : Lanes{},
-                                 inside[1] ? v01 : Lanes{}, inside[2] ? v10 : Lanes{},
-                                 inside[3] ? v11 : Lanes{}, sum_y, sum_x, sum_m);
-    }
-    for (; c < run.count; ++c) {
-      accumulate_offset_mask_grad(acc, grad[c], in + c, g.in_channels, rest);
-    }
+    add_channels_to_sums(acc, grad_columns + run.column_offset + entries,
+                         channel_of(g, input, n, run.first), g.in_channels, run.count, sums);
   }
-  rest.y += sum_of_lanes<opmath_t>(sum_y);
-  rest.x += sum_of_lanes<opmath_t>(sum_x);
-  rest.m += sum_of_lanes<opmath_t>(sum_m);
-  return rest;
+  return sums.total();
 }
 
 // Tasks [begin, end) of the offset and mask gradients, task = (image, stretch of window

@@ -23,15 +23,6 @@
 namespace deformconv {
 namespace {
 
-constexpr int kWarpSize = 32;
-constexpr int kThreadsPerBlock = 256;  // a multiple of the warp
-// The grid-stride loops cover any remainder, so the grid need not grow past this.
-constexpr int64_t kMaxBlocks = 65536;
-
-int64_t blocks_for(int64_t total) {
-  return std::min<int64_t>(kMaxBlocks, (total + kThreadsPerBlock - 1) / kThreadsPerBlock);
-}
-
 // The largest dividend that the 32-bit divisions take. The emulated tests lower it to run the
 // 64-bit build as well.
 #ifndef DEFORMCONV_NARROW_INDEX_LIMIT
@@ -51,10 +42,6 @@ void with_index_divisors(const DeformConv2dGeometry& g, const PixelWindow& windo
     launch(IndexDivisors<int64_t>(g, window));
   }
 }
-
-#define DEFORMCONV_GRID_STRIDE_LOOP(index, total)                                          \
-  for (int64_t index = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;        \
-       index < (total); index += static_cast<int64_t>(blockDim.x) * gridDim.x)
 
 // One thread per columns entry: neighbouring threads take neighbouring channels of one sample,
 // so their input reads and columns writes coalesce. Each remakes the sample's plan, which costs

@@ -1,0 +1,212 @@
+#pragma once
+
+// The CPU launchers' common loops: parallel tasks, channels sampled or summed with a plan
+// vectorised, and the instruction-set clones they are compiled in.
+
+#include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+
+#include "../common/bilinear_sampling.cuh"
+
+// x86-64 builds with GCC carry an AVX-512, an AVX2 and a baseline copy of each stage; the
+// dynamic loader picks the best one for the CPU at hand, so a wheel built on one machine
+// stays correct on another. Elsewhere the compiler's default target is used.
+#if defined(__x86_64__) && defined(__ELF__) && defined(__GNUC__) && !defined(__clang__) && \
+    !defined(__SANITIZE_ADDRESS__)
+#define DEFORMCONV_VECTOR_CLONES \
+  __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define DEFORMCONV_VECTOR_CLONES
+#endif
+
+// A helper of a cloned stage runs with the stage's instruction set only if it is inlined into
+// it, which the compiler's heuristics alone do not promise.
+#if defined(__GNUC__)
+#define DEFORMCONV_INLINE inline __attribute__((always_inline))
+#define DEFORMCONV_NOINLINE __attribute__((noinline))
+#else
+#define DEFORMCONV_INLINE inline
+#define DEFORMCONV_NOINLINE
+#endif
+
+namespace deformconv {
+
+// Runs run(begin, end) over the tasks [0, tasks) in parallel. The stages below cut their work
+// into tasks that each write outputs of their own, mostly far more tasks than threads, and the
+// threads take them in turn from a shared counter, a chunk at a time, rather than a fixed share
+// each as at::parallel_for hands out: when another process takes part of a core, the thread on
+// it runs fewer tasks instead of keeping the others waiting at the end of every stage. Which
+// thread runs a task does not change its result.
+template <typename Function>
+void parallel_tasks(int64_t tasks, const Function& run) {
+  const int64_t threads = at::get_num_threads();
+  if (threads == 1 || tasks <= 1 || at::in_parallel_region()) {
+    run(int64_t(0), tasks);
+    return;
+  }
+  // About a sixteenth of a thread's share: small enough to rebalance, large enough that the
+  // counter is seldom contended.
+  const int64_t chunk = std::max<int64_t>(1, tasks / (16 * threads));
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    for (int64_t begin = next.fetch_add(chunk); begin < tasks; begin = next.fetch_add(chunk)) {
+      run(begin, std::min(tasks, begin + chunk));
+    }
+  });
+}
+
+// out = value, or out += value, in out's type.
+template <bool accumulate, typename out_t, typename opmath_t>
+DEFORMCONV_INLINE void store_sample(out_t& out, opmath_t value) {
+  if constexpr (accumulate) {
+    out += static_cast<out_t>(value);
+  } else {
+    out = static_cast<out_t>(value);
+  }
+}
+
+// Kept out of line: inlined, its vectorised form would set up per-corner lane masks for every
+// sample, even for those that never come here.
+template <bool accumulate, typename scalar_t, typename out_t>
+DEFORMCONV_NOINLINE void sample_channels_one_by_one(
+    const SamplingPlan<at::opmath_type<scalar_t>>& plan, const scalar_t* channel,
+    int64_t channel_stride, int64_t count, out_t* out) {
+  for (int64_t c = 0; c < count; ++c) {
+    store_sample<accumulate>(out[c], sample_value_with_plan(plan, channel + c, channel_stride));
+  }
+}
+
+// sample_value_with_plan over `count` consecutive channels, stored into out[c] (an output
+// entry) or, with `accumulate`, added to it (a running sum in the accumulation type). When all
+// four corners carry weight, as nearly every sample does, the channels are a plain weighted
+// sum of four rows, which the compiler vectorises without masks; otherwise they go one by one
+// through the shared function, which skips the corners without weight (so that an infinite
+// input there cannot make NaN).
+template <bool accumulate, typename scalar_t, typename out_t>
+DEFORMCONV_INLINE void sample_channels(const SamplingPlan<at::opmath_type<scalar_t>>& plan,
+                                       const scalar_t* channel, int64_t channel_stride,
+                                       int64_t count, out_t* __restrict out) {
+  using opmath_t = at::opmath_type<scalar_t>;
+  const opmath_t* w = plan.weight;
+  if (w[0] != opmath_t(0) && w[1] != opmath_t(0) && w[2] != opmath_t(0) && w[3] != opmath_t(0)) {
+    const scalar_t* __restrict row_0 = channel + plan.index[0] * channel_stride;
+    const scalar_t* __restrict row_1 = channel + plan.index[1] * channel_stride;
+    const scalar_t* __restrict row_2 = channel + plan.index[2] * channel_stride;
+    const scalar_t* __restrict row_3 = channel + plan.index[3] * channel_stride;
+    for (int64_t c = 0; c < count; ++c) {
+      store_sample<accumulate>(out[c], w[0] * static_cast<opmath_t>(row_0[c]) +
+                                           w[1] * static_cast<opmath_t>(row_1[c]) +
+                                           w[2] * static_cast<opmath_t>(row_2[c]) +
+                                           w[3] * static_cast<opmath_t>(row_3[c]));
+    }
+    return;
+  }
+  sample_channels_one_by_one<accumulate>(plan, channel, channel_stride, count, out);
+}
+
+// kLanes values of opmath_t in one GCC/Clang vector (lowered to what the target has: one
+// AVX-512 register of floats, two AVX2 ones, ...). Arithmetic on it is lane by lane, so the
+// offset/mask gradient sums run kLanes channels at a time through the shared
+// add_offset_mask_grad_terms; reductions are written with explicit lanes because the compiler
+// may not reorder floating-point sums by itself.
+inline constexpr int64_t kLanes = 16;
+template <typename opmath_t>
+struct LanesOf;
+template <>
+struct LanesOf<float> {
+  typedef float type __attribute__((vector_size(kLanes * sizeof(float))));
+};
+template <>
+struct LanesOf<double> {
+  typedef double type __attribute__((vector_size(kLanes * sizeof(double))));
+};
+
+// kLanes consecutive values from `data` (of any dtype) as opmath_t lanes. (An out-parameter:
+// returning a vector by value would give these inline helpers an ABI that differs per clone.)
+template <typename opmath_t, typename scalar_t>
+DEFORMCONV_INLINE void load_lanes(const scalar_t* data, typename LanesOf<opmath_t>::type& lanes) {
+  for (int64_t lane = 0; lane < kLanes; ++lane) {
+    lanes[lane] = static_cast<opmath_t>(data[lane]);
+  }
+}
+
+// Adds the upper half of partial[0, width) onto its lower half, and so on down to partial[0]:
+// the sum of the lanes in log2(kLanes) dependent steps rather than kLanes, in an order fixed
+// by the code, not by the machine. Recursion on a constant width, so that every loop unrolls
+// and the partial sums stay in registers.
+template <int64_t width, typename opmath_t>
+DEFORMCONV_INLINE opmath_t sum_halves(opmath_t* partial) {
+  if constexpr (width == 1) {
+    return partial[0];
+  } else {
+    for (int64_t lane = 0; lane < width / 2; ++lane) {
+      partial[lane] += partial[lane + width / 2];
+    }
+    return sum_halves<width / 2>(partial);
+  }
+}
+
+template <typename opmath_t>
+DEFORMCONV_INLINE opmath_t sum_of_lanes(const typename LanesOf<opmath_t>::type& lanes) {
+  opmath_t partial[kLanes];
+  for (int64_t lane = 0; lane < kLanes; ++lane) {
+    partial[lane] = lanes[lane];
+  }
+  return sum_halves<kLanes>(partial);
+}
+
+// The offset and mask gradient sums of one sample (bilinear_sampling.cuh), kLanes channels at
+// a time in vector lanes and the rest one by one; `total` adds the lanes up in a fixed order,
+// so the result does not depend on the machine.
+template <typename opmath_t>
+struct LaneSums {
+  typename LanesOf<opmath_t>::type y = {}, x = {}, m = {};
+  OffsetMaskGradSums<opmath_t> rest;
+
+  OffsetMaskGradSums<opmath_t> total() const {
+    OffsetMaskGradSums<opmath_t> sums = rest;
+    sums.y += sum_of_lanes<opmath_t>(y);
+    sums.x += sum_of_lanes<opmath_t>(x);
+    sums.m += sum_of_lanes<opmath_t>(m);
+    return sums;
+  }
+};
+
+// Adds `count` consecutive channels of a sample located by `acc`: their sampled values'
+// gradients at grad[c], their image values from `channel` on (as in sample_with_plan).
+template <typename scalar_t>
+DEFORMCONV_INLINE void add_channels_to_sums(const OffsetMaskGrad<at::opmath_type<scalar_t>>& acc,
+                                            const scalar_t* grad, const scalar_t* channel,
+                                            int64_t channel_stride, int64_t count,
+                                            LaneSums<at::opmath_type<scalar_t>>& sums) {
+  using opmath_t = at::opmath_type<scalar_t>;
+  using Lanes = typename LanesOf<opmath_t>::type;
+  bool inside[4];
+  corners_inside(acc.cell, inside);
+  const scalar_t* corner_0 = channel + acc.index[0] * channel_stride;
+  const scalar_t* corner_1 = channel + acc.index[1] * channel_stride;
+  const scalar_t* corner_2 = channel + acc.index[2] * channel_stride;
+  const scalar_t* corner_3 = channel + acc.index[3] * channel_stride;
+  int64_t c = 0;
+  for (; c + kLanes <= count; c += kLanes) {
+    // Corners outside read index 0 (a valid address) and are then replaced by 0.
+    Lanes grad_lanes, v00, v01, v10, v11;
+    load_lanes<opmath_t>(grad + c, grad_lanes);
+    load_lanes<opmath_t>(corner_0 + c, v00);
+    load_lanes<opmath_t>(corner_1 + c, v01);
+    load_lanes<opmath_t>(corner_2 + c, v10);
+    load_lanes<opmath_t>(corner_3 + c, v11);
+    add_offset_mask_grad_terms(acc.cell, grad_lanes, inside[0] ? v00 : Lanes{},
+                               inside[1] ? v01 : Lanes{}, inside[2] ? v10 : Lanes{},
+                               inside[3] ? v11 : Lanes{}, sums.y, sums.x, sums.m);
+  }
+  for (; c < count; ++c) {
+    accumulate_offset_mask_grad(acc, grad[c], channel + c, channel_stride, sums.rest);
+  }
+}
+
+}  // namespace deformconv
