@@ -11,4 +11,7 @@ TORCH_LIBRARY(deformconv, m) {
   m.def(deformconv::schemas::kDeformConv2d);
   m.def(deformconv::schemas::kDeformConv2dBackward);
   m.def(deformconv::schemas::kCheckArguments);
+  m.def(deformconv::schemas::kDcnv3);
+  m.def(deformconv::schemas::kDcnv3Backward);
+  m.def(deformconv::schemas::kCheckDcnv3Arguments);
 }

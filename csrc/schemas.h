@@ -29,4 +29,28 @@ inline constexpr const char* kCheckArguments =
     "Tensor? mask, Tensor? bias, SymInt[2] stride, SymInt[2] padding, SymInt[2] dilation, "
     "int groups, int offset_groups, int im2col_step) -> int[]";
 
+// DCNv3 (InternImage), arguments in the original DCNv3Function's order; channels-last shapes:
+// input (N, H, W, group * group_channels); offset (N, H_out, W_out, group * P * 2), x before y
+// for each point; mask (N, H_out, W_out, group * P), P = kernel_h * kernel_w - remove_center.
+// im2col_step is accepted for the originals' signature and changes nothing.
+inline constexpr const char* kDcnv3 =
+    "dcnv3(Tensor input, Tensor offset, Tensor mask, int kernel_h, int kernel_w, int stride_h, "
+    "int stride_w, int pad_h, int pad_w, int dilation_h, int dilation_w, int group, "
+    "int group_channels, float offset_scale, int im2col_step, bool remove_center) -> Tensor";
+
+// Gradients of (input, offset, mask); output_mask selects which are computed.
+inline constexpr const char* kDcnv3Backward =
+    "dcnv3_backward(Tensor grad_output, Tensor input, Tensor offset, Tensor mask, int kernel_h, "
+    "int kernel_w, int stride_h, int stride_w, int pad_h, int pad_w, int dilation_h, "
+    "int dilation_w, int group, int group_channels, float offset_scale, int im2col_step, "
+    "bool remove_center, bool[3] output_mask) -> (Tensor, Tensor, Tensor)";
+
+// The checks of dcnv3 (grad_output absent) or dcnv3_backward (present), reading no tensor
+// data; returns the output shape. For the fake kernels.
+inline constexpr const char* kCheckDcnv3Arguments =
+    "_check_dcnv3_arguments(Tensor? grad_output, Tensor input, Tensor offset, Tensor mask, "
+    "int kernel_h, int kernel_w, int stride_h, int stride_w, int pad_h, int pad_w, "
+    "int dilation_h, int dilation_w, int group, int group_channels, float offset_scale, "
+    "int im2col_step, bool remove_center) -> int[]";
+
 }  // namespace deformconv::schemas

@@ -151,3 +151,96 @@ def _deform_conv2d_backward_fake(grad_output, input, offset, weight, mask, strid
         if want_mask and mask is not None else None,
         weight.new_empty((weight.shape[0],)) if want_bias else None,
     )
+
+
+def dcnv3(
+    input: Tensor,
+    offset: Tensor,
+    mask: Tensor,
+    kernel_h: int,
+    kernel_w: int,
+    stride_h: int,
+    stride_w: int,
+    pad_h: int,
+    pad_w: int,
+    dilation_h: int,
+    dilation_w: int,
+    group: int,
+    group_channels: int,
+    offset_scale: float,
+    im2col_step: int = 0,
+    remove_center: bool = False,
+) -> Tensor:
+    r"""DCNv3, the core op of InternImage, in the original ``DCNv3Function.apply``'s argument
+    order. Channels-last, with no weights: for output pixel (n, ho, wo) and channel c of group g,
+
+    .. math::
+        out_{n,ho,wo,gD+c} = \sum_{p < P} mask_{n,ho,wo,gP+p}\,
+                             \mathrm{bilinear}(input_{n,:,:,gD+c},\; y_p, x_p)
+
+    where point p = i * kernel_h + j runs column by column over the kernel (the centre left
+    out with ``remove_center``) and samples at
+    x_p = wo s_w - p_w + c_w + (i d_w - c_w + dx_p) * offset_scale, c_w = d_w (k_w - 1) // 2,
+    and likewise y_p: offset_scale scales the dilated grid about its centre and the offsets.
+
+    Args:
+        input: (N, H, W, group * group_channels).
+        offset: (N, H_out, W_out, group * P * 2); channel 2 (g P + p) is the x displacement
+            of point p of group g, the next one its y displacement.
+        mask: (N, H_out, W_out, group * P), used as given (the DCNv3 module applies a softmax
+            over each group's P values before calling the op).
+        im2col_step: accepted for the originals' signature; any batch size works, and the
+            result and the memory used do not depend on it.
+        remove_center: drop the kernel's centre point, P = kernel_h * kernel_w - 1.
+
+    Returns:
+        (N, H_out, W_out, group * group_channels), H_out as for a convolution.
+    """
+    return torch.ops.deformconv.dcnv3(
+        input, offset, mask, kernel_h, kernel_w, stride_h, stride_w, pad_h, pad_w, dilation_h,
+        dilation_w, group, group_channels, float(offset_scale), im2col_step, bool(remove_center))
+
+
+def _check_dcnv3_arguments(grad_output, input, offset, mask, *rest) -> List[int]:
+    """dcnv3's own argument checks on meta copies, as _check_arguments does for
+    deform_conv2d."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily():
+        return torch.ops.deformconv._check_dcnv3_arguments(
+            *[_on_meta(t) for t in (grad_output, input, offset, mask)], *rest)
+
+
+@torch.library.register_fake("deformconv::dcnv3")
+def _dcnv3_fake(input, offset, mask, kernel_h, kernel_w, stride_h, stride_w, pad_h, pad_w,
+                dilation_h, dilation_w, group, group_channels, offset_scale, im2col_step,
+                remove_center):
+    _check_devices("dcnv3", input, offset=offset, mask=mask)
+    scalars = (kernel_h, kernel_w, stride_h, stride_w, pad_h, pad_w, dilation_h, dilation_w,
+               group, group_channels, offset_scale, im2col_step, remove_center)
+    if all(_has_static_shape(t) for t in (input, offset, mask)):
+        shape = _check_dcnv3_arguments(None, input, offset, mask, *scalars)
+    else:
+        shape = (input.shape[0],
+                 _output_size(input.shape[1], kernel_h, stride_h, pad_h, dilation_h),
+                 _output_size(input.shape[2], kernel_w, stride_w, pad_w, dilation_w),
+                 input.shape[3])
+    return input.new_empty(shape)
+
+
+@torch.library.register_fake("deformconv::dcnv3_backward")
+def _dcnv3_backward_fake(grad_output, input, offset, mask, kernel_h, kernel_w, stride_h,
+                         stride_w, pad_h, pad_w, dilation_h, dilation_w, group, group_channels,
+                         offset_scale, im2col_step, remove_center, output_mask):
+    _check_devices("dcnv3_backward", input, grad_output=grad_output, offset=offset, mask=mask)
+    if all(_has_static_shape(t) for t in (grad_output, input, offset, mask)):
+        _check_dcnv3_arguments(grad_output, input, offset, mask, kernel_h, kernel_w, stride_h,
+                               stride_w, pad_h, pad_w, dilation_h, dilation_w, group,
+                               group_channels, offset_scale, im2col_step, remove_center)
+    contiguous = torch.contiguous_format
+    want_input, want_offset, want_mask = output_mask
+    return (
+        torch.empty_like(input, memory_format=contiguous) if want_input else None,
+        torch.empty_like(offset, memory_format=contiguous) if want_offset else None,
+        torch.empty_like(mask, memory_format=contiguous) if want_mask else None,
+    )

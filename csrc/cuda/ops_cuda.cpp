@@ -6,6 +6,7 @@
 #include <c10/cuda/CUDAGuard.h>
 
 #include "../pytorch/deform_conv2d.h"
+#include "dcnv3_cuda.h"
 #include "deform_conv2d_cuda.h"
 
 namespace deformconv {
@@ -38,6 +39,28 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> deform_co
   return deform_conv2d_backward(launchers, grad_output, input, offset, weight, mask, stride,
                                 padding, dilation, groups, offset_groups, im2col_step,
                                 output_mask);
+}
+
+at::Tensor dcnv3_cuda(const Dcnv3Launchers& launchers, const at::Tensor& input,
+                      const at::Tensor& offset, const at::Tensor& mask,
+                      const Dcnv3Arguments& args) {
+  // Checked before the guard, as for deform_conv2d.
+  check_dcnv3_arguments(std::nullopt, input, offset, mask, args);
+  const c10::cuda::CUDAGuard device_guard(input.device());
+  return dcnv3_forward(launchers, input, offset, mask, args);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> dcnv3_backward_cuda(
+    const Dcnv3Launchers& launchers, const at::Tensor& grad_output, const at::Tensor& input,
+    const at::Tensor& offset, const at::Tensor& mask, const Dcnv3Arguments& args,
+    std::array<bool, 3> output_mask) {
+  check_dcnv3_arguments(grad_output, input, offset, mask, args);
+  if (output_mask[0]) {
+    // The input gradient is a scatter with atomic adds, whose order varies from run to run.
+    at::globalContext().alertNotDeterministic("dcnv3_backward_cuda (input gradient)");
+  }
+  const c10::cuda::CUDAGuard device_guard(input.device());
+  return dcnv3_backward(launchers, grad_output, input, offset, mask, args, output_mask);
 }
 
 }  // namespace deformconv

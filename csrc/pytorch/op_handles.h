@@ -38,4 +38,27 @@ deform_conv2d_backward_op() {
   return op;
 }
 
+using Dcnv3Signature = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                  int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
+                                  int64_t, int64_t, int64_t, double, int64_t, bool);
+
+using Dcnv3BackwardSignature = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
+    const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t,
+    int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, double,
+    int64_t, bool, std::array<bool, 3>);
+
+inline const c10::TypedOperatorHandle<Dcnv3Signature>& dcnv3_op() {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("deformconv::dcnv3", "")
+                             .typed<Dcnv3Signature>();
+  return op;
+}
+
+inline const c10::TypedOperatorHandle<Dcnv3BackwardSignature>& dcnv3_backward_op() {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("deformconv::dcnv3_backward", "")
+                             .typed<Dcnv3BackwardSignature>();
+  return op;
+}
+
 }  // namespace deformconv

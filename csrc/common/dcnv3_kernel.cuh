@@ -1,0 +1,168 @@
+#pragma once
+
+// The indexing and sampling positions of DCNv3 (InternImage's core op), one element at a time;
+// the bilinear arithmetic is bilinear_sampling.cuh's. C10_HOST_DEVICE throughout, so that the
+// CPU launchers and the CUDA kernels run the same arithmetic. The conventions are those of
+// ../shared/DCN_V3_V4.md (the specification), which surprise in several places:
+//   - everything is channels-last: input (N, H, W, G * D), output (N, Ho, Wo, G * D);
+//   - a point's offset is an (x, y) pair, x first;
+//   - the points of the kernel are numbered column by column, p = i * kh + j with i along x
+//     and j along y, the centre one left out with remove_center;
+//   - offset_scale scales the kernel's footprint about its centre as well as the offsets;
+//   - the op has no weights: each channel is the mask-weighted sum of its group's samples.
+// The offsets and the mask are read through strides (Dcnv3Fields), so that DCNv4's packed
+// offset_mask tensor is read in place.
+
+#include <ATen/OpMathType.h>
+#include <c10/macros/Macros.h>
+
+#include <cstdint>
+
+#include "bilinear_sampling.cuh"
+
+namespace deformconv {
+
+struct Dcnv3Geometry {
+  int64_t height, width;          // of the input
+  int64_t out_height, out_width;  // Ho, Wo
+  int64_t groups;                 // G: groups of channels with their own offsets and mask
+  int64_t group_channels;         // D
+  int64_t kernel_h, kernel_w;
+  int64_t stride_h, stride_w;
+  int64_t pad_h, pad_w;
+  int64_t dilation_h, dilation_w;
+  bool remove_center;
+  double offset_scale;
+
+  C10_HOST_DEVICE int64_t channels() const { return groups * group_channels; }
+  C10_HOST_DEVICE int64_t points() const { return kernel_h * kernel_w - (remove_center ? 1 : 0); }
+  C10_HOST_DEVICE int64_t in_pixels() const { return height * width; }
+  C10_HOST_DEVICE int64_t out_pixels() const { return out_height * out_width; }
+};
+
+// Where the offsets and the mask of sample (image pixel, group, point) are, in elements:
+// pixel * pixel_stride + group * group_stride + (2 * point + 0 for x, 1 for y) for the offsets,
+// pixel * pixel_stride + group * group_stride + point for the mask. DCNv3's separate tensors
+// have offset strides (2 G P, 2 P) and mask strides (G P, P); DCNv4's packed tensor has
+// (C_pad, 3 P) for both, its mask starting 2 P channels in.
+struct Dcnv3Fields {
+  int64_t offset_pixel_stride, offset_group_stride;
+  int64_t mask_pixel_stride, mask_group_stride;
+};
+
+// One sample: output pixel `pixel` = (n * Ho + ho) * Wo + wo of the batch, group, point.
+struct Dcnv3Sample {
+  int64_t n, ho, wo, pixel, group, point;
+};
+
+C10_HOST_DEVICE inline Dcnv3Sample dcnv3_sample_at(const Dcnv3Geometry& g, int64_t pixel,
+                                                   int64_t group, int64_t point) {
+  Dcnv3Sample s;
+  s.pixel = pixel;
+  s.group = group;
+  s.point = point;
+  s.wo = pixel % g.out_width;
+  s.ho = pixel / g.out_width % g.out_height;
+  s.n = pixel / g.out_pixels();
+  return s;
+}
+
+// The sample of flat index ((pixel * G) + group) * P + point, the order of the mask tensor.
+C10_HOST_DEVICE inline Dcnv3Sample dcnv3_sample(const Dcnv3Geometry& g, int64_t index) {
+  const int64_t point = index % g.points();
+  index /= g.points();
+  return dcnv3_sample_at(g, index / g.groups, index % g.groups, point);
+}
+
+// The kernel column i (along x) and row j (along y) of a point: points run column by column,
+// and with remove_center the centre (kw / 2, kh / 2) is skipped.
+C10_HOST_DEVICE inline void dcnv3_tap(const Dcnv3Geometry& g, int64_t point, int64_t& i,
+                                      int64_t& j) {
+  const int64_t centre = g.kernel_w / 2 * g.kernel_h + g.kernel_h / 2;
+  const int64_t tap = g.remove_center && point >= centre ? point + 1 : point;
+  i = tap / g.kernel_h;
+  j = tap % g.kernel_h;
+}
+
+// The sampled position (y, x) of a sample and its mask value m. With the footprint's integer
+// centre c = dilation * (k - 1) / 2 and scale s:
+//   x = (wo * stride_w - pad_w + c_w) - c_w * s + (i * dilation_w + dx) * s
+// and likewise y: the reference point where a convolution's centre tap would be, and the
+// dilation grid and the offset about it, both scaled by s. The terms are added in this order,
+// the originals' order.
+template <typename scalar_t, typename opmath_t>
+C10_HOST_DEVICE inline void dcnv3_position(const Dcnv3Geometry& g, const Dcnv3Fields& f,
+                                           const Dcnv3Sample& s, const scalar_t* offset,
+                                           const scalar_t* mask, opmath_t& y, opmath_t& x,
+                                           opmath_t& m) {
+  int64_t i, j;
+  dcnv3_tap(g, s.point, i, j);
+  const opmath_t scale = static_cast<opmath_t>(g.offset_scale);
+  const int64_t centre_w = g.dilation_w * (g.kernel_w - 1) / 2;
+  const int64_t centre_h = g.dilation_h * (g.kernel_h - 1) / 2;
+  const opmath_t base_x = static_cast<opmath_t>(s.wo * g.stride_w - g.pad_w + centre_w) -
+      static_cast<opmath_t>(centre_w) * scale;
+  const opmath_t base_y = static_cast<opmath_t>(s.ho * g.stride_h - g.pad_h + centre_h) -
+      static_cast<opmath_t>(centre_h) * scale;
+  const int64_t offset_at =
+      s.pixel * f.offset_pixel_stride + s.group * f.offset_group_stride + 2 * s.point;
+  const opmath_t dx = static_cast<opmath_t>(offset[offset_at]);
+  const opmath_t dy = static_cast<opmath_t>(offset[offset_at + 1]);
+  x = base_x + (static_cast<opmath_t>(i * g.dilation_w) + dx) * scale;
+  y = base_y + (static_cast<opmath_t>(j * g.dilation_h) + dy) * scale;
+  m = static_cast<opmath_t>(
+      mask[s.pixel * f.mask_pixel_stride + s.group * f.mask_group_stride + s.point]);
+}
+
+template <typename scalar_t>
+C10_HOST_DEVICE inline SamplingPlan<at::opmath_type<scalar_t>> dcnv3_plan(
+    const Dcnv3Geometry& g, const Dcnv3Fields& f, const Dcnv3Sample& s, const scalar_t* offset,
+    const scalar_t* mask) {
+  using opmath_t = at::opmath_type<scalar_t>;
+  opmath_t y, x, m;
+  dcnv3_position(g, f, s, offset, mask, y, x, m);
+  return plan_at(y, x, m, g.height, g.width);
+}
+
+// Channel 0 of a sample's group at grid pixel 0 of its image, in a channels-last (N, H, W, C)
+// tensor; grid pixel q of channel c is at q * C + c from there.
+template <typename scalar_t>
+C10_HOST_DEVICE inline scalar_t* dcnv3_group_channels(const Dcnv3Geometry& g, scalar_t* data,
+                                                      const Dcnv3Sample& s) {
+  return data + s.n * g.in_pixels() * g.channels() + s.group * g.group_channels;
+}
+
+// Locates a sample for its offset and mask gradients (bilinear_sampling.cuh's three steps).
+template <typename scalar_t>
+C10_HOST_DEVICE inline OffsetMaskGrad<at::opmath_type<scalar_t>> dcnv3_start_grad(
+    const Dcnv3Geometry& g, const Dcnv3Fields& f, const Dcnv3Sample& s, const scalar_t* offset,
+    const scalar_t* mask) {
+  using opmath_t = at::opmath_type<scalar_t>;
+  opmath_t y, x, m;
+  dcnv3_position(g, f, s, offset, mask, y, x, m);
+  return start_position_grad(y, x, m, g.height, g.width);
+}
+
+// Writes a sample's gradients, either pointer null when not asked for. The position moves by
+// s per unit of offset, so d/d(dx) = s * d/dx; the sums carry no factor m yet.
+template <typename scalar_t>
+C10_HOST_DEVICE inline void dcnv3_finish_grad(const Dcnv3Geometry& g, const Dcnv3Fields& f,
+                                              const Dcnv3Sample& s,
+                                              const OffsetMaskGrad<at::opmath_type<scalar_t>>& acc,
+                                              const OffsetMaskGradSums<at::opmath_type<scalar_t>>& sums,
+                                              scalar_t* grad_offset, scalar_t* grad_mask) {
+  using opmath_t = at::opmath_type<scalar_t>;
+  if (grad_offset != nullptr) {
+    const opmath_t factor = static_cast<opmath_t>(g.offset_scale) * acc.mask;
+    const int64_t at =
+        s.pixel * f.offset_pixel_stride + s.group * f.offset_group_stride + 2 * s.point;
+    grad_offset[at] = static_cast<scalar_t>(factor * sums.x);
+    grad_offset[at + 1] = static_cast<scalar_t>(factor * sums.y);
+  }
+  if (grad_mask != nullptr) {
+    grad_mask[s.pixel * f.mask_pixel_stride + s.group * f.mask_group_stride + s.point] =
+        static_cast<scalar_t>(sums.m);
+  }
+}
+
+}  // namespace deformconv

@@ -1,0 +1,168 @@
+#include "dcnv3.h"
+
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros_like.h>
+#include <c10/core/ScalarType.h>
+#include <c10/util/Exception.h>
+
+#include <cmath>
+
+namespace deformconv {
+
+namespace {
+
+// A 4-D channels-last tensor of the given shape and of input's dtype; `layout` names the
+// dimensions for the message.
+void check_nhwc(const char* name, const at::Tensor& tensor, const at::Tensor& input,
+                std::array<int64_t, 4> shape, const char* layout) {
+  TORCH_CHECK_VALUE(tensor.dim() == 4, "dcnv3(): expected ", name, " to be a 4-D tensor ",
+                    layout, ", but got a ", tensor.dim(), "-D tensor of shape ",
+                    tensor.sizes());
+  TORCH_CHECK_TYPE(tensor.scalar_type() == input.scalar_type(), "dcnv3(): expected ", name,
+                   " to have the dtype of input (", input.scalar_type(), "), but got ",
+                   tensor.scalar_type());
+  TORCH_CHECK_VALUE(tensor.sizes() == c10::IntArrayRef(shape), "dcnv3(): expected ", name,
+                    " of shape ", c10::IntArrayRef(shape), " ", layout, ", but got ",
+                    tensor.sizes());
+}
+
+void check_device(const char* name, const at::Tensor& tensor, const at::Tensor& input) {
+  TORCH_CHECK_VALUE(tensor.device() == input.device(), "dcnv3(): expected ", name,
+                    " to be on the device of input (", input.device(), "), but got ",
+                    tensor.device());
+}
+
+// The offsets and mask of DCNv3's separate tensors.
+Dcnv3Fields dcnv3_fields(const Dcnv3Geometry& g) {
+  const int64_t P = g.points();
+  return {2 * g.groups * P, 2 * P, g.groups * P, P};
+}
+
+int64_t output_length(int64_t in, int64_t kernel, int64_t stride, int64_t pad,
+                      int64_t dilation) {
+  return (in + 2 * pad - (dilation * (kernel - 1) + 1)) / stride + 1;
+}
+
+}  // namespace
+
+Dcnv3Geometry check_dcnv3_arguments(const std::optional<at::Tensor>& grad_output,
+                                    const at::Tensor& input, const at::Tensor& offset,
+                                    const at::Tensor& mask, const Dcnv3Arguments& a) {
+  TORCH_CHECK_TYPE(at::isFloatingType(input.scalar_type()),
+                   "dcnv3(): expected input to have a floating point dtype (float16, bfloat16, "
+                   "float32 or float64), but got ", input.scalar_type());
+  TORCH_CHECK_VALUE(input.dim() == 4, "dcnv3(): expected input to be a 4-D tensor (batch, "
+                    "height, width, channels), but got a ", input.dim(),
+                    "-D tensor of shape ", input.sizes());
+  check_device("offset", offset, input);
+  check_device("mask", mask, input);
+  if (grad_output.has_value()) {
+    check_device("grad_output", *grad_output, input);
+  }
+  const auto at_least = [](const char* name, int64_t value, int64_t minimum) {
+    TORCH_CHECK_VALUE(value >= minimum, "dcnv3(): expected ", name, " to be at least ", minimum,
+                      ", but got ", value);
+  };
+  at_least("kernel_h", a.kernel_h, 1);
+  at_least("kernel_w", a.kernel_w, 1);
+  at_least("stride_h", a.stride_h, 1);
+  at_least("stride_w", a.stride_w, 1);
+  at_least("pad_h", a.pad_h, 0);
+  at_least("pad_w", a.pad_w, 0);
+  at_least("dilation_h", a.dilation_h, 1);
+  at_least("dilation_w", a.dilation_w, 1);
+  at_least("group", a.group, 1);
+  at_least("group_channels", a.group_channels, 1);
+  at_least("im2col_step", a.im2col_step, 0);
+  TORCH_CHECK_VALUE(std::isfinite(a.offset_scale),
+                    "dcnv3(): expected offset_scale to be finite, but got ", a.offset_scale);
+  TORCH_CHECK_VALUE(!a.remove_center || a.kernel_h * a.kernel_w > 1,
+                    "dcnv3(): remove_center needs a kernel of more than one point, but got ",
+                    a.kernel_h, " x ", a.kernel_w);
+  TORCH_CHECK_VALUE(input.size(3) == a.group * a.group_channels,
+                    "dcnv3(): expected input to have group * group_channels = ", a.group, " * ",
+                    a.group_channels, " = ", a.group * a.group_channels,
+                    " channels (its last dimension), but got ", input.size(3));
+
+  Dcnv3Geometry g{};
+  g.height = input.size(1);
+  g.width = input.size(2);
+  g.groups = a.group;
+  g.group_channels = a.group_channels;
+  g.kernel_h = a.kernel_h;
+  g.kernel_w = a.kernel_w;
+  g.stride_h = a.stride_h;
+  g.stride_w = a.stride_w;
+  g.pad_h = a.pad_h;
+  g.pad_w = a.pad_w;
+  g.dilation_h = a.dilation_h;
+  g.dilation_w = a.dilation_w;
+  g.remove_center = a.remove_center;
+  g.offset_scale = a.offset_scale;
+  const int64_t span_h = a.dilation_h * (a.kernel_h - 1) + 1;
+  const int64_t span_w = a.dilation_w * (a.kernel_w - 1) + 1;
+  TORCH_CHECK_VALUE(g.height + 2 * a.pad_h >= span_h && g.width + 2 * a.pad_w >= span_w,
+                    "dcnv3(): expected the padded input (", g.height + 2 * a.pad_h, " x ",
+                    g.width + 2 * a.pad_w, ") to be at least as large as the dilated kernel (",
+                    span_h, " x ", span_w, "), so that the output is not empty");
+  g.out_height = output_length(g.height, a.kernel_h, a.stride_h, a.pad_h, a.dilation_h);
+  g.out_width = output_length(g.width, a.kernel_w, a.stride_w, a.pad_w, a.dilation_w);
+
+  const int64_t N = input.size(0);
+  check_nhwc("offset", offset, input, {N, g.out_height, g.out_width, 2 * g.groups * g.points()},
+             "(batch, out_height, out_width, group * points * 2)");
+  check_nhwc("mask", mask, input, {N, g.out_height, g.out_width, g.groups * g.points()},
+             "(batch, out_height, out_width, group * points)");
+  if (grad_output.has_value()) {
+    check_nhwc("grad_output", *grad_output, input, {N, g.out_height, g.out_width, g.channels()},
+               "(batch, out_height, out_width, channels)");
+  }
+  return g;
+}
+
+at::Tensor dcnv3_forward(const Dcnv3Launchers& launchers, const at::Tensor& input_arg,
+                         const at::Tensor& offset_arg, const at::Tensor& mask_arg,
+                         const Dcnv3Arguments& args) {
+  const Dcnv3Geometry g =
+      check_dcnv3_arguments(std::nullopt, input_arg, offset_arg, mask_arg, args);
+  const int64_t batch = input_arg.size(0);
+  at::Tensor output =
+      at::empty({batch, g.out_height, g.out_width, g.channels()}, input_arg.options());
+  if (output.numel() > 0) {
+    launchers.forward(g, dcnv3_fields(g), batch, input_arg.contiguous(),
+                      offset_arg.contiguous(), mask_arg.contiguous(), output);
+  }
+  return output;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> dcnv3_backward(
+    const Dcnv3Launchers& launchers, const at::Tensor& grad_output_arg,
+    const at::Tensor& input_arg, const at::Tensor& offset_arg, const at::Tensor& mask_arg,
+    const Dcnv3Arguments& args, std::array<bool, 3> output_mask) {
+  const Dcnv3Geometry g =
+      check_dcnv3_arguments(grad_output_arg, input_arg, offset_arg, mask_arg, args);
+  const auto [want_input, want_offset, want_mask] = output_mask;
+  const int64_t batch = input_arg.size(0);
+  const at::Tensor grad_output = grad_output_arg.contiguous();
+  const at::Tensor input = input_arg.contiguous();
+  const at::Tensor offset = offset_arg.contiguous();
+  const at::Tensor mask = mask_arg.contiguous();
+  const Dcnv3Fields fields = dcnv3_fields(g);
+  at::Tensor grad_input = want_input ? at::zeros_like(input) : at::Tensor();
+  // Every sample writes its own offset and mask gradients; an empty sum leaves them zero.
+  at::Tensor grad_offset = want_offset ? at::zeros_like(offset) : at::Tensor();
+  at::Tensor grad_mask = want_mask ? at::zeros_like(mask) : at::Tensor();
+  if (grad_output.numel() == 0 || input.numel() == 0) {
+    return {grad_input, grad_offset, grad_mask};
+  }
+  if (want_input) {
+    launchers.input_grad(g, fields, batch, grad_output, offset, mask, grad_input);
+  }
+  if (want_offset || want_mask) {
+    launchers.offset_mask_grad(g, fields, batch, grad_output, input, offset, mask, grad_offset,
+                               grad_mask);
+  }
+  return {grad_input, grad_offset, grad_mask};
+}
+
+}  // namespace deformconv

@@ -1,0 +1,61 @@
+#pragma once
+
+// DCNv3 (InternImage's core op, ../shared/DCN_V3_V4.md §1): argument checks, the launcher
+// table that cpu/ and cuda/ fill in, and the device-neutral driver. The op has no columns and
+// no GEMMs: each launcher walks samples or pixels directly, so memory beyond the outputs is
+// the float32 input-gradient sums of half precision only, whatever the batch, and im2col_step
+// (kept for the originals' signature) changes nothing.
+
+#include <ATen/core/Tensor.h>
+
+#include <array>
+#include <optional>
+#include <tuple>
+
+#include "../common/dcnv3_kernel.cuh"
+
+namespace deformconv {
+
+// Every tensor is contiguous and channels-last, on the launchers' device; offsets and mask are
+// read through `fields`. Gradients to be filled are allocated by the driver: grad_input zeroed
+// (launchers add into it), grad_offset and grad_mask written in full (either may be undefined:
+// not asked for).
+struct Dcnv3Launchers {
+  void (*forward)(const Dcnv3Geometry& geometry, const Dcnv3Fields& fields, int64_t batch,
+                  const at::Tensor& input, const at::Tensor& offset, const at::Tensor& mask,
+                  at::Tensor& output);
+  void (*input_grad)(const Dcnv3Geometry& geometry, const Dcnv3Fields& fields, int64_t batch,
+                     const at::Tensor& grad_output, const at::Tensor& offset,
+                     const at::Tensor& mask, at::Tensor& grad_input);
+  void (*offset_mask_grad)(const Dcnv3Geometry& geometry, const Dcnv3Fields& fields,
+                           int64_t batch, const at::Tensor& grad_output, const at::Tensor& input,
+                           const at::Tensor& offset, const at::Tensor& mask,
+                           at::Tensor& grad_offset, at::Tensor& grad_mask);
+};
+
+// The scalar arguments of the op, in the originals' order.
+struct Dcnv3Arguments {
+  int64_t kernel_h, kernel_w, stride_h, stride_w, pad_h, pad_w, dilation_h, dilation_w;
+  int64_t group, group_channels;
+  double offset_scale;
+  int64_t im2col_step;
+  bool remove_center;
+};
+
+// Checks the operands of dcnv3 (and grad_output, when given, of its backward) without reading
+// tensor data; raises ValueError or TypeError naming the argument. Returns the geometry.
+Dcnv3Geometry check_dcnv3_arguments(const std::optional<at::Tensor>& grad_output,
+                                    const at::Tensor& input, const at::Tensor& offset,
+                                    const at::Tensor& mask, const Dcnv3Arguments& args);
+
+at::Tensor dcnv3_forward(const Dcnv3Launchers& launchers, const at::Tensor& input,
+                         const at::Tensor& offset, const at::Tensor& mask,
+                         const Dcnv3Arguments& args);
+
+// Gradients of (input, offset, mask), those not selected by output_mask undefined.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> dcnv3_backward(
+    const Dcnv3Launchers& launchers, const at::Tensor& grad_output, const at::Tensor& input,
+    const at::Tensor& offset, const at::Tensor& mask, const Dcnv3Arguments& args,
+    std::array<bool, 3> output_mask);
+
+}  // namespace deformconv

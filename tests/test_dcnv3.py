@@ -1,0 +1,390 @@
+"""DCNv3 (deformconv.dcnv3) against the specification (../shared/DCN_V3_V4.md): its §7 vectors,
+a readable pure-PyTorch reference written from §1, gradcheck, the CUDA launchers run by the
+emulator (tests/cuda_emulation), the four dtypes, argument errors, TorchScript and opcheck."""
+
+import itertools
+import math
+
+import pytest
+import torch
+
+import deformconv
+from emulated_cuda import load
+
+
+def output_length(size, kernel, stride, pad, dilation):
+    return (size + 2 * pad - (dilation * (kernel - 1) + 1)) // stride + 1
+
+
+def dcnv3_reference(input, offset, mask, kernel_h, kernel_w, stride_h, stride_w, pad_h, pad_w,
+                    dilation_h, dilation_w, group, group_channels, offset_scale,
+                    remove_center=False):
+    """§1.2-§1.5 written out: the points column by column, their (x, y) positions, bilinear
+    sampling with zeros outside, the mask-weighted sum over the points. Differentiable, with the
+    one-sided derivative of the cell that starts at (floor y, floor x)."""
+    N, H, W, _ = input.shape
+    Ho = output_length(H, kernel_h, stride_h, pad_h, dilation_h)
+    Wo = output_length(W, kernel_w, stride_w, pad_w, dilation_w)
+    taps = [(i, j) for i in range(kernel_w) for j in range(kernel_h)
+            if not (remove_center and (i, j) == (kernel_w // 2, kernel_h // 2))]
+    P, G, D = len(taps), group, group_channels
+    offset = offset.reshape(N, Ho, Wo, G, P, 2)
+    mask = mask.reshape(N, Ho, Wo, G, P)
+    image = input.reshape(N, H, W, G, D)
+    i = torch.tensor([t[0] for t in taps], dtype=input.dtype)
+    j = torch.tensor([t[1] for t in taps], dtype=input.dtype)
+    centre_w = dilation_w * (kernel_w - 1) // 2
+    centre_h = dilation_h * (kernel_h - 1) // 2
+    wo = torch.arange(Wo, dtype=input.dtype).view(1, 1, Wo, 1, 1)
+    ho = torch.arange(Ho, dtype=input.dtype).view(1, Ho, 1, 1, 1)
+    x = (wo * stride_w - pad_w + centre_w) - centre_w * offset_scale \
+        + (i * dilation_w + offset[..., 0]) * offset_scale
+    y = (ho * stride_h - pad_h + centre_h) - centre_h * offset_scale \
+        + (j * dilation_h + offset[..., 1]) * offset_scale
+    inside = (y > -1) & (y < H) & (x > -1) & (x < W)
+    y = torch.where(inside, y, torch.zeros_like(y))
+    x = torch.where(inside, x, torch.zeros_like(x))
+    y0, x0 = torch.floor(y), torch.floor(x)
+    ly, lx = y - y0, x - x0
+    n_index = torch.arange(N).view(N, 1, 1, 1, 1)
+    g_index = torch.arange(G).view(1, 1, 1, G, 1)
+    value = 0
+    for dy, dx in itertools.product((0, 1), (0, 1)):
+        yy, xx = (y0 + dy).long(), (x0 + dx).long()
+        valid = inside & (yy >= 0) & (yy < H) & (xx >= 0) & (xx < W)
+        weight = (ly if dy else 1 - ly) * (lx if dx else 1 - lx)
+        corner = image[n_index, yy.clamp(0, H - 1), xx.clamp(0, W - 1), g_index]
+        value = value + torch.where(valid[..., None], weight[..., None] * corner,
+                                    torch.zeros_like(corner))
+    return (value * mask[..., None]).sum(4).reshape(N, Ho, Wo, G * D)
+
+
+def run(op, input, offset, mask, geometry, offset_scale=1.0, remove_center=False,
+        im2col_step=0):
+    (kh, kw), (sh, sw), (ph, pw), (dh, dw), G, D = geometry
+    return op(input, offset, mask, kh, kw, sh, sw, ph, pw, dh, dw, G, D, offset_scale,
+              im2col_step, remove_center)
+
+
+def random_operands(N, H, W, geometry, remove_center=False, dtype=torch.float64, spread=2.0,
+                    seed=0):
+    (kh, kw), (sh, sw), (ph, pw), (dh, dw), G, D = geometry
+    Ho, Wo = output_length(H, kh, sh, ph, dh), output_length(W, kw, sw, pw, dw)
+    P = kh * kw - int(remove_center)
+    generator = torch.Generator().manual_seed(seed)
+    input = torch.randn(N, H, W, G * D, generator=generator, dtype=torch.float64)
+    # Offsets off integer coordinates (the derivative is one-sided there), some far outside.
+    offset = (torch.rand(N, Ho, Wo, G * P * 2, generator=generator, dtype=torch.float64) - 0.5)
+    offset = offset * 2 * spread + 0.123
+    mask = torch.rand(N, Ho, Wo, G * P, generator=generator, dtype=torch.float64) * 2 - 0.5
+    return [t.to(dtype) for t in (input, offset, mask)]
+
+
+# (kernel, stride, padding, dilation, group, group_channels)
+GEOMETRIES = [
+    ((3, 3), (1, 1), (1, 1), (1, 1), 1, 1),
+    ((3, 3), (1, 1), (1, 1), (1, 1), 2, 3),
+    ((2, 3), (2, 1), (1, 2), (2, 1), 1, 2),   # non-square, stride 2, unequal pad, dilation
+    ((3, 1), (1, 2), (0, 1), (1, 3), 3, 4),
+    ((1, 1), (1, 1), (0, 0), (1, 1), 4, 17),  # channels beyond one vector
+    ((3, 3), (2, 2), (1, 1), (1, 1), 2, 16),
+]
+
+
+def spec_vectors_input(N, H, W, C, dtype=torch.float64):
+    index = torch.arange(N * H * W * C)
+    n, y, x, c = (index // (H * W * C), index // (W * C) % H, index // C % W, index % C)
+    return (1000 * n + 100 * c + 10 * y + x).to(dtype).reshape(N, H, W, C)
+
+
+def test_vector_v1_tap_order_and_xy_order():
+    input = spec_vectors_input(1, 3, 4, 1) - 0  # 10 y + x
+    offset = torch.zeros(1, 3, 4, 18, dtype=torch.float64)
+    mask = torch.zeros(1, 3, 4, 9, dtype=torch.float64)
+    offset[0, 1, 1, 2], offset[0, 1, 1, 3], mask[0, 1, 1, 1] = 0.5, 0.25, 1.0
+    out = run(deformconv.dcnv3, input, offset, mask, GEOMETRIES[0])
+    expected = torch.zeros(1, 3, 4, 1, dtype=torch.float64)
+    expected[0, 1, 1, 0] = 13.0
+    assert torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("scale,dx,dy,expected", [
+    (1.0, 0, 0, 111.0), (2.0, 0, 0, 100.0), (0.5, 0, 0, 116.5), (2.0, 1, 0, 102.0),
+    (0.5, 1, -1, 112.0),
+])
+def test_vector_v2_offset_scale(scale, dx, dy, expected):
+    input = spec_vectors_input(1, 5, 5, 1) + 100
+    offset = torch.zeros(1, 5, 5, 18, dtype=torch.float64)
+    mask = torch.zeros(1, 5, 5, 9, dtype=torch.float64)
+    offset[0, 2, 2, 0], offset[0, 2, 2, 1], mask[0, 2, 2, 0] = dx, dy, 1.0
+    out = run(deformconv.dcnv3, input, offset, mask, GEOMETRIES[0], offset_scale=scale)
+    assert out[0, 2, 2, 0].item() == expected
+    assert torch.count_nonzero(out).item() == (1 if expected else 0)
+
+
+def test_vector_v3_borders_and_gradients():
+    input = (spec_vectors_input(1, 3, 4, 1) + 100).requires_grad_()
+    offset = torch.zeros(1, 3, 4, 2, dtype=torch.float64)
+    for (y, x), (dx, dy) in {(0, 1): (0, -0.5), (2, 3): (0.5, 0.75), (0, 0): (0, -1),
+                             (1, 1): (-2.5, 0), (1, 2): (0.25, 0.5), (2, 0): (-0.75, 0)}.items():
+        offset[0, y, x] = torch.tensor([dx, dy], dtype=torch.float64)
+    offset.requires_grad_()
+    mask = torch.ones(1, 3, 4, 1, dtype=torch.float64, requires_grad=True)
+    geometry = ((1, 1), (1, 1), (0, 0), (1, 1), 1, 1)
+    out = run(deformconv.dcnv3, input, offset, mask, geometry)
+    expected = {(0, 1): 50.5, (2, 3): 15.375, (0, 0): 0.0, (1, 1): 0.0, (1, 2): 117.25,
+                (2, 0): 30.0, (0, 2): 102.0}
+    for (y, x), value in expected.items():
+        assert out[0, y, x, 0].item() == value, (y, x)
+    out.sum().backward()
+    for (y, x), value in {(0, 1): (0.5, 101.0), (2, 3): (-30.75, -61.5), (0, 0): (0.0, 0.0),
+                          (2, 0): (120.0, -30.0)}.items():
+        assert tuple(offset.grad[0, y, x].tolist()) == value, (y, x)
+    assert mask.grad[0, 2, 3, 0].item() == 15.375
+
+
+def test_vector_v4_remove_center():
+    input = spec_vectors_input(1, 5, 5, 1) + 100
+    offset = torch.zeros(1, 5, 5, 16, dtype=torch.float64)
+    mask = torch.zeros(1, 5, 5, 8, dtype=torch.float64)
+    mask[0, 2, 2, 4] = 1.0
+    out = run(deformconv.dcnv3, input, offset, mask, GEOMETRIES[0], remove_center=True)
+    assert out[0, 2, 2, 0].item() == 132.0
+
+
+# name: (N, H, W, G, D, kernel, stride, pad, dilation, scale, remove_center), then the sums of
+# §7's table: out, out², g_in, g_in², g_offset, g_offset², g_mask, g_mask².
+FORMULA_VECTORS = {
+    "A": ((1, 3, 4, 1, 1, (3, 3), (1, 1), (1, 1), (1, 1), 1.0, False),
+          (365.53125, 13169.34326171875, 68.359375, 424.521728515625, 225.5, 27230.90625,
+           1238.9375, 39948.11328125)),
+    "B": ((2, 4, 5, 2, 2, (3, 3), (1, 1), (1, 1), (1, 1), 2.0, False),
+          (175511.75, 344909015.578125, 528.25, 2093.1640625, -129637.5, 2513922591.25,
+           568462.5, 2286292600.625)),
+    "C": ((1, 5, 6, 1, 2, (2, 3), (2, 1), (1, 2), (2, 1), 0.5, False),
+          (8161.7109375, 2558328.0913391113, 220.03125, 907.1261291503906, -100.40625,
+           641473.4702148438, 25454.65625, 7361234.081542969)),
+    "D": ((1, 3, 4, 2, 1, (3, 3), (1, 1), (1, 1), (1, 1), 1.0, True),
+          (3737.453125, 1053518.2082519531, 116.96875, 613.03662109375, -1591.625,
+           1284791.2265625, 10662.125, 2081460.2265625)),
+}
+
+
+def formula_operands(N, H, W, G, D, kernel, stride, pad, dilation, remove_center):
+    Ho = output_length(H, kernel[0], stride[0], pad[0], dilation[0])
+    Wo = output_length(W, kernel[1], stride[1], pad[1], dilation[1])
+    P = kernel[0] * kernel[1] - int(remove_center)
+    input = spec_vectors_input(N, H, W, G * D)
+    n, ho, wo, k = torch.meshgrid(torch.arange(N), torch.arange(Ho), torch.arange(Wo),
+                                  torch.arange(G * P * 2), indexing="ij")
+    offset = (((7 * k + 3 * ho + 5 * wo + 11 * n) % 13) - 6).double() / 4
+    n, ho, wo, k = torch.meshgrid(torch.arange(N), torch.arange(Ho), torch.arange(Wo),
+                                  torch.arange(G * P), indexing="ij")
+    mask = (((k + 2 * ho + wo + n) % 4) + 1).double() / 4
+    return input, offset, mask
+
+
+@pytest.mark.parametrize("name", sorted(FORMULA_VECTORS))
+def test_formula_vectors(name):
+    (N, H, W, G, D, kernel, stride, pad, dilation, scale, remove_center), sums = \
+        FORMULA_VECTORS[name]
+    operands = [t.requires_grad_() for t in
+                formula_operands(N, H, W, G, D, kernel, stride, pad, dilation, remove_center)]
+    out = run(deformconv.dcnv3, *operands, (kernel, stride, pad, dilation, G, D),
+              offset_scale=scale, remove_center=remove_center)
+    weights = (torch.arange(out.numel()) % 3 + 1).double().reshape(out.shape)
+    (out * weights).sum().backward()
+    measured = []
+    for tensor in (out.detach(), operands[0].grad, operands[1].grad, operands[2].grad):
+        measured += [tensor.sum().item(), (tensor * tensor).sum().item()]
+    assert measured == list(sums)
+    if name == "A":
+        expected = torch.tensor([[5.6875, 14.40625, 44.28125, 17.859375],
+                                 [29.0625, 41.203125, 28.28125, 28.0],
+                                 [35.21875, 50.4375, 45.84375, 25.25]], dtype=torch.float64)
+        assert torch.equal(out.detach()[0, :, :, 0], expected)
+
+
+@pytest.mark.parametrize("geometry", GEOMETRIES)
+@pytest.mark.parametrize("scale,remove_center", [(1.0, False), (0.5, True), (2.0, False),
+                                                  (0.1, False)])
+def test_matches_reference_forward_and_gradients(geometry, scale, remove_center):
+    (kh, kw) = geometry[0]
+    if remove_center and kh * kw == 1:
+        pytest.skip("remove_center needs more than one point")
+    operands = random_operands(2, 5, 6, geometry, remove_center)
+    ours = [t.clone().requires_grad_() for t in operands]
+    theirs = [t.clone().requires_grad_() for t in operands]
+    out = run(deformconv.dcnv3, *ours, geometry, offset_scale=scale,
+              remove_center=remove_center)
+    expected = dcnv3_reference(*theirs, *sum(geometry[:4], ()), *geometry[4:], scale,
+                               remove_center)
+    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    expected.backward(grad)
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-11, atol=1e-11)
+
+
+@pytest.mark.parametrize("geometry,remove_center", [(GEOMETRIES[1], False),
+                                                    (GEOMETRIES[2], True)])
+def test_gradcheck(geometry, remove_center):
+    operands = [t.requires_grad_() for t in random_operands(1, 4, 5, geometry, remove_center,
+                                                            spread=1.0, seed=3)]
+    assert torch.autograd.gradcheck(
+        lambda *t: run(deformconv.dcnv3, *t, geometry, offset_scale=0.75,
+                       remove_center=remove_center), operands)
+
+
+@pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-5), (torch.float16, 2e-2),
+                                             (torch.bfloat16, 1e-1)])
+def test_dtypes_against_float64(dtype, tolerance):
+    geometry = GEOMETRIES[5]
+    operands = random_operands(2, 6, 7, geometry, dtype=dtype, spread=1.0)
+    # The same (rounded) values in float64: what remains is the arithmetic's precision.
+    reference = [t.double().requires_grad_() for t in operands]
+    lowered = [t.clone().requires_grad_() for t in operands]
+    expected = run(deformconv.dcnv3, *reference, geometry)
+    out = run(deformconv.dcnv3, *lowered, geometry)
+    assert out.dtype == dtype
+    scale = expected.abs().max().item()
+    torch.testing.assert_close(out.double(), expected, rtol=tolerance,
+                               atol=tolerance * scale)
+    out.backward(torch.ones_like(out))
+    expected.backward(torch.ones_like(expected))
+    for a, b in zip(lowered, reference):
+        assert a.grad.dtype == dtype
+        torch.testing.assert_close(a.grad.double(), b.grad, rtol=tolerance,
+                                   atol=tolerance * b.grad.abs().max().item())
+
+
+def test_any_batch_size_and_im2col_step():
+    geometry = GEOMETRIES[1]
+    operands = random_operands(5, 4, 4, geometry)
+    whole = run(deformconv.dcnv3, *operands, geometry)
+    for step in (0, 1, 2, 256):
+        assert torch.equal(run(deformconv.dcnv3, *operands, geometry, im2col_step=step), whole)
+    for n in range(5):
+        part = run(deformconv.dcnv3, *[t[n:n + 1] for t in operands], geometry)
+        assert torch.equal(part, whole[n:n + 1])
+
+
+def test_non_finite_positions_sample_nothing():
+    geometry = GEOMETRIES[0]
+    input, offset, mask = random_operands(1, 4, 4, geometry)
+    offset[0, 1, 1, 0] = math.nan
+    offset[0, 2, 2, 1] = math.inf
+    out = run(deformconv.dcnv3, input, offset, mask, geometry)
+    assert torch.isfinite(out).all()
+
+
+def test_cpu_backward_is_deterministic_across_threads():
+    geometry = GEOMETRIES[5]
+    operands = random_operands(3, 9, 8, geometry, dtype=torch.float32)
+    threads = torch.get_num_threads()
+    results = []
+    for count in (1, max(2, threads)):
+        torch.set_num_threads(count)
+        leaves = [t.clone().requires_grad_() for t in operands]
+        out = run(deformconv.dcnv3, *leaves, geometry)
+        out.backward(torch.ones_like(out))
+        results.append([out.detach()] + [t.grad for t in leaves])
+    torch.set_num_threads(threads)
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
+@pytest.mark.parametrize("change,pattern", [
+    (lambda a: a.update(input=a["input"][..., :-1]), "group \\* group_channels"),
+    (lambda a: a.update(offset=a["offset"][..., :-1]), "offset of shape"),
+    (lambda a: a.update(mask=a["mask"][:, :-1]), "mask of shape"),
+    (lambda a: a.update(input=a["input"][0]), "input to be a 4-D tensor"),
+    (lambda a: a.update(stride_h=0), "stride_h to be at least 1"),
+    (lambda a: a.update(group=0), "group to be at least 1"),
+    (lambda a: a.update(offset_scale=math.inf), "offset_scale to be finite"),
+    (lambda a: a.update(kernel_h=9), "at least as large as the dilated kernel"),
+])
+def test_bad_arguments_raise_value_errors(change, pattern):
+    geometry = GEOMETRIES[1]
+    input, offset, mask = random_operands(1, 4, 4, geometry)
+    arguments = dict(input=input, offset=offset, mask=mask, kernel_h=3, kernel_w=3, stride_h=1,
+                     stride_w=1, pad_h=1, pad_w=1, dilation_h=1, dilation_w=1, group=2,
+                     group_channels=3, offset_scale=1.0)
+    change(arguments)
+    with pytest.raises(ValueError, match=pattern):
+        deformconv.dcnv3(**arguments)
+
+
+def test_wrong_dtype_raises_type_error():
+    geometry = GEOMETRIES[1]
+    input, offset, mask = random_operands(1, 4, 4, geometry)
+    with pytest.raises(TypeError, match="mask to have the dtype of input"):
+        run(deformconv.dcnv3, input, offset, mask.float(), geometry)
+
+
+def test_double_backward_raises():
+    geometry = GEOMETRIES[1]
+    operands = [t.requires_grad_() for t in random_operands(1, 4, 4, geometry)]
+    out = run(deformconv.dcnv3, *operands, geometry)
+    (grad_input,) = torch.autograd.grad(out.sum(), operands[0], create_graph=True)
+    with pytest.raises(NotImplementedError, match="double backward"):
+        grad_input.sum().backward()
+
+
+def test_torchscript():
+    def call(input: torch.Tensor, offset: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return deformconv.dcnv3(input, offset, mask, 3, 3, 1, 1, 1, 1, 1, 1, 2, 3, 1.0, 256,
+                                False)
+
+    scripted = torch.jit.script(call)
+    operands = random_operands(1, 4, 4, GEOMETRIES[1])
+    assert torch.equal(scripted(*operands), call(*operands))
+
+
+def test_opcheck():
+    geometry = GEOMETRIES[2]
+    operands = [t.requires_grad_() for t in random_operands(2, 5, 6, geometry, dtype=torch.float32)]
+    (kh, kw), (sh, sw), (ph, pw), (dh, dw), G, D = geometry
+    torch.library.opcheck(torch.ops.deformconv.dcnv3.default,
+                          (*operands, kh, kw, sh, sw, ph, pw, dh, dw, G, D, 0.5, 0, False))
+
+
+@pytest.fixture(scope="module")
+def emulated():
+    return load()
+
+
+@pytest.mark.parametrize("geometry", GEOMETRIES)
+def test_emulated_cuda_matches_cpu(emulated, geometry):
+    emulated.configure(2, 2, 3, 1234, 7, 0, False)  # shuffled blocks and threads, 3 blocks
+    operands = random_operands(2, 5, 6, geometry, remove_center=geometry[0] == (3, 3))
+    remove_center = geometry[0] == (3, 3)
+    results = []
+    for op in (deformconv.dcnv3, emulated.dcnv3):
+        out = run(op, *operands, geometry, offset_scale=0.5, remove_center=remove_center)
+        (kh, kw), (sh, sw), (ph, pw), (dh, dw), G, D = geometry
+        backward = (torch.ops.deformconv.dcnv3_backward if op is deformconv.dcnv3
+                    else emulated.dcnv3_backward)
+        grads = backward(torch.ones_like(out) * 0.5 + out, *operands, kh, kw, sh, sw, ph, pw,
+                         dh, dw, G, D, 0.5, 0, remove_center, [True, True, True])
+        results.append([out, *grads])
+    counts = emulated.take_bookkeeping()
+    assert counts[0] > 0 and counts[1] == counts[0] and sum(counts[2:]) == 0
+    emulated.configure(0, 0, 0, 0, 7, 0, False)
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_torch_compile_fullgraph_and_export():
+    geometry = GEOMETRIES[1]
+    operands = random_operands(2, 4, 5, geometry, dtype=torch.float32)
+
+    class Core(torch.nn.Module):
+        def forward(self, input, offset, mask):
+            return deformconv.dcnv3(input, offset, mask, 3, 3, 1, 1, 1, 1, 1, 1, 2, 3, 0.5)
+
+    expected = Core()(*operands)
+    compiled = torch.compile(Core(), fullgraph=True, dynamic=True)
+    torch.testing.assert_close(compiled(*operands), expected)
+    program = torch.export.export(Core(), tuple(operands))
+    torch.testing.assert_close(program.module()(*operands), expected)
