@@ -44,8 +44,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> deform_co
 at::Tensor dcnv3_cuda(const Dcnv3Launchers& launchers, const at::Tensor& input,
                       const at::Tensor& offset, const at::Tensor& mask,
                       const Dcnv3Arguments& args) {
-  // Checked before the guard, as for deform_conv2d.
-  check_dcnv3_arguments(std::nullopt, input, offset, mask, args);
+  // Before the guard, which needs input on a CUDA device: never touch memory of another device.
+  check_dcnv3_devices(input, offset, mask, std::nullopt);
   const c10::cuda::CUDAGuard device_guard(input.device());
   return dcnv3_forward(launchers, input, offset, mask, args);
 }
@@ -54,7 +54,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dcnv3_backward_cuda(
     const Dcnv3Launchers& launchers, const at::Tensor& grad_output, const at::Tensor& input,
     const at::Tensor& offset, const at::Tensor& mask, const Dcnv3Arguments& args,
     std::array<bool, 3> output_mask) {
-  check_dcnv3_arguments(grad_output, input, offset, mask, args);
+  check_dcnv3_devices(input, offset, mask, grad_output);
   if (output_mask[0]) {
     // The input gradient is a scatter with atomic adds, whose order varies from run to run.
     at::globalContext().alertNotDeterministic("dcnv3_backward_cuda (input gradient)");

@@ -26,12 +26,6 @@ void check_nhwc(const char* name, const at::Tensor& tensor, const at::Tensor& in
                     tensor.sizes());
 }
 
-void check_device(const char* name, const at::Tensor& tensor, const at::Tensor& input) {
-  TORCH_CHECK_VALUE(tensor.device() == input.device(), "dcnv3(): expected ", name,
-                    " to be on the device of input (", input.device(), "), but got ",
-                    tensor.device());
-}
-
 // The offsets and mask of DCNv3's separate tensors.
 Dcnv3Fields dcnv3_fields(const Dcnv3Geometry& g) {
   const int64_t P = g.points();
@@ -45,6 +39,20 @@ int64_t output_length(int64_t in, int64_t kernel, int64_t stride, int64_t pad,
 
 }  // namespace
 
+void check_dcnv3_devices(const at::Tensor& input, const at::Tensor& offset, const at::Tensor& mask,
+                         const std::optional<at::Tensor>& grad_output) {
+  const auto check = [&](const char* name, const at::Tensor& tensor) {
+    TORCH_CHECK_VALUE(tensor.device() == input.device(), "dcnv3(): expected ", name,
+                      " to be on the device of input (", input.device(), "), but got ",
+                      tensor.device());
+  };
+  check("offset", offset);
+  check("mask", mask);
+  if (grad_output.has_value()) {
+    check("grad_output", *grad_output);
+  }
+}
+
 Dcnv3Geometry check_dcnv3_arguments(const std::optional<at::Tensor>& grad_output,
                                     const at::Tensor& input, const at::Tensor& offset,
                                     const at::Tensor& mask, const Dcnv3Arguments& a) {
@@ -54,11 +62,7 @@ Dcnv3Geometry check_dcnv3_arguments(const std::optional<at::Tensor>& grad_output
   TORCH_CHECK_VALUE(input.dim() == 4, "dcnv3(): expected input to be a 4-D tensor (batch, "
                     "height, width, channels), but got a ", input.dim(),
                     "-D tensor of shape ", input.sizes());
-  check_device("offset", offset, input);
-  check_device("mask", mask, input);
-  if (grad_output.has_value()) {
-    check_device("grad_output", *grad_output, input);
-  }
+  check_dcnv3_devices(input, offset, mask, grad_output);
   const auto at_least = [](const char* name, int64_t value, int64_t minimum) {
     TORCH_CHECK_VALUE(value >= minimum, "dcnv3(): expected ", name, " to be at least ", minimum,
                       ", but got ", value);

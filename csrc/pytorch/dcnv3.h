@@ -42,6 +42,10 @@ struct Dcnv3Arguments {
   bool remove_center;
 };
 
+// That every tensor given is on input's device; raises ValueError naming the first that is not.
+void check_dcnv3_devices(const at::Tensor& input, const at::Tensor& offset, const at::Tensor& mask,
+                         const std::optional<at::Tensor>& grad_output);
+
 // Checks the operands of dcnv3 (and grad_output, when given, of its backward) without reading
 // tensor data; raises ValueError or TypeError naming the argument. Returns the geometry.
 Dcnv3Geometry check_dcnv3_arguments(const std::optional<at::Tensor>& grad_output,

@@ -4,6 +4,7 @@
 #include <torch/autograd.h>
 #include <torch/library.h>
 
+#include "dcnv3.h"
 #include "op_handles.h"
 
 namespace deformconv {
@@ -12,25 +13,15 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-// The op's scalar arguments, kept between forward and backward.
-struct Dcnv3Scalars {
-  int64_t kernel_h, kernel_w, stride_h, stride_w, pad_h, pad_w, dilation_h, dilation_w, group,
-      group_channels;
-  double offset_scale;
-  int64_t im2col_step;
-  bool remove_center;
-};
-
-void save_scalars(AutogradContext* ctx, const Dcnv3Scalars& a) {
-  ctx->saved_data["ints"] =
-      std::vector<int64_t>{a.kernel_h,   a.kernel_w,   a.stride_h, a.stride_w,
-                           a.pad_h,      a.pad_w,      a.dilation_h, a.dilation_w,
-                           a.group,      a.group_channels, a.im2col_step};
+void save_arguments(AutogradContext* ctx, const Dcnv3Arguments& a) {
+  ctx->saved_data["ints"] = std::vector<int64_t>{
+      a.kernel_h, a.kernel_w, a.stride_h,  a.stride_w,       a.pad_h,      a.pad_w,
+      a.dilation_h, a.dilation_w, a.group, a.group_channels, a.im2col_step};
   ctx->saved_data["offset_scale"] = a.offset_scale;
   ctx->saved_data["remove_center"] = a.remove_center;
 }
 
-Dcnv3Scalars saved_scalars(AutogradContext* ctx) {
+Dcnv3Arguments saved_arguments(AutogradContext* ctx) {
   const std::vector<int64_t> i = ctx->saved_data["ints"].toIntVector();
   return {i[0], i[1], i[2], i[3], i[4], i[5], i[6], i[7], i[8], i[9],
           ctx->saved_data["offset_scale"].toDouble(), i[10],
@@ -39,7 +30,7 @@ Dcnv3Scalars saved_scalars(AutogradContext* ctx) {
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> call_backward(
     const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& offset,
-    const at::Tensor& mask, const Dcnv3Scalars& a, std::array<bool, 3> output_mask) {
+    const at::Tensor& mask, const Dcnv3Arguments& a, std::array<bool, 3> output_mask) {
   return dcnv3_backward_op().call(grad_output, input, offset, mask, a.kernel_h, a.kernel_w,
                                   a.stride_h, a.stride_w, a.pad_h, a.pad_w, a.dilation_h,
                                   a.dilation_w, a.group, a.group_channels, a.offset_scale,
@@ -50,10 +41,10 @@ class Dcnv3Function : public torch::autograd::Function<Dcnv3Function> {
  public:
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& input,
                             const at::Tensor& offset, const at::Tensor& mask,
-                            const Dcnv3Scalars& a) {
+                            const Dcnv3Arguments& a) {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     ctx->save_for_backward({input, offset, mask});
-    save_scalars(ctx, a);
+    save_arguments(ctx, a);
     return dcnv3_op().call(input, offset, mask, a.kernel_h, a.kernel_w, a.stride_h, a.stride_w,
                            a.pad_h, a.pad_w, a.dilation_h, a.dilation_w, a.group,
                            a.group_channels, a.offset_scale, a.im2col_step, a.remove_center);
@@ -62,7 +53,7 @@ class Dcnv3Function : public torch::autograd::Function<Dcnv3Function> {
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
     const variable_list saved = ctx->get_saved_variables();
     auto [grad_input, grad_offset, grad_mask] = call_backward(
-        grad_outputs[0], saved[0], saved[1], saved[2], saved_scalars(ctx),
+        grad_outputs[0], saved[0], saved[1], saved[2], saved_arguments(ctx),
         {ctx->needs_input_grad(0), ctx->needs_input_grad(1), ctx->needs_input_grad(2)});
     return {grad_input, grad_offset, grad_mask, at::Tensor()};
   }
@@ -73,7 +64,7 @@ class Dcnv3BackwardFunction : public torch::autograd::Function<Dcnv3BackwardFunc
  public:
   static variable_list forward(AutogradContext* /*ctx*/, const at::Tensor& grad_output,
                                const at::Tensor& input, const at::Tensor& offset,
-                               const at::Tensor& mask, const Dcnv3Scalars& a,
+                               const at::Tensor& mask, const Dcnv3Arguments& a,
                                std::array<bool, 3> output_mask) {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     auto [grad_input, grad_offset, grad_mask] =
@@ -104,7 +95,7 @@ at::Tensor dcnv3_autograd(const at::Tensor& input, const at::Tensor& offset,
                           int64_t group_channels, double offset_scale, int64_t im2col_step,
                           bool remove_center) {
   return Dcnv3Function::apply(input, offset, mask,
-                              Dcnv3Scalars{kernel_h, kernel_w, stride_h, stride_w, pad_h, pad_w,
+                              Dcnv3Arguments{kernel_h, kernel_w, stride_h, stride_w, pad_h, pad_w,
                                            dilation_h, dilation_w, group, group_channels,
                                            offset_scale, im2col_step, remove_center});
 }
@@ -115,9 +106,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dcnv3_backward_autograd(
     int64_t stride_w, int64_t pad_h, int64_t pad_w, int64_t dilation_h, int64_t dilation_w,
     int64_t group, int64_t group_channels, double offset_scale, int64_t im2col_step,
     bool remove_center, std::array<bool, 3> output_mask) {
-  const Dcnv3Scalars a{kernel_h,   kernel_w,   stride_h, stride_w,       pad_h,
-                       pad_w,      dilation_h, dilation_w, group,        group_channels,
-                       offset_scale, im2col_step, remove_center};
+  const Dcnv3Arguments a{kernel_h,   kernel_w, stride_h, stride_w,       pad_h,
+                         pad_w,      dilation_h, dilation_w, group,    group_channels,
+                         offset_scale, im2col_step, remove_center};
   const bool differentiated =
       at::GradMode::is_enabled() && (grad_output.requires_grad() || input.requires_grad() ||
                                      offset.requires_grad() || mask.requires_grad());
