@@ -35,7 +35,7 @@
 
 namespace deformconv {
 
-// Runs run(begin, end) over the tasks [0, tasks) in parallel. The stages below cut their work
+// Runs run(begin, end) over the tasks [0, tasks) in parallel. The launchers cut their work
 // into tasks that each write outputs of their own, mostly far more tasks than threads, and the
 // threads take them in turn from a shared counter, a chunk at a time, rather than a fixed share
 // each as at::parallel_for hands out: when another process takes part of a core, the thread on
