@@ -167,7 +167,7 @@ struct LaneSums {
   typename LanesOf<opmath_t>::type y = {}, x = {}, m = {};
   OffsetMaskGradSums<opmath_t> rest;
 
-  OffsetMaskGradSums<opmath_t> total() const {
+  DEFORMCONV_INLINE OffsetMaskGradSums<opmath_t> total() const {
     OffsetMaskGradSums<opmath_t> sums = rest;
     sums.y += sum_of_lanes<opmath_t>(y);
     sums.x += sum_of_lanes<opmath_t>(x);
