@@ -7,6 +7,8 @@
 
 #include <cmath>
 
+#include "../common/output_length.h"
+
 namespace deformconv {
 
 namespace {
@@ -30,11 +32,6 @@ void check_nhwc(const char* name, const at::Tensor& tensor, const at::Tensor& in
 Dcnv3Fields dcnv3_fields(const Dcnv3Geometry& g) {
   const int64_t P = g.points();
   return {2 * g.groups * P, 2 * P, g.groups * P, P};
-}
-
-int64_t output_length(int64_t in, int64_t kernel, int64_t stride, int64_t pad,
-                      int64_t dilation) {
-  return (in + 2 * pad - (dilation * (kernel - 1) + 1)) / stride + 1;
 }
 
 }  // namespace

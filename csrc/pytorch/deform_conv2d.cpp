@@ -6,6 +6,8 @@
 #include <algorithm>
 #include <vector>
 
+#include "../common/output_length.h"
+
 namespace deformconv {
 
 namespace {
@@ -272,11 +274,6 @@ void check_tensor(const char* name, const at::Tensor& tensor, int64_t dims,
   TORCH_CHECK_TYPE(tensor.scalar_type() == input.scalar_type(), "deform_conv2d(): expected ",
                    name, " to have the dtype of input (", input.scalar_type(), "), but got ",
                    tensor.scalar_type());
-}
-
-// Output length of one spatial dimension; the caller has checked that it is at least 1.
-int64_t output_length(int64_t in, int64_t kernel, int64_t stride, int64_t pad, int64_t dilation) {
-  return (in + 2 * pad - (dilation * (kernel - 1) + 1)) / stride + 1;
 }
 
 }  // namespace
