@@ -160,34 +160,22 @@ constexpr Dcnv3Launchers kCpuDcnv3Launchers{
 };
 
 at::Tensor dcnv3_cpu(const at::Tensor& input, const at::Tensor& offset, const at::Tensor& mask,
-                     int64_t kernel_h, int64_t kernel_w, int64_t stride_h, int64_t stride_w,
-                     int64_t pad_h, int64_t pad_w, int64_t dilation_h, int64_t dilation_w,
-                     int64_t group, int64_t group_channels, double offset_scale,
-                     int64_t im2col_step, bool remove_center) {
-  return dcnv3_forward(kCpuDcnv3Launchers, input, offset, mask,
-                       {kernel_h, kernel_w, stride_h, stride_w, pad_h, pad_w, dilation_h,
-                        dilation_w, group, group_channels, offset_scale, im2col_step,
-                        remove_center});
+                     const Dcnv3Arguments& args) {
+  return dcnv3_forward(kCpuDcnv3Launchers, input, offset, mask, args);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> dcnv3_backward_cpu(
     const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& offset,
-    const at::Tensor& mask, int64_t kernel_h, int64_t kernel_w, int64_t stride_h,
-    int64_t stride_w, int64_t pad_h, int64_t pad_w, int64_t dilation_h, int64_t dilation_w,
-    int64_t group, int64_t group_channels, double offset_scale, int64_t im2col_step,
-    bool remove_center, std::array<bool, 3> output_mask) {
-  return dcnv3_backward(kCpuDcnv3Launchers, grad_output, input, offset, mask,
-                        {kernel_h, kernel_w, stride_h, stride_w, pad_h, pad_w, dilation_h,
-                         dilation_w, group, group_channels, offset_scale, im2col_step,
-                         remove_center},
+    const at::Tensor& mask, const Dcnv3Arguments& args, std::array<bool, 3> output_mask) {
+  return dcnv3_backward(kCpuDcnv3Launchers, grad_output, input, offset, mask, args,
                         output_mask);
 }
 
 }  // namespace
 
 TORCH_LIBRARY_IMPL(deformconv, CPU, m) {
-  m.impl("dcnv3", TORCH_FN(dcnv3_cpu));
-  m.impl("dcnv3_backward", TORCH_FN(dcnv3_backward_cpu));
+  m.impl("dcnv3", TORCH_FN(dcnv3_kernel<dcnv3_cpu>));
+  m.impl("dcnv3_backward", TORCH_FN(dcnv3_backward_kernel<dcnv3_backward_cpu>));
 }
 
 }  // namespace deformconv

@@ -16,13 +16,12 @@ namespace deformconv {
 
 const Dcnv3Launchers& dcnv3_cuda_launchers();
 
-at::Tensor dcnv3_cuda(const Dcnv3Launchers& launchers, const at::Tensor& input,
-                      const at::Tensor& offset, const at::Tensor& mask,
+// The ops' CUDA kernels (Dcnv3Forward, Dcnv3Backward), with dcnv3_cuda_launchers().
+at::Tensor dcnv3_cuda(const at::Tensor& input, const at::Tensor& offset, const at::Tensor& mask,
                       const Dcnv3Arguments& args);
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> dcnv3_backward_cuda(
-    const Dcnv3Launchers& launchers, const at::Tensor& grad_output, const at::Tensor& input,
-    const at::Tensor& offset, const at::Tensor& mask, const Dcnv3Arguments& args,
-    std::array<bool, 3> output_mask);
+    const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& offset,
+    const at::Tensor& mask, const Dcnv3Arguments& args, std::array<bool, 3> output_mask);
 
 }  // namespace deformconv

@@ -41,26 +41,25 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> deform_co
                                 output_mask);
 }
 
-at::Tensor dcnv3_cuda(const Dcnv3Launchers& launchers, const at::Tensor& input,
-                      const at::Tensor& offset, const at::Tensor& mask,
+at::Tensor dcnv3_cuda(const at::Tensor& input, const at::Tensor& offset, const at::Tensor& mask,
                       const Dcnv3Arguments& args) {
   // Before the guard, which needs input on a CUDA device: never touch memory of another device.
   check_dcnv3_devices(input, offset, mask, std::nullopt);
   const c10::cuda::CUDAGuard device_guard(input.device());
-  return dcnv3_forward(launchers, input, offset, mask, args);
+  return dcnv3_forward(dcnv3_cuda_launchers(), input, offset, mask, args);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> dcnv3_backward_cuda(
-    const Dcnv3Launchers& launchers, const at::Tensor& grad_output, const at::Tensor& input,
-    const at::Tensor& offset, const at::Tensor& mask, const Dcnv3Arguments& args,
-    std::array<bool, 3> output_mask) {
+    const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& offset,
+    const at::Tensor& mask, const Dcnv3Arguments& args, std::array<bool, 3> output_mask) {
   check_dcnv3_devices(input, offset, mask, grad_output);
   if (output_mask[0]) {
     // The input gradient is a scatter with atomic adds, whose order varies from run to run.
     at::globalContext().alertNotDeterministic("dcnv3_backward_cuda (input gradient)");
   }
   const c10::cuda::CUDAGuard device_guard(input.device());
-  return dcnv3_backward(launchers, grad_output, input, offset, mask, args, output_mask);
+  return dcnv3_backward(dcnv3_cuda_launchers(), grad_output, input, offset, mask, args,
+                        output_mask);
 }
 
 }  // namespace deformconv

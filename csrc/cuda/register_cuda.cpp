@@ -32,38 +32,13 @@ deform_conv2d_backward_cuda_kernel(const at::Tensor& grad_output, const at::Tens
                                      im2col_step, output_mask);
 }
 
-at::Tensor dcnv3_cuda_kernel(const at::Tensor& input, const at::Tensor& offset,
-                             const at::Tensor& mask, int64_t kernel_h, int64_t kernel_w,
-                             int64_t stride_h, int64_t stride_w, int64_t pad_h, int64_t pad_w,
-                             int64_t dilation_h, int64_t dilation_w, int64_t group,
-                             int64_t group_channels, double offset_scale, int64_t im2col_step,
-                             bool remove_center) {
-  return dcnv3_cuda(dcnv3_cuda_launchers(), input, offset, mask,
-                    {kernel_h, kernel_w, stride_h, stride_w, pad_h, pad_w, dilation_h,
-                     dilation_w, group, group_channels, offset_scale, im2col_step,
-                     remove_center});
-}
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor> dcnv3_backward_cuda_kernel(
-    const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& offset,
-    const at::Tensor& mask, int64_t kernel_h, int64_t kernel_w, int64_t stride_h,
-    int64_t stride_w, int64_t pad_h, int64_t pad_w, int64_t dilation_h, int64_t dilation_w,
-    int64_t group, int64_t group_channels, double offset_scale, int64_t im2col_step,
-    bool remove_center, std::array<bool, 3> output_mask) {
-  return dcnv3_backward_cuda(dcnv3_cuda_launchers(), grad_output, input, offset, mask,
-                             {kernel_h, kernel_w, stride_h, stride_w, pad_h, pad_w, dilation_h,
-                              dilation_w, group, group_channels, offset_scale, im2col_step,
-                              remove_center},
-                             output_mask);
-}
-
 }  // namespace
 
 TORCH_LIBRARY_IMPL(deformconv, CUDA, m) {
   m.impl("deform_conv2d", TORCH_FN(deform_conv2d_cuda_kernel));
   m.impl("deform_conv2d_backward", TORCH_FN(deform_conv2d_backward_cuda_kernel));
-  m.impl("dcnv3", TORCH_FN(dcnv3_cuda_kernel));
-  m.impl("dcnv3_backward", TORCH_FN(dcnv3_backward_cuda_kernel));
+  m.impl("dcnv3", TORCH_FN(dcnv3_kernel<dcnv3_cuda>));
+  m.impl("dcnv3_backward", TORCH_FN(dcnv3_backward_kernel<dcnv3_backward_cuda>));
 }
 
 }  // namespace deformconv

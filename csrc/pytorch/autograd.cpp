@@ -5,6 +5,7 @@
 #include <torch/autograd.h>
 #include <torch/library.h>
 
+#include "gradient_slots.h"
 #include "op_handles.h"
 
 namespace deformconv {
@@ -65,11 +66,8 @@ class DeformConv2dFunction : public torch::autograd::Function<DeformConv2dFuncti
   }
 };
 
-// The gradients are not differentiable themselves: double backward would need the second
-// derivatives of bilinear sampling, which no kernel here computes. With create_graph=True the
-// first backward still works; differentiating its results stops here with a message that names
-// the op, instead of an error from deep inside the GEMMs. Autograd outputs must be defined
-// tensors, so forward returns only the gradients that were computed, in order.
+// Records the backward op in the graph only to refuse a second derivative through it
+// (refuse_double_backward).
 class DeformConv2dBackwardFunction
     : public torch::autograd::Function<DeformConv2dBackwardFunction> {
  public:
@@ -84,21 +82,11 @@ class DeformConv2dBackwardFunction
         deform_conv2d_backward_op().call(grad_output, input, offset, weight, mask, stride,
                                          padding, dilation, groups, offset_groups, im2col_step,
                                          output_mask);
-    variable_list computed;
-    for (const at::Tensor& grad : {grad_input, grad_offset, grad_weight, grad_mask, grad_bias}) {
-      if (grad.defined()) {
-        computed.push_back(grad);
-      }
-    }
-    return computed;
+    return defined_gradients({grad_input, grad_offset, grad_weight, grad_mask, grad_bias});
   }
 
   static variable_list backward(AutogradContext* /*ctx*/, variable_list /*grad_outputs*/) {
-    TORCH_CHECK_NOT_IMPLEMENTED(
-        false,
-        "deform_conv2d: double backward is not supported (the gradients of deform_conv2d "
-        "were themselves differentiated, e.g. after backward(create_graph=True) or "
-        "torch.autograd.grad(..., create_graph=True))");
+    refuse_double_backward("deform_conv2d");
   }
 };
 
@@ -133,15 +121,11 @@ deform_conv2d_backward_autograd(const at::Tensor& grad_output, const at::Tensor&
   const variable_list computed = DeformConv2dBackwardFunction::apply(
       grad_output, input, offset, weight, mask, stride, padding, dilation, groups,
       offset_groups, im2col_step, output_mask);
-  // Back into the op's five slots: the backward op computes a gradient iff output_mask asks
-  // for it, except the mask's, which needs a mask.
-  std::array<at::Tensor, 5> grads;
-  size_t next = 0;
-  for (size_t slot = 0; slot < grads.size(); ++slot) {
-    if (output_mask[slot] && (slot != 3 || mask.has_value())) {
-      grads[slot] = computed.at(next++);
-    }
-  }
+  // The backward op computes a gradient iff output_mask asks for it, except the mask's, which
+  // needs a mask.
+  std::array<bool, 5> filled = output_mask;
+  filled[3] = filled[3] && mask.has_value();
+  const auto grads = gradients_in_slots(computed, filled);
   return {grads[0], grads[1], grads[2], grads[3], grads[4]};
 }
 

@@ -5,6 +5,7 @@
 #include <torch/library.h>
 
 #include "dcnv3.h"
+#include "gradient_slots.h"
 #include "op_handles.h"
 
 namespace deformconv {
@@ -69,46 +70,22 @@ class Dcnv3BackwardFunction : public torch::autograd::Function<Dcnv3BackwardFunc
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     auto [grad_input, grad_offset, grad_mask] =
         call_backward(grad_output, input, offset, mask, a, output_mask);
-    // A custom Function's outputs must be defined tensors: only the computed gradients.
-    variable_list computed;
-    for (const at::Tensor& grad : {grad_input, grad_offset, grad_mask}) {
-      if (grad.defined()) {
-        computed.push_back(grad);
-      }
-    }
-    return computed;
+    return defined_gradients({grad_input, grad_offset, grad_mask});
   }
 
   static variable_list backward(AutogradContext* /*ctx*/, variable_list /*grad_outputs*/) {
-    TORCH_CHECK_NOT_IMPLEMENTED(
-        false,
-        "dcnv3: double backward is not supported (the gradients of dcnv3 were themselves "
-        "differentiated, e.g. after backward(create_graph=True) or "
-        "torch.autograd.grad(..., create_graph=True))");
+    refuse_double_backward("dcnv3");
   }
 };
 
 at::Tensor dcnv3_autograd(const at::Tensor& input, const at::Tensor& offset,
-                          const at::Tensor& mask, int64_t kernel_h, int64_t kernel_w,
-                          int64_t stride_h, int64_t stride_w, int64_t pad_h, int64_t pad_w,
-                          int64_t dilation_h, int64_t dilation_w, int64_t group,
-                          int64_t group_channels, double offset_scale, int64_t im2col_step,
-                          bool remove_center) {
-  return Dcnv3Function::apply(input, offset, mask,
-                              Dcnv3Arguments{kernel_h, kernel_w, stride_h, stride_w, pad_h, pad_w,
-                                           dilation_h, dilation_w, group, group_channels,
-                                           offset_scale, im2col_step, remove_center});
+                          const at::Tensor& mask, const Dcnv3Arguments& a) {
+  return Dcnv3Function::apply(input, offset, mask, a);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> dcnv3_backward_autograd(
     const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& offset,
-    const at::Tensor& mask, int64_t kernel_h, int64_t kernel_w, int64_t stride_h,
-    int64_t stride_w, int64_t pad_h, int64_t pad_w, int64_t dilation_h, int64_t dilation_w,
-    int64_t group, int64_t group_channels, double offset_scale, int64_t im2col_step,
-    bool remove_center, std::array<bool, 3> output_mask) {
-  const Dcnv3Arguments a{kernel_h,   kernel_w, stride_h, stride_w,       pad_h,
-                         pad_w,      dilation_h, dilation_w, group,    group_channels,
-                         offset_scale, im2col_step, remove_center};
+    const at::Tensor& mask, const Dcnv3Arguments& a, std::array<bool, 3> output_mask) {
   const bool differentiated =
       at::GradMode::is_enabled() && (grad_output.requires_grad() || input.requires_grad() ||
                                      offset.requires_grad() || mask.requires_grad());
@@ -118,21 +95,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dcnv3_backward_autograd(
   }
   const variable_list computed =
       Dcnv3BackwardFunction::apply(grad_output, input, offset, mask, a, output_mask);
-  std::array<at::Tensor, 3> grads;
-  size_t next = 0;
-  for (size_t slot = 0; slot < grads.size(); ++slot) {
-    if (output_mask[slot]) {
-      grads[slot] = computed.at(next++);
-    }
-  }
+  const auto grads = gradients_in_slots(computed, output_mask);
   return {grads[0], grads[1], grads[2]};
 }
 
 }  // namespace
 
 TORCH_LIBRARY_IMPL(deformconv, Autograd, m) {
-  m.impl("dcnv3", TORCH_FN(dcnv3_autograd));
-  m.impl("dcnv3_backward", TORCH_FN(dcnv3_backward_autograd));
+  m.impl("dcnv3", TORCH_FN(dcnv3_kernel<dcnv3_autograd>));
+  m.impl("dcnv3_backward", TORCH_FN(dcnv3_backward_kernel<dcnv3_backward_autograd>));
 }
 
 }  // namespace deformconv

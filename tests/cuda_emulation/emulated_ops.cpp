@@ -39,31 +39,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> emulated_
                                      im2col_step, output_mask);
 }
 
-at::Tensor emulated_dcnv3(const at::Tensor& input, const at::Tensor& offset,
-                          const at::Tensor& mask, int64_t kernel_h, int64_t kernel_w,
-                          int64_t stride_h, int64_t stride_w, int64_t pad_h, int64_t pad_w,
-                          int64_t dilation_h, int64_t dilation_w, int64_t group,
-                          int64_t group_channels, double offset_scale, int64_t im2col_step,
-                          bool remove_center) {
-  return dcnv3_cuda(dcnv3_cuda_launchers(), input, offset, mask,
-                    {kernel_h, kernel_w, stride_h, stride_w, pad_h, pad_w, dilation_h,
-                     dilation_w, group, group_channels, offset_scale, im2col_step,
-                     remove_center});
-}
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor> emulated_dcnv3_backward(
-    const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& offset,
-    const at::Tensor& mask, int64_t kernel_h, int64_t kernel_w, int64_t stride_h,
-    int64_t stride_w, int64_t pad_h, int64_t pad_w, int64_t dilation_h, int64_t dilation_w,
-    int64_t group, int64_t group_channels, double offset_scale, int64_t im2col_step,
-    bool remove_center, std::array<bool, 3> output_mask) {
-  return dcnv3_backward_cuda(dcnv3_cuda_launchers(), grad_output, input, offset, mask,
-                             {kernel_h, kernel_w, stride_h, stride_w, pad_h, pad_w, dilation_h,
-                              dilation_w, group, group_channels, offset_scale, im2col_step,
-                              remove_center},
-                             output_mask);
-}
-
 void configure(int64_t block_order, int64_t thread_order, int64_t grid_cap, int64_t seed,
                int64_t current_stream, int64_t columns_tile_bytes, bool wide_indices) {
   TORCH_CHECK(block_order >= 0 && block_order <= 2 && thread_order >= 0 && thread_order <= 2,
@@ -145,8 +120,8 @@ TORCH_LIBRARY(deformconv_emulated, m) {
 TORCH_LIBRARY_IMPL(deformconv_emulated, CPU, m) {
   m.impl("deform_conv2d", TORCH_FN(emulated_forward));
   m.impl("deform_conv2d_backward", TORCH_FN(emulated_backward));
-  m.impl("dcnv3", TORCH_FN(emulated_dcnv3));
-  m.impl("dcnv3_backward", TORCH_FN(emulated_dcnv3_backward));
+  m.impl("dcnv3", TORCH_FN(dcnv3_kernel<dcnv3_cuda>));
+  m.impl("dcnv3_backward", TORCH_FN(dcnv3_backward_kernel<dcnv3_backward_cuda>));
 }
 
 TORCH_LIBRARY_IMPL(deformconv_emulated, CompositeExplicitAutograd, m) {
