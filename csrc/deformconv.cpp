@@ -13,5 +13,7 @@ TORCH_LIBRARY(deformconv, m) {
   m.def(deformconv::schemas::kCheckArguments);
   m.def(deformconv::schemas::kDcnv3);
   m.def(deformconv::schemas::kDcnv3Backward);
+  m.def(deformconv::schemas::kDcnv4);
+  m.def(deformconv::schemas::kDcnv4Backward);
   m.def(deformconv::schemas::kCheckDcnv3Arguments);
 }

@@ -45,10 +45,28 @@ inline constexpr const char* kDcnv3Backward =
     "int dilation_w, int group, int group_channels, float offset_scale, int im2col_step, "
     "bool remove_center, bool[3] output_mask) -> (Tensor, Tensor, Tensor)";
 
+// DCNv4 (FlashInternImage), in the original DCNv4Function's order: dcnv3 with offsets and mask
+// packed in one tensor, offset_mask (N, H_out, W_out, C_pad), C_pad >= group * P * 3; group g
+// owns channels [3 P g, 3 P (g + 1)): the (x, y) pairs of its P points, then their P mask
+// values. Channels from group * P * 3 on are padding, never read.
+inline constexpr const char* kDcnv4 =
+    "dcnv4(Tensor input, Tensor offset_mask, int kernel_h, int kernel_w, int stride_h, "
+    "int stride_w, int pad_h, int pad_w, int dilation_h, int dilation_w, int group, "
+    "int group_channels, float offset_scale, int im2col_step, bool remove_center) -> Tensor";
+
+// Gradients of (input, offset_mask), zero in offset_mask's padding; output_mask selects which
+// are computed.
+inline constexpr const char* kDcnv4Backward =
+    "dcnv4_backward(Tensor grad_output, Tensor input, Tensor offset_mask, int kernel_h, "
+    "int kernel_w, int stride_h, int stride_w, int pad_h, int pad_w, int dilation_h, "
+    "int dilation_w, int group, int group_channels, float offset_scale, int im2col_step, "
+    "bool remove_center, bool[2] output_mask) -> (Tensor, Tensor)";
+
 // The checks of dcnv3 (grad_output absent) or dcnv3_backward (present), reading no tensor
-// data; returns the output shape. For the fake kernels.
+// data; returns the output shape. For the fake kernels. Without a mask, those of dcnv4, the
+// offset tensor being offset_mask.
 inline constexpr const char* kCheckDcnv3Arguments =
-    "_check_dcnv3_arguments(Tensor? grad_output, Tensor input, Tensor offset, Tensor mask, "
+    "_check_dcnv3_arguments(Tensor? grad_output, Tensor input, Tensor offset, Tensor? mask, "
     "int kernel_h, int kernel_w, int stride_h, int stride_w, int pad_h, int pad_w, "
     "int dilation_h, int dilation_w, int group, int group_channels, float offset_scale, "
     "int im2col_step, bool remove_center) -> int[]";

@@ -51,7 +51,7 @@ from .modules import (
     ModulatedDeformConv2dPack,
     upgrade_mmcv_state_dict,
 )
-from .ops import dcnv3, deform_conv2d
+from .ops import dcnv3, dcnv4, deform_conv2d
 
 
 def cuda_compiled() -> bool:
@@ -68,6 +68,7 @@ __all__ = [
     "convert_to_deformable",
     "cuda_compiled",
     "dcnv3",
+    "dcnv4",
     "deform_conv2d",
     "upgrade_mmcv_state_dict",
 ]

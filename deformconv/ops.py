@@ -201,9 +201,47 @@ def dcnv3(
         dilation_w, group, group_channels, float(offset_scale), im2col_step, bool(remove_center))
 
 
+def dcnv4(
+    input: Tensor,
+    offset_mask: Tensor,
+    kernel_h: int,
+    kernel_w: int,
+    stride_h: int,
+    stride_w: int,
+    pad_h: int,
+    pad_w: int,
+    dilation_h: int,
+    dilation_w: int,
+    group: int,
+    group_channels: int,
+    offset_scale: float,
+    im2col_step: int = 0,
+    remove_center: bool = False,
+) -> Tensor:
+    r"""DCNv4, the core op of FlashInternImage, in the original ``DCNv4Function.apply``'s
+    argument order: :func:`dcnv3` with the offsets and the mask packed in one tensor.
+
+    Args:
+        input: (N, H, W, group * group_channels).
+        offset_mask: (N, H_out, W_out, C_pad), C_pad >= group * P * 3 (the DCNv4 module makes
+            it a multiple of 8). Group g owns channels [3 P g, 3 P (g + 1)): channels
+            3 P g + 2 p and 3 P g + 2 p + 1 are the x and y displacements of its point p,
+            channel 3 P g + 2 P + p that point's mask value, used as given (no softmax).
+            Channels from group * P * 3 on are padding: never read, and their gradient is zero.
+        The other arguments are those of :func:`dcnv3`.
+
+    Returns:
+        (N, H_out, W_out, group * group_channels).
+    """
+    return torch.ops.deformconv.dcnv4(
+        input, offset_mask, kernel_h, kernel_w, stride_h, stride_w, pad_h, pad_w, dilation_h,
+        dilation_w, group, group_channels, float(offset_scale), im2col_step,
+        bool(remove_center))
+
+
 def _check_dcnv3_arguments(grad_output, input, offset, mask, *rest) -> List[int]:
     """dcnv3's own argument checks on meta copies, as _check_arguments does for
-    deform_conv2d."""
+    deform_conv2d; those of dcnv4 when mask is None, offset being offset_mask."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     with unset_fake_temporarily():
@@ -221,10 +259,8 @@ def _dcnv3_fake(input, offset, mask, kernel_h, kernel_w, stride_h, stride_w, pad
     if all(_has_static_shape(t) for t in (input, offset, mask)):
         shape = _check_dcnv3_arguments(None, input, offset, mask, *scalars)
     else:
-        shape = (input.shape[0],
-                 _output_size(input.shape[1], kernel_h, stride_h, pad_h, dilation_h),
-                 _output_size(input.shape[2], kernel_w, stride_w, pad_w, dilation_w),
-                 input.shape[3])
+        shape = _dcnv3_output_shape(input, kernel_h, kernel_w, stride_h, stride_w, pad_h, pad_w,
+                                    dilation_h, dilation_w)
     return input.new_empty(shape)
 
 
@@ -243,4 +279,36 @@ def _dcnv3_backward_fake(grad_output, input, offset, mask, kernel_h, kernel_w, s
         torch.empty_like(input, memory_format=contiguous) if want_input else None,
         torch.empty_like(offset, memory_format=contiguous) if want_offset else None,
         torch.empty_like(mask, memory_format=contiguous) if want_mask else None,
+    )
+
+
+def _dcnv3_output_shape(input, kernel_h, kernel_w, stride_h, stride_w, pad_h, pad_w,
+                        dilation_h, dilation_w):
+    return (input.shape[0],
+            _output_size(input.shape[1], kernel_h, stride_h, pad_h, dilation_h),
+            _output_size(input.shape[2], kernel_w, stride_w, pad_w, dilation_w),
+            input.shape[3])
+
+
+@torch.library.register_fake("deformconv::dcnv4")
+def _dcnv4_fake(input, offset_mask, *scalars):
+    _check_devices("dcnv4", input, offset_mask=offset_mask)
+    if all(_has_static_shape(t) for t in (input, offset_mask)):
+        shape = _check_dcnv3_arguments(None, input, offset_mask, None, *scalars)
+    else:
+        shape = _dcnv3_output_shape(input, *scalars[:8])
+    return input.new_empty(shape)
+
+
+@torch.library.register_fake("deformconv::dcnv4_backward")
+def _dcnv4_backward_fake(grad_output, input, offset_mask, *scalars_and_output_mask):
+    *scalars, output_mask = scalars_and_output_mask
+    _check_devices("dcnv4_backward", input, grad_output=grad_output, offset_mask=offset_mask)
+    if all(_has_static_shape(t) for t in (grad_output, input, offset_mask)):
+        _check_dcnv3_arguments(grad_output, input, offset_mask, None, *scalars)
+    contiguous = torch.contiguous_format
+    want_input, want_offset_mask = output_mask
+    return (
+        torch.empty_like(input, memory_format=contiguous) if want_input else None,
+        torch.empty_like(offset_mask, memory_format=contiguous) if want_offset_mask else None,
     )

@@ -176,6 +176,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dcnv3_backward_cpu(
 TORCH_LIBRARY_IMPL(deformconv, CPU, m) {
   m.impl("dcnv3", TORCH_FN(dcnv3_kernel<dcnv3_cpu>));
   m.impl("dcnv3_backward", TORCH_FN(dcnv3_backward_kernel<dcnv3_backward_cpu>));
+  m.impl("dcnv4", TORCH_FN(dcnv4_kernel<dcnv3_cpu>));
+  m.impl("dcnv4_backward", TORCH_FN(dcnv4_backward_kernel<dcnv3_backward_cpu>));
 }
 
 }  // namespace deformconv

@@ -55,7 +55,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dcnv3_backward_cuda(
   check_dcnv3_devices(input, offset, mask, grad_output);
   if (output_mask[0]) {
     // The input gradient is a scatter with atomic adds, whose order varies from run to run.
-    at::globalContext().alertNotDeterministic("dcnv3_backward_cuda (input gradient)");
+    at::globalContext().alertNotDeterministic(mask.defined()
+                                                  ? "dcnv3_backward_cuda (input gradient)"
+                                                  : "dcnv4_backward_cuda (input gradient)");
   }
   const c10::cuda::CUDAGuard device_guard(input.device());
   return dcnv3_backward(dcnv3_cuda_launchers(), grad_output, input, offset, mask, args,

@@ -39,6 +39,8 @@ TORCH_LIBRARY_IMPL(deformconv, CUDA, m) {
   m.impl("deform_conv2d_backward", TORCH_FN(deform_conv2d_backward_cuda_kernel));
   m.impl("dcnv3", TORCH_FN(dcnv3_kernel<dcnv3_cuda>));
   m.impl("dcnv3_backward", TORCH_FN(dcnv3_backward_kernel<dcnv3_backward_cuda>));
+  m.impl("dcnv4", TORCH_FN(dcnv4_kernel<dcnv3_cuda>));
+  m.impl("dcnv4_backward", TORCH_FN(dcnv4_backward_kernel<dcnv3_backward_cuda>));
 }
 
 }  // namespace deformconv

@@ -13,25 +13,49 @@ namespace deformconv {
 
 namespace {
 
-// A 4-D channels-last tensor of the given shape and of input's dtype; `layout` names the
-// dimensions for the message.
-void check_nhwc(const char* name, const at::Tensor& tensor, const at::Tensor& input,
-                std::array<int64_t, 4> shape, const char* layout) {
-  TORCH_CHECK_VALUE(tensor.dim() == 4, "dcnv3(): expected ", name, " to be a 4-D tensor ",
-                    layout, ", but got a ", tensor.dim(), "-D tensor of shape ",
-                    tensor.sizes());
-  TORCH_CHECK_TYPE(tensor.scalar_type() == input.scalar_type(), "dcnv3(): expected ", name,
+// The op in messages: dcnv3, or dcnv4 without a mask (Note [DCNv4 is DCNv3 without a mask
+// tensor]).
+const char* op_name(const at::Tensor& mask) {
+  return mask.defined() ? "dcnv3()" : "dcnv4()";
+}
+
+// A 4-D channels-last tensor of input's dtype whose first three sizes and, when `channels` is
+// set, last size are those of `shape`; `layout` names the dimensions for the message.
+void check_nhwc(const char* op, const char* name, const at::Tensor& tensor,
+                const at::Tensor& input, std::array<int64_t, 4> shape, bool any_channels,
+                const char* layout) {
+  TORCH_CHECK_VALUE(tensor.dim() == 4, op, ": expected ", name, " to be a 4-D tensor ", layout,
+                    ", but got a ", tensor.dim(), "-D tensor of shape ", tensor.sizes());
+  TORCH_CHECK_TYPE(tensor.scalar_type() == input.scalar_type(), op, ": expected ", name,
                    " to have the dtype of input (", input.scalar_type(), "), but got ",
                    tensor.scalar_type());
-  TORCH_CHECK_VALUE(tensor.sizes() == c10::IntArrayRef(shape), "dcnv3(): expected ", name,
+  if (any_channels) {
+    shape[3] = tensor.size(3);
+  }
+  TORCH_CHECK_VALUE(tensor.sizes() == c10::IntArrayRef(shape), op, ": expected ", name,
                     " of shape ", c10::IntArrayRef(shape), " ", layout, ", but got ",
                     tensor.sizes());
 }
 
-// The offsets and mask of DCNv3's separate tensors.
-Dcnv3Fields dcnv3_fields(const Dcnv3Geometry& g) {
+// Where the launchers find the offsets and mask: DCNv3's separate tensors, or DCNv4's packed
+// offset_mask (channels per pixel C_pad, 3 P per group).
+Dcnv3Fields dcnv3_fields(const Dcnv3Geometry& g, const at::Tensor& offset,
+                         const at::Tensor& mask) {
   const int64_t P = g.points();
-  return {2 * g.groups * P, 2 * P, g.groups * P, P};
+  if (mask.defined()) {
+    return {2 * g.groups * P, 2 * P, g.groups * P, P};
+  }
+  return {offset.size(3), 3 * P, offset.size(3), 3 * P};
+}
+
+// What the launchers index as the mask (or, given gradients, as its gradient): DCNv3's own
+// tensor, or DCNv4's offset_mask from its first group's mask values on, indexed through
+// dcnv3_fields' strides.
+at::Tensor mask_slots(const Dcnv3Geometry& g, const at::Tensor& offset, const at::Tensor& mask) {
+  if (mask.defined()) {
+    return mask;
+  }
+  return offset.narrow(3, 2 * g.points(), offset.size(3) - 2 * g.points());
 }
 
 }  // namespace
@@ -39,12 +63,16 @@ Dcnv3Fields dcnv3_fields(const Dcnv3Geometry& g) {
 void check_dcnv3_devices(const at::Tensor& input, const at::Tensor& offset, const at::Tensor& mask,
                          const std::optional<at::Tensor>& grad_output) {
   const auto check = [&](const char* name, const at::Tensor& tensor) {
-    TORCH_CHECK_VALUE(tensor.device() == input.device(), "dcnv3(): expected ", name,
+    TORCH_CHECK_VALUE(tensor.device() == input.device(), op_name(mask), ": expected ", name,
                       " to be on the device of input (", input.device(), "), but got ",
                       tensor.device());
   };
-  check("offset", offset);
-  check("mask", mask);
+  if (mask.defined()) {
+    check("offset", offset);
+    check("mask", mask);
+  } else {
+    check("offset_mask", offset);
+  }
   if (grad_output.has_value()) {
     check("grad_output", *grad_output);
   }
@@ -53,15 +81,16 @@ void check_dcnv3_devices(const at::Tensor& input, const at::Tensor& offset, cons
 Dcnv3Geometry check_dcnv3_arguments(const std::optional<at::Tensor>& grad_output,
                                     const at::Tensor& input, const at::Tensor& offset,
                                     const at::Tensor& mask, const Dcnv3Arguments& a) {
-  TORCH_CHECK_TYPE(at::isFloatingType(input.scalar_type()),
-                   "dcnv3(): expected input to have a floating point dtype (float16, bfloat16, "
+  const char* op = op_name(mask);
+  TORCH_CHECK_TYPE(at::isFloatingType(input.scalar_type()), op,
+                   ": expected input to have a floating point dtype (float16, bfloat16, "
                    "float32 or float64), but got ", input.scalar_type());
-  TORCH_CHECK_VALUE(input.dim() == 4, "dcnv3(): expected input to be a 4-D tensor (batch, "
+  TORCH_CHECK_VALUE(input.dim() == 4, op, ": expected input to be a 4-D tensor (batch, "
                     "height, width, channels), but got a ", input.dim(),
                     "-D tensor of shape ", input.sizes());
   check_dcnv3_devices(input, offset, mask, grad_output);
-  const auto at_least = [](const char* name, int64_t value, int64_t minimum) {
-    TORCH_CHECK_VALUE(value >= minimum, "dcnv3(): expected ", name, " to be at least ", minimum,
+  const auto at_least = [op](const char* name, int64_t value, int64_t minimum) {
+    TORCH_CHECK_VALUE(value >= minimum, op, ": expected ", name, " to be at least ", minimum,
                       ", but got ", value);
   };
   at_least("kernel_h", a.kernel_h, 1);
@@ -75,13 +104,13 @@ Dcnv3Geometry check_dcnv3_arguments(const std::optional<at::Tensor>& grad_output
   at_least("group", a.group, 1);
   at_least("group_channels", a.group_channels, 1);
   at_least("im2col_step", a.im2col_step, 0);
-  TORCH_CHECK_VALUE(std::isfinite(a.offset_scale),
-                    "dcnv3(): expected offset_scale to be finite, but got ", a.offset_scale);
-  TORCH_CHECK_VALUE(!a.remove_center || a.kernel_h * a.kernel_w > 1,
-                    "dcnv3(): remove_center needs a kernel of more than one point, but got ",
+  TORCH_CHECK_VALUE(std::isfinite(a.offset_scale), op,
+                    ": expected offset_scale to be finite, but got ", a.offset_scale);
+  TORCH_CHECK_VALUE(!a.remove_center || a.kernel_h * a.kernel_w > 1, op,
+                    ": remove_center needs a kernel of more than one point, but got ",
                     a.kernel_h, " x ", a.kernel_w);
-  TORCH_CHECK_VALUE(input.size(3) == a.group * a.group_channels,
-                    "dcnv3(): expected input to have group * group_channels = ", a.group, " * ",
+  TORCH_CHECK_VALUE(input.size(3) == a.group * a.group_channels, op,
+                    ": expected input to have group * group_channels = ", a.group, " * ",
                     a.group_channels, " = ", a.group * a.group_channels,
                     " channels (its last dimension), but got ", input.size(3));
 
@@ -102,20 +131,31 @@ Dcnv3Geometry check_dcnv3_arguments(const std::optional<at::Tensor>& grad_output
   g.offset_scale = a.offset_scale;
   const int64_t span_h = a.dilation_h * (a.kernel_h - 1) + 1;
   const int64_t span_w = a.dilation_w * (a.kernel_w - 1) + 1;
-  TORCH_CHECK_VALUE(g.height + 2 * a.pad_h >= span_h && g.width + 2 * a.pad_w >= span_w,
-                    "dcnv3(): expected the padded input (", g.height + 2 * a.pad_h, " x ",
+  TORCH_CHECK_VALUE(g.height + 2 * a.pad_h >= span_h && g.width + 2 * a.pad_w >= span_w, op,
+                    ": expected the padded input (", g.height + 2 * a.pad_h, " x ",
                     g.width + 2 * a.pad_w, ") to be at least as large as the dilated kernel (",
                     span_h, " x ", span_w, "), so that the output is not empty");
   g.out_height = output_length(g.height, a.kernel_h, a.stride_h, a.pad_h, a.dilation_h);
   g.out_width = output_length(g.width, a.kernel_w, a.stride_w, a.pad_w, a.dilation_w);
 
   const int64_t N = input.size(0);
-  check_nhwc("offset", offset, input, {N, g.out_height, g.out_width, 2 * g.groups * g.points()},
-             "(batch, out_height, out_width, group * points * 2)");
-  check_nhwc("mask", mask, input, {N, g.out_height, g.out_width, g.groups * g.points()},
-             "(batch, out_height, out_width, group * points)");
+  const int64_t points = g.groups * g.points();
+  if (mask.defined()) {
+    check_nhwc(op, "offset", offset, input, {N, g.out_height, g.out_width, 2 * points}, false,
+               "(batch, out_height, out_width, group * points * 2)");
+    check_nhwc(op, "mask", mask, input, {N, g.out_height, g.out_width, points}, false,
+               "(batch, out_height, out_width, group * points)");
+  } else {
+    check_nhwc(op, "offset_mask", offset, input, {N, g.out_height, g.out_width, 0}, true,
+               "(batch, out_height, out_width, channels)");
+    TORCH_CHECK_VALUE(offset.size(3) >= 3 * points, op,
+                      ": expected offset_mask to have at least group * points * 3 = ", a.group,
+                      " * ", g.points(), " * 3 = ", 3 * points,
+                      " channels (its last dimension), but got ", offset.size(3));
+  }
   if (grad_output.has_value()) {
-    check_nhwc("grad_output", *grad_output, input, {N, g.out_height, g.out_width, g.channels()},
+    check_nhwc(op, "grad_output", *grad_output, input,
+               {N, g.out_height, g.out_width, g.channels()}, false,
                "(batch, out_height, out_width, channels)");
   }
   return g;
@@ -130,8 +170,10 @@ at::Tensor dcnv3_forward(const Dcnv3Launchers& launchers, const at::Tensor& inpu
   at::Tensor output =
       at::empty({batch, g.out_height, g.out_width, g.channels()}, input_arg.options());
   if (output.numel() > 0) {
-    launchers.forward(g, dcnv3_fields(g), batch, input_arg.contiguous(),
-                      offset_arg.contiguous(), mask_arg.contiguous(), output);
+    const at::Tensor offset = offset_arg.contiguous();
+    const at::Tensor mask = mask_arg.defined() ? mask_arg.contiguous() : at::Tensor();
+    launchers.forward(g, dcnv3_fields(g, offset, mask), batch, input_arg.contiguous(), offset,
+                      mask_slots(g, offset, mask), output);
   }
   return output;
 }
@@ -142,26 +184,31 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dcnv3_backward(
     const Dcnv3Arguments& args, std::array<bool, 3> output_mask) {
   const Dcnv3Geometry g =
       check_dcnv3_arguments(grad_output_arg, input_arg, offset_arg, mask_arg, args);
-  const auto [want_input, want_offset, want_mask] = output_mask;
+  const bool packed = !mask_arg.defined();
+  const auto [want_input, want_offset, want_own_mask] = output_mask;
+  const bool want_mask = packed ? want_offset : want_own_mask;
   const int64_t batch = input_arg.size(0);
   const at::Tensor grad_output = grad_output_arg.contiguous();
   const at::Tensor input = input_arg.contiguous();
   const at::Tensor offset = offset_arg.contiguous();
-  const at::Tensor mask = mask_arg.contiguous();
-  const Dcnv3Fields fields = dcnv3_fields(g);
+  const at::Tensor mask = packed ? at::Tensor() : mask_arg.contiguous();
+  const Dcnv3Fields fields = dcnv3_fields(g, offset, mask);
   at::Tensor grad_input = want_input ? at::zeros_like(input) : at::Tensor();
-  // Every sample writes its own offset and mask gradients; an empty sum leaves them zero.
+  // Every sample writes its own offset and mask gradients; an empty sum leaves them zero, and
+  // so does DCNv4's padding, which no sample owns.
   at::Tensor grad_offset = want_offset ? at::zeros_like(offset) : at::Tensor();
-  at::Tensor grad_mask = want_mask ? at::zeros_like(mask) : at::Tensor();
+  at::Tensor grad_mask = packed || !want_mask ? at::Tensor() : at::zeros_like(mask);
   if (grad_output.numel() == 0 || input.numel() == 0) {
     return {grad_input, grad_offset, grad_mask};
   }
   if (want_input) {
-    launchers.input_grad(g, fields, batch, grad_output, offset, mask, grad_input);
+    launchers.input_grad(g, fields, batch, grad_output, offset, mask_slots(g, offset, mask),
+                         grad_input);
   }
   if (want_offset || want_mask) {
-    launchers.offset_mask_grad(g, fields, batch, grad_output, input, offset, mask, grad_offset,
-                               grad_mask);
+    at::Tensor grad_mask_slots = packed ? mask_slots(g, grad_offset, mask) : grad_mask;
+    launchers.offset_mask_grad(g, fields, batch, grad_output, input, offset,
+                               mask_slots(g, offset, mask), grad_offset, grad_mask_slots);
   }
   return {grad_input, grad_offset, grad_mask};
 }

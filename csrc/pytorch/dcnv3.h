@@ -1,10 +1,17 @@
 #pragma once
 
-// DCNv3 (InternImage's core op, ../shared/DCN_V3_V4.md §1): argument checks, the launcher
-// table that cpu/ and cuda/ fill in, and the device-neutral driver. The op has no columns and
-// no GEMMs: each launcher walks samples or pixels directly, so memory beyond the outputs is
-// the float32 input-gradient sums of half precision only, whatever the batch, and im2col_step
-// (kept for the originals' signature) changes nothing.
+// DCNv3 (InternImage's core op, ../shared/DCN_V3_V4.md §1) and DCNv4 (FlashInternImage's, §3):
+// argument checks, the launcher table that cpu/ and cuda/ fill in, and the device-neutral
+// driver. The ops have no columns and no GEMMs: each launcher walks samples or pixels
+// directly, so memory beyond the outputs is the float32 input-gradient sums of half precision
+// only, whatever the batch, and im2col_step (kept for the originals' signature) changes
+// nothing.
+//
+// Note [DCNv4 is DCNv3 without a mask tensor]
+// DCNv4 computes what DCNv3 computes, its offsets and mask packed in one tensor offset_mask.
+// The driver, the kernels per dispatch key and the checks take DCNv4's offset_mask in DCNv3's
+// offset slot and an undefined mask; the launchers read both through Dcnv3Fields and never
+// see the difference.
 
 #include <ATen/core/Tensor.h>
 
@@ -42,7 +49,8 @@ struct Dcnv3Arguments {
   bool remove_center;
 };
 
-// The ops' kernels per dispatch key, over the gathered arguments.
+// The ops' kernels per dispatch key, over the gathered arguments; mask undefined for DCNv4
+// (Note [DCNv4 is DCNv3 without a mask tensor]), which has no mask gradient.
 using Dcnv3Forward = at::Tensor (*)(const at::Tensor& input, const at::Tensor& offset,
                                     const at::Tensor& mask, const Dcnv3Arguments& args);
 using Dcnv3Backward = std::tuple<at::Tensor, at::Tensor, at::Tensor> (*)(
@@ -75,12 +83,40 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dcnv3_backward_kernel(
                   output_mask);
 }
 
+// The same for dcnv4: offset_mask in the offset slot.
+template <Dcnv3Forward forward>
+at::Tensor dcnv4_kernel(const at::Tensor& input, const at::Tensor& offset_mask, int64_t kernel_h,
+                        int64_t kernel_w, int64_t stride_h, int64_t stride_w, int64_t pad_h,
+                        int64_t pad_w, int64_t dilation_h, int64_t dilation_w, int64_t group,
+                        int64_t group_channels, double offset_scale, int64_t im2col_step,
+                        bool remove_center) {
+  return forward(input, offset_mask, at::Tensor(),
+                 {kernel_h, kernel_w, stride_h, stride_w, pad_h, pad_w, dilation_h, dilation_w,
+                  group, group_channels, offset_scale, im2col_step, remove_center});
+}
+
+template <Dcnv3Backward backward>
+std::tuple<at::Tensor, at::Tensor> dcnv4_backward_kernel(
+    const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& offset_mask,
+    int64_t kernel_h, int64_t kernel_w, int64_t stride_h, int64_t stride_w, int64_t pad_h,
+    int64_t pad_w, int64_t dilation_h, int64_t dilation_w, int64_t group,
+    int64_t group_channels, double offset_scale, int64_t im2col_step, bool remove_center,
+    std::array<bool, 2> output_mask) {
+  auto [grad_input, grad_offset_mask, no_mask_gradient] = backward(
+      grad_output, input, offset_mask, at::Tensor(),
+      {kernel_h, kernel_w, stride_h, stride_w, pad_h, pad_w, dilation_h, dilation_w, group,
+       group_channels, offset_scale, im2col_step, remove_center},
+      {output_mask[0], output_mask[1], false});
+  return {grad_input, grad_offset_mask};
+}
+
 // That every tensor given is on input's device; raises ValueError naming the first that is not.
 void check_dcnv3_devices(const at::Tensor& input, const at::Tensor& offset, const at::Tensor& mask,
                          const std::optional<at::Tensor>& grad_output);
 
-// Checks the operands of dcnv3 (and grad_output, when given, of its backward) without reading
-// tensor data; raises ValueError or TypeError naming the argument. Returns the geometry.
+// Checks the operands of dcnv3, or of dcnv4 when mask is undefined (and grad_output, when
+// given, of the backward) without reading tensor data; raises ValueError or TypeError naming
+// the argument. Returns the geometry.
 Dcnv3Geometry check_dcnv3_arguments(const std::optional<at::Tensor>& grad_output,
                                     const at::Tensor& input, const at::Tensor& offset,
                                     const at::Tensor& mask, const Dcnv3Arguments& args);
@@ -89,7 +125,8 @@ at::Tensor dcnv3_forward(const Dcnv3Launchers& launchers, const at::Tensor& inpu
                          const at::Tensor& offset, const at::Tensor& mask,
                          const Dcnv3Arguments& args);
 
-// Gradients of (input, offset, mask), those not selected by output_mask undefined.
+// Gradients of (input, offset, mask), those not selected by output_mask undefined. For
+// DCNv4 the offset gradient is offset_mask's, zero in its padding.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> dcnv3_backward(
     const Dcnv3Launchers& launchers, const at::Tensor& grad_output, const at::Tensor& input,
     const at::Tensor& offset, const at::Tensor& mask, const Dcnv3Arguments& args,

@@ -1,5 +1,5 @@
-// Autograd of dcnv3: the backward op for the first derivative; differentiating that again
-// raises, as for deform_conv2d (autograd.cpp).
+// Autograd of dcnv3 and dcnv4: the backward op for the first derivative; differentiating that
+// again raises, as for deform_conv2d (autograd.cpp).
 
 #include <torch/autograd.h>
 #include <torch/library.h>
@@ -29,33 +29,62 @@ Dcnv3Arguments saved_arguments(AutogradContext* ctx) {
           ctx->saved_data["remove_center"].toBool()};
 }
 
+// The op of the call: dcnv3, or dcnv4 without a mask (Note [DCNv4 is DCNv3 without a mask
+// tensor]).
+at::Tensor call_forward(const at::Tensor& input, const at::Tensor& offset, const at::Tensor& mask,
+                        const Dcnv3Arguments& a) {
+  if (!mask.defined()) {
+    return dcnv4_op().call(input, offset, a.kernel_h, a.kernel_w, a.stride_h, a.stride_w,
+                           a.pad_h, a.pad_w, a.dilation_h, a.dilation_w, a.group,
+                           a.group_channels, a.offset_scale, a.im2col_step, a.remove_center);
+  }
+  return dcnv3_op().call(input, offset, mask, a.kernel_h, a.kernel_w, a.stride_h, a.stride_w,
+                         a.pad_h, a.pad_w, a.dilation_h, a.dilation_w, a.group,
+                         a.group_channels, a.offset_scale, a.im2col_step, a.remove_center);
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> call_backward(
     const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& offset,
     const at::Tensor& mask, const Dcnv3Arguments& a, std::array<bool, 3> output_mask) {
+  if (!mask.defined()) {
+    auto [grad_input, grad_offset_mask] = dcnv4_backward_op().call(
+        grad_output, input, offset, a.kernel_h, a.kernel_w, a.stride_h, a.stride_w, a.pad_h,
+        a.pad_w, a.dilation_h, a.dilation_w, a.group, a.group_channels, a.offset_scale,
+        a.im2col_step, a.remove_center, {output_mask[0], output_mask[1]});
+    return {grad_input, grad_offset_mask, at::Tensor()};
+  }
   return dcnv3_backward_op().call(grad_output, input, offset, mask, a.kernel_h, a.kernel_w,
                                   a.stride_h, a.stride_w, a.pad_h, a.pad_w, a.dilation_h,
                                   a.dilation_w, a.group, a.group_channels, a.offset_scale,
                                   a.im2col_step, a.remove_center, output_mask);
 }
 
+// Function::apply records every tensor argument's device, so an absent mask (DCNv4) is passed
+// as std::nullopt rather than as an undefined tensor.
+std::optional<at::Tensor> optional_mask(const at::Tensor& mask) {
+  return mask.defined() ? std::optional<at::Tensor>(mask) : std::nullopt;
+}
+
 class Dcnv3Function : public torch::autograd::Function<Dcnv3Function> {
  public:
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& input,
-                            const at::Tensor& offset, const at::Tensor& mask,
+                            const at::Tensor& offset, const std::optional<at::Tensor>& mask,
                             const Dcnv3Arguments& a) {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
-    ctx->save_for_backward({input, offset, mask});
+    const at::Tensor mask_or_none = mask.value_or(at::Tensor());
+    ctx->save_for_backward({input, offset, mask_or_none});
     save_arguments(ctx, a);
-    return dcnv3_op().call(input, offset, mask, a.kernel_h, a.kernel_w, a.stride_h, a.stride_w,
-                           a.pad_h, a.pad_w, a.dilation_h, a.dilation_w, a.group,
-                           a.group_channels, a.offset_scale, a.im2col_step, a.remove_center);
+    return call_forward(input, offset, mask_or_none, a);
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
     const variable_list saved = ctx->get_saved_variables();
+    // An absent mask is no input of the graph, and has no slot to ask about.
+    const bool has_mask = saved[2].defined();
     auto [grad_input, grad_offset, grad_mask] = call_backward(
         grad_outputs[0], saved[0], saved[1], saved[2], saved_arguments(ctx),
-        {ctx->needs_input_grad(0), ctx->needs_input_grad(1), ctx->needs_input_grad(2)});
+        {ctx->needs_input_grad(0), ctx->needs_input_grad(1),
+         has_mask && ctx->needs_input_grad(2)});
     return {grad_input, grad_offset, grad_mask, at::Tensor()};
   }
 };
@@ -63,24 +92,25 @@ class Dcnv3Function : public torch::autograd::Function<Dcnv3Function> {
 // Records the backward op in the graph only to refuse a second derivative through it.
 class Dcnv3BackwardFunction : public torch::autograd::Function<Dcnv3BackwardFunction> {
  public:
-  static variable_list forward(AutogradContext* /*ctx*/, const at::Tensor& grad_output,
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& grad_output,
                                const at::Tensor& input, const at::Tensor& offset,
-                               const at::Tensor& mask, const Dcnv3Arguments& a,
+                               const std::optional<at::Tensor>& mask, const Dcnv3Arguments& a,
                                std::array<bool, 3> output_mask) {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
+    ctx->saved_data["op"] = mask.has_value() ? "dcnv3" : "dcnv4";
     auto [grad_input, grad_offset, grad_mask] =
-        call_backward(grad_output, input, offset, mask, a, output_mask);
+        call_backward(grad_output, input, offset, mask.value_or(at::Tensor()), a, output_mask);
     return defined_gradients({grad_input, grad_offset, grad_mask});
   }
 
-  static variable_list backward(AutogradContext* /*ctx*/, variable_list /*grad_outputs*/) {
-    refuse_double_backward("dcnv3");
+  static variable_list backward(AutogradContext* ctx, variable_list /*grad_outputs*/) {
+    refuse_double_backward(ctx->saved_data["op"].toStringRef().c_str());
   }
 };
 
 at::Tensor dcnv3_autograd(const at::Tensor& input, const at::Tensor& offset,
                           const at::Tensor& mask, const Dcnv3Arguments& a) {
-  return Dcnv3Function::apply(input, offset, mask, a);
+  return Dcnv3Function::apply(input, offset, optional_mask(mask), a);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> dcnv3_backward_autograd(
@@ -94,7 +124,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dcnv3_backward_autograd(
     return call_backward(grad_output, input, offset, mask, a, output_mask);
   }
   const variable_list computed =
-      Dcnv3BackwardFunction::apply(grad_output, input, offset, mask, a, output_mask);
+      Dcnv3BackwardFunction::apply(grad_output, input, offset, optional_mask(mask), a,
+                                   output_mask);
   const auto grads = gradients_in_slots(computed, output_mask);
   return {grads[0], grads[1], grads[2]};
 }
@@ -104,6 +135,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dcnv3_backward_autograd(
 TORCH_LIBRARY_IMPL(deformconv, Autograd, m) {
   m.impl("dcnv3", TORCH_FN(dcnv3_kernel<dcnv3_autograd>));
   m.impl("dcnv3_backward", TORCH_FN(dcnv3_backward_kernel<dcnv3_backward_autograd>));
+  m.impl("dcnv4", TORCH_FN(dcnv4_kernel<dcnv3_autograd>));
+  m.impl("dcnv4_backward", TORCH_FN(dcnv4_backward_kernel<dcnv3_backward_autograd>));
 }
 
 }  // namespace deformconv

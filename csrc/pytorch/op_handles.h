@@ -61,4 +61,27 @@ inline const c10::TypedOperatorHandle<Dcnv3BackwardSignature>& dcnv3_backward_op
   return op;
 }
 
+using Dcnv4Signature = at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, int64_t,
+                                  int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
+                                  int64_t, double, int64_t, bool);
+
+using Dcnv4BackwardSignature = std::tuple<at::Tensor, at::Tensor>(
+    const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t, int64_t, int64_t,
+    int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, double, int64_t, bool,
+    std::array<bool, 2>);
+
+inline const c10::TypedOperatorHandle<Dcnv4Signature>& dcnv4_op() {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("deformconv::dcnv4", "")
+                             .typed<Dcnv4Signature>();
+  return op;
+}
+
+inline const c10::TypedOperatorHandle<Dcnv4BackwardSignature>& dcnv4_backward_op() {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("deformconv::dcnv4_backward", "")
+                             .typed<Dcnv4BackwardSignature>();
+  return op;
+}
+
 }  // namespace deformconv

@@ -29,15 +29,15 @@ std::vector<int64_t> check_arguments_op(
   return {input.size(0), g.out_channels, g.out_height, g.out_width};
 }
 
-// The same for dcnv3.
+// The same for dcnv3, or dcnv4 without a mask.
 std::vector<int64_t> check_dcnv3_arguments_op(
     const std::optional<at::Tensor>& grad_output, const at::Tensor& input,
-    const at::Tensor& offset, const at::Tensor& mask, int64_t kernel_h, int64_t kernel_w,
+    const at::Tensor& offset, const std::optional<at::Tensor>& mask, int64_t kernel_h, int64_t kernel_w,
     int64_t stride_h, int64_t stride_w, int64_t pad_h, int64_t pad_w, int64_t dilation_h,
     int64_t dilation_w, int64_t group, int64_t group_channels, double offset_scale,
     int64_t im2col_step, bool remove_center) {
   const Dcnv3Geometry g = check_dcnv3_arguments(
-      grad_output, input, offset, mask,
+      grad_output, input, offset, mask.value_or(at::Tensor()),
       {kernel_h, kernel_w, stride_h, stride_w, pad_h, pad_w, dilation_h, dilation_w, group,
        group_channels, offset_scale, im2col_step, remove_center});
   return {input.size(0), g.out_height, g.out_width, g.channels()};

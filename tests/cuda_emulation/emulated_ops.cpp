@@ -109,6 +109,8 @@ TORCH_LIBRARY(deformconv_emulated, m) {
   m.def(schemas::kDeformConv2dBackward);
   m.def(schemas::kDcnv3);
   m.def(schemas::kDcnv3Backward);
+  m.def(schemas::kDcnv4);
+  m.def(schemas::kDcnv4Backward);
   m.def("configure(int block_order, int thread_order, int grid_cap, int seed, "
         "int current_stream, int columns_tile_bytes, bool wide_indices) -> ()");
   m.def("take_bookkeeping() -> int[]");
@@ -122,6 +124,8 @@ TORCH_LIBRARY_IMPL(deformconv_emulated, CPU, m) {
   m.impl("deform_conv2d_backward", TORCH_FN(emulated_backward));
   m.impl("dcnv3", TORCH_FN(dcnv3_kernel<dcnv3_cuda>));
   m.impl("dcnv3_backward", TORCH_FN(dcnv3_backward_kernel<dcnv3_backward_cuda>));
+  m.impl("dcnv4", TORCH_FN(dcnv4_kernel<dcnv3_cuda>));
+  m.impl("dcnv4_backward", TORCH_FN(dcnv4_backward_kernel<dcnv3_backward_cuda>));
 }
 
 TORCH_LIBRARY_IMPL(deformconv_emulated, CompositeExplicitAutograd, m) {
