@@ -153,8 +153,9 @@ class DCNv3(nn.Module):
         value = self.input_proj(input)
         feature = self.dw_conv(input.permute(0, 3, 1, 2))
         offset = self.offset(feature)
-        mask = self.mask(feature).reshape(N, H, W, self.group, -1)
-        mask = F.softmax(mask, -1).reshape(N, H, W, -1).type(value.dtype)
+        points = self.kernel_size * self.kernel_size - self.remove_center
+        mask = self.mask(feature).reshape(N, H, W, self.group, points)
+        mask = F.softmax(mask, -1).reshape(N, H, W, self.group * points).type(value.dtype)
         k = self.kernel_size
         # im2col_step 256 as the original passes; the op takes any batch, and the step changes
         # nothing.
@@ -250,12 +251,13 @@ class DCNv4(nn.Module):
                              f"{(H, W)}" + ("" if shape is not None else
                                             " (L is not a square: pass shape=(H, W))"))
         x = input if self.value_proj is None else self.value_proj(input)
-        x = x.reshape(N, H, W, -1)
+        x = x.reshape(N, H, W, C)
         offset_mask_input = input
         if self.offset_mask_dw is not None:
             offset_mask_input = self.offset_mask_dw(input.view(N, H, W, C).permute(0, 3, 1, 2))
             offset_mask_input = offset_mask_input.permute(0, 2, 3, 1).reshape(N, L, C)
-        offset_mask = self.offset_mask(offset_mask_input).reshape(N, H, W, -1)
+        offset_mask = self.offset_mask(offset_mask_input)
+        offset_mask = offset_mask.reshape(N, H, W, self.offset_mask.out_features)
         value = x
         k = self.kernel_size
         # im2col_step as in DCNv3.
@@ -266,7 +268,7 @@ class DCNv4(nn.Module):
         x = _blend_with_centre_feature_scale(x, value, x, self.center_feature_scale_proj_weight,
                                              self.center_feature_scale_proj_bias,
                                              self.group_channels)
-        x = x.reshape(N, L, -1)
+        x = x.reshape(N, L, C)
         if self.output_proj is not None:
             x = self.output_proj(x)
         return x

@@ -1,18 +1,25 @@
-"""Export to ONNX's standard DeformConv operator (opset 19).
+"""Export to standard ONNX operators (opset 19).
 
     import deformconv.onnx
     deformconv.onnx.export_onnx(model, (x,), "model.onnx")                 # torch.export based
     deformconv.onnx.export_onnx(model, (x,), "model.onnx", dynamo=False)   # TorchScript based
 
-The op maps onto DeformConv(X, W, offset, B, mask) one to one: ONNX uses the same offset layout
-(y, x per tap, deform groups outermost), the same zero-outside bilinear sampling and the same
-mask, so the exported graph computes what PyTorch computes. im2col_step is an execution
+deform_conv2d maps onto DeformConv(X, W, offset, B, mask) one to one: ONNX uses the same offset
+layout (y, x per tap, deform groups outermost), the same zero-outside bilinear sampling and the
+same mask, so the exported graph computes what PyTorch computes. im2col_step is an execution
 detail and has no ONNX counterpart.
+
+ONNX has no DCNv3 or DCNv4 operator. While an export runs, deformconv.dcnv3 and
+deformconv.dcnv4 compute through dcnv3_with_grid_sample instead, in standard operators only
+(GridSample, which samples bilinearly with zeros outside as the ops do, then Mul and
+ReduceSum), which both exporters translate.
 """
 
 from typing import Any, Dict, Optional
 
 import torch
+import torch.nn.functional as F
+from torch import Tensor
 
 OPSET = 19
 
@@ -30,6 +37,70 @@ def _deform_conv2d_to_onnx(input, offset, weight, mask, bias, stride, padding, d
         pads=[padding[0], padding[1], padding[0], padding[1]],
         strides=list(stride),
     )
+
+
+def dcnv3_with_grid_sample(input: Tensor, offset: Tensor, mask: Tensor, kernel_h: int,
+                           kernel_w: int, stride_h: int, stride_w: int, pad_h: int, pad_w: int,
+                           dilation_h: int, dilation_w: int, group: int, group_channels: int,
+                           offset_scale: float, remove_center: bool) -> Tensor:
+    """DCNv3 (../shared/DCN_V3_V4.md §1) in standard operators. offset is
+    (N, H_out, W_out, group, P, 2) and mask (N, H_out, W_out, group, P): the layouts of both
+    ops, viewed per group and point. Each group is an image of group_channels channels that
+    F.grid_sample samples at all its points at once."""
+    N, H, W = input.shape[0], input.shape[1], input.shape[2]
+    Ho, Wo = offset.shape[1], offset.shape[2]
+    G, D = group, group_channels
+    taps = [(i, j) for i in range(kernel_w) for j in range(kernel_h)
+            if not (remove_center and (i, j) == (kernel_w // 2, kernel_h // 2))]
+    P = len(taps)
+    options = dict(dtype=input.dtype, device=input.device)
+    grid_x = torch.tensor([i * dilation_w for i, _ in taps], **options)
+    grid_y = torch.tensor([j * dilation_h for _, j in taps], **options)
+    centre_w = dilation_w * (kernel_w - 1) // 2
+    centre_h = dilation_h * (kernel_h - 1) // 2
+    base_x = torch.arange(Wo, **options) * stride_w + (centre_w - pad_w - centre_w * offset_scale)
+    base_y = torch.arange(Ho, **options) * stride_h + (centre_h - pad_h - centre_h * offset_scale)
+    x = base_x.view(1, 1, -1, 1, 1) + (grid_x + offset[..., 0]) * offset_scale
+    y = base_y.view(1, -1, 1, 1, 1) + (grid_y + offset[..., 1]) * offset_scale
+    # align_corners=False puts pixel centre x at (2 x + 1) / W - 1.
+    grid = torch.stack([(2 * x + 1) / W - 1, (2 * y + 1) / H - 1], dim=-1)
+    grid = grid.permute(0, 3, 1, 2, 4, 5).reshape(N * G, Ho * Wo, P, 2)
+    images = input.reshape(N, H, W, G, D).permute(0, 3, 4, 1, 2).reshape(N * G, D, H, W)
+    samples = F.grid_sample(images, grid, mode="bilinear", padding_mode="zeros",
+                            align_corners=False)  # (N G, D, Ho Wo, P)
+    weights = mask.permute(0, 3, 1, 2, 4).reshape(N * G, 1, Ho * Wo, P)
+    out = (samples * weights).sum(dim=-1)
+    return out.reshape(N, G, D, Ho, Wo).permute(0, 3, 4, 1, 2).reshape(N, Ho, Wo, G * D)
+
+
+def dcnv3_in_standard_onnx_ops(input: Tensor, offset: Tensor, mask: Tensor, kernel_h: int,
+                               kernel_w: int, stride_h: int, stride_w: int, pad_h: int,
+                               pad_w: int, dilation_h: int, dilation_w: int, group: int,
+                               group_channels: int, offset_scale: float,
+                               remove_center: bool) -> Tensor:
+    """deformconv.dcnv3 under export."""
+    N, Ho, Wo = offset.shape[0], offset.shape[1], offset.shape[2]
+    P = kernel_h * kernel_w - int(remove_center)
+    return dcnv3_with_grid_sample(
+        input, offset.reshape(N, Ho, Wo, group, P, 2), mask.reshape(N, Ho, Wo, group, P),
+        kernel_h, kernel_w, stride_h, stride_w, pad_h, pad_w, dilation_h, dilation_w, group,
+        group_channels, offset_scale, remove_center)
+
+
+def dcnv4_in_standard_onnx_ops(input: Tensor, offset_mask: Tensor, kernel_h: int,
+                               kernel_w: int, stride_h: int, stride_w: int, pad_h: int,
+                               pad_w: int, dilation_h: int, dilation_w: int, group: int,
+                               group_channels: int, offset_scale: float,
+                               remove_center: bool) -> Tensor:
+    """deformconv.dcnv4 under export: the packed offsets and mask sliced out of offset_mask
+    (its padding channels left unread)."""
+    N, Ho, Wo = offset_mask.shape[0], offset_mask.shape[1], offset_mask.shape[2]
+    P = kernel_h * kernel_w - int(remove_center)
+    packed = offset_mask[..., :3 * group * P].reshape(N, Ho, Wo, group, 3 * P)
+    return dcnv3_with_grid_sample(
+        input, packed[..., :2 * P].reshape(N, Ho, Wo, group, P, 2), packed[..., 2 * P:],
+        kernel_h, kernel_w, stride_h, stride_w, pad_h, pad_w, dilation_h, dilation_w, group,
+        group_channels, offset_scale, remove_center)
 
 
 def translation_table() -> Dict[Any, Any]:

@@ -5,6 +5,8 @@ from typing import List, Optional, Tuple, Union
 import torch
 from torch import Tensor
 
+from .onnx import dcnv3_in_standard_onnx_ops, dcnv4_in_standard_onnx_ops
+
 IntOrPair = Union[int, Tuple[int, int], List[int]]
 
 
@@ -196,6 +198,11 @@ def dcnv3(
     Returns:
         (N, H_out, W_out, group * group_channels), H_out as for a convolution.
     """
+    if not torch.jit.is_scripting():
+        if torch.onnx.is_in_onnx_export():
+            return dcnv3_in_standard_onnx_ops(
+                input, offset, mask, kernel_h, kernel_w, stride_h, stride_w, pad_h, pad_w,
+                dilation_h, dilation_w, group, group_channels, offset_scale, remove_center)
     return torch.ops.deformconv.dcnv3(
         input, offset, mask, kernel_h, kernel_w, stride_h, stride_w, pad_h, pad_w, dilation_h,
         dilation_w, group, group_channels, float(offset_scale), im2col_step, bool(remove_center))
@@ -233,6 +240,11 @@ def dcnv4(
     Returns:
         (N, H_out, W_out, group * group_channels).
     """
+    if not torch.jit.is_scripting():
+        if torch.onnx.is_in_onnx_export():
+            return dcnv4_in_standard_onnx_ops(
+                input, offset_mask, kernel_h, kernel_w, stride_h, stride_w, pad_h, pad_w,
+                dilation_h, dilation_w, group, group_channels, offset_scale, remove_center)
     return torch.ops.deformconv.dcnv4(
         input, offset_mask, kernel_h, kernel_w, stride_h, stride_w, pad_h, pad_w, dilation_h,
         dilation_w, group, group_channels, float(offset_scale), im2col_step,
