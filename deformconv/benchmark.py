@@ -55,8 +55,30 @@ class Shape:
                 * self.kernel * self.kernel * out_h * out_w)
 
 
+    def describe(self) -> str:
+        return (f"N={self.batch} {self.in_channels}->{self.out_channels} "
+                f"{self.height}x{self.width} stride {self.stride} groups {self.groups} "
+                f"offset groups {self.offset_groups}")
+
+
+@dataclass(frozen=True)
+class Dcnv3Shape:
+    """A DCNv3/DCNv4 core op: channels-last (batch, size, size, channels), 3x3, stride 1,
+    pad 1, group groups of channels // group channels."""
+    name: str
+    batch: int
+    size: int
+    channels: int
+    group: int
+
+    def describe(self) -> str:
+        return (f"DCNv3/DCNv4 N={self.batch} {self.size}x{self.size}x{self.channels} "
+                f"group {self.group} (group_channels {self.channels // self.group}), 3x3")
+
+
 # ResNet-50 DCN stages at detection resolution (800 x 1333 input), plus batched and grouped
-# cases: the table of the CPU performance issue.
+# cases: the table of the CPU performance issue. Then FlashInternImage-T's four stages at
+# 224 x 224, batch 4, for DCNv3 and DCNv4.
 SHAPES = {s.name: s for s in [
     Shape("c3", 1, 128, 128, 100, 168),
     Shape("c4", 1, 256, 256, 50, 84),
@@ -64,7 +86,107 @@ SHAPES = {s.name: s for s in [
     Shape("c3-stride2", 1, 128, 128, 200, 336, stride=2),
     Shape("batch", 8, 64, 64, 56, 56, offset_groups=4),
     Shape("grouped", 1, 512, 512, 50, 84, groups=32),
+    Dcnv3Shape("fit-stage1", 4, 56, 64, 4),
+    Dcnv3Shape("fit-stage2", 4, 28, 128, 8),
+    Dcnv3Shape("fit-stage3", 4, 14, 256, 16),
+    Dcnv3Shape("fit-stage4", 4, 7, 512, 32),
 ]}
+
+
+def dcnv3_grid_sample_formulation(input, offset, mask, group, offset_scale):
+    """What a CPU user of InternImage runs today: the originals' pure-PyTorch DCNv3
+    (dcnv3_core_pytorch, ../shared/DCN_V3_V4.md §1.7) for a 3x3 kernel, stride 1, pad 1,
+    dilation 1, written out from that description: the input zero-padded, float32 sampling
+    grids normalised by the padded size, F.grid_sample (bilinear, zeros, align_corners=False),
+    the mask, the sum over the points."""
+    input = F.pad(input, [0, 0, 1, 1, 1, 1])
+    N, padded_h, padded_w, channels = input.shape
+    out_h, out_w = offset.shape[1], offset.shape[2]
+    group_channels, points = channels // group, 9
+    options = dict(dtype=torch.float32, device=input.device)
+    # Reference points: the pixel centres of the kernel's centre taps, in the padded frame.
+    ref_y = torch.linspace(1.5, 1.5 + out_h - 1, out_h, **options) / padded_h
+    ref_x = torch.linspace(1.5, 1.5 + out_w - 1, out_w, **options) / padded_w
+    ref = torch.stack(torch.meshgrid(ref_x, ref_y, indexing="xy"), -1)  # (Ho, Wo, 2): x, y
+    # The kernel grid, column by column (x outer), about its centre, scaled by offset_scale.
+    taps = torch.tensor([(i - 1, j - 1) for i in range(3) for j in range(3)], **options)
+    kernel_grid = taps / torch.tensor([padded_w, padded_h], **options) * offset_scale
+    scale = torch.tensor([padded_w, padded_h], **options)
+    grid = (ref.view(1, out_h, out_w, 1, 1, 2) + kernel_grid.view(1, 1, 1, 1, points, 2)
+            + offset.view(N, out_h, out_w, group, points, 2) * offset_scale / scale)
+    grid = 2 * grid - 1
+    images = input.view(N, padded_h * padded_w, group * group_channels).transpose(1, 2)
+    images = images.reshape(N * group, group_channels, padded_h, padded_w)
+    grid = grid.view(N, out_h * out_w, group, points, 2).transpose(1, 2).flatten(0, 1)
+    samples = F.grid_sample(images, grid.to(input.dtype), mode="bilinear",
+                            padding_mode="zeros", align_corners=False)
+    weights = mask.view(N, out_h * out_w, group, points).transpose(1, 2)
+    weights = weights.reshape(N * group, 1, out_h * out_w, points)
+    out = (samples * weights).sum(-1).view(N, channels, out_h * out_w)
+    return out.transpose(1, 2).reshape(N, out_h, out_w, channels)
+
+
+def make_dcnv3_tensors(shape: Dcnv3Shape, dtype: torch.dtype, seed: int = 0,
+                       device: str = "cpu"):
+    """Input, offsets within a few pixels, and per-group softmax-normalised mask values, as
+    the DCNv3 module feeds the op."""
+    generator = torch.Generator().manual_seed(seed)
+    N, size, points = shape.batch, shape.size, 9
+    input = torch.randn(N, size, size, shape.channels, generator=generator)
+    offset = torch.randn(N, size, size, shape.group * points * 2, generator=generator) * 2
+    logits = torch.randn(N, size, size, shape.group, points, generator=generator)
+    mask = logits.softmax(-1).reshape(N, size, size, shape.group * points)
+    return [t.to(device=device, dtype=dtype) for t in (input, offset, mask)]
+
+
+def dcnv3_contenders(shape: Dcnv3Shape) -> Dict[str, Callable]:
+    group, group_channels, scale = shape.group, shape.channels // shape.group, 1.0
+    points = 9
+    geometry = (3, 3, 1, 1, 1, 1, 1, 1, group, group_channels, scale)
+
+    def dcnv4(input, offset, mask):
+        # The packed tensor is built outside the timing in a model (its Linear layer makes
+        # it); here it is part of the step, which only handicaps DCNv4.
+        N, H, W, _ = offset.shape
+        offset_mask = torch.cat([offset.view(N, H, W, group, 2 * points),
+                                 mask.view(N, H, W, group, points)], -1).view(N, H, W, -1)
+        return deformconv.dcnv4(input, offset_mask, *geometry)
+
+    return {
+        "dcnv3": lambda input, offset, mask: deformconv.dcnv3(input, offset, mask, *geometry),
+        "dcnv4": dcnv4,
+        "grid_sample formulation": lambda input, offset, mask: dcnv3_grid_sample_formulation(
+            input, offset, mask, group, scale),
+    }
+
+
+def benchmark_dcnv3_shape(shape: Dcnv3Shape, args) -> dict:
+    dtype = getattr(torch, args.dtype)
+    tensors = make_dcnv3_tensors(shape, dtype, device=args.device)
+    runs = dcnv3_contenders(shape)
+    steps = {}
+    for name, run in runs.items():
+        steps[f"{name} forward"] = forward_step(run, tensors)
+        steps[f"{name} forward+backward"] = forward_backward_step(run, tensors)
+    with torch.no_grad():
+        ours = runs["dcnv3"](*tensors)
+        agreement = {f"{name} max abs difference": (run(*tensors) - ours).abs().max().item()
+                     for name, run in runs.items() if name != "dcnv3"}
+    medians = time_interleaved(steps, args.repeats, args.warmup, args.device)
+    result = {"shape": asdict(shape), "describe": shape.describe(), "median_seconds": medians,
+              "ratios": {}, "peak_forward_bytes": {}, "agreement": agreement}
+    for phase in ("forward", "forward+backward"):
+        peer = medians[f"grid_sample formulation {phase}"]
+        for name in ("dcnv3", "dcnv4"):
+            result["ratios"][f"grid_sample formulation/{name} {phase}"] = (
+                peer / medians[f"{name} {phase}"])
+    for name, run in runs.items():
+        result["peak_forward_bytes"][name] = peak_forward_bytes(run, tensors, args.device)
+    grid_sample_peak = result["peak_forward_bytes"]["grid_sample formulation"]
+    for name in ("dcnv3", "dcnv4"):
+        result["ratios"][f"grid_sample formulation/{name} peak forward memory"] = (
+            grid_sample_peak / result["peak_forward_bytes"][name])
+    return result
 
 
 def make_tensors(shape: Shape, dtype: torch.dtype, modulated: bool, seed: int = 0,
@@ -276,6 +398,8 @@ def time_interleaved(steps: Dict[str, Callable[[], None]], repeats: int,
 
 
 def benchmark_shape(shape: Shape, args) -> dict:
+    if isinstance(shape, Dcnv3Shape):
+        return benchmark_dcnv3_shape(shape, args)
     dtype = getattr(torch, args.dtype)
     tensors = make_tensors(shape, dtype, modulated=not args.v1, device=args.device)
     runs = contenders(shape, tensors, args.im2col_step)
@@ -296,8 +420,9 @@ def benchmark_shape(shape: Shape, args) -> dict:
         agreement["onnxruntime max abs difference"] = (
             torch.from_numpy(onnxruntime_step()) - ours).abs().max().item()
     medians = time_interleaved(steps, args.repeats, args.warmup, args.device)
-    result = {"shape": asdict(shape), "median_seconds": medians, "ratios": {},
-              "gemm_gflops_per_second": {}, "peak_forward_bytes": {}, "agreement": agreement}
+    result = {"shape": asdict(shape), "describe": shape.describe(), "median_seconds": medians,
+              "ratios": {}, "gemm_gflops_per_second": {}, "peak_forward_bytes": {},
+              "agreement": agreement}
     for phase in ("forward", "forward+backward"):
         ours = medians[f"deformconv {phase}"]
         for other in ("torchvision", "dense", "GEMMs alone", "onnxruntime"):
@@ -313,19 +438,16 @@ def benchmark_shape(shape: Shape, args) -> dict:
 
 
 def print_result(result: dict, out=sys.stdout) -> None:
-    shape = result["shape"]
     medians = result["median_seconds"]
-    print(f"\n{shape['name']}: N={shape['batch']} {shape['in_channels']}->{shape['out_channels']}"
-          f" {shape['height']}x{shape['width']} stride {shape['stride']} groups "
-          f"{shape['groups']} offset groups {shape['offset_groups']}", file=out)
+    print(f"\n{result['shape']['name']}: {result['describe']}", file=out)
     for name, seconds in medians.items():
-        print(f"  {name:32s} {seconds * 1e3:9.2f} ms", file=out)
+        print(f"  {name:40s} {seconds * 1e3:9.2f} ms", file=out)
     for name, ratio in result["ratios"].items():
-        print(f"  {name:40s} {ratio:6.2f}x", file=out)
-    for phase, rate in result["gemm_gflops_per_second"].items():
+        print(f"  {name:58s} {ratio:6.2f}x", file=out)
+    for phase, rate in result.get("gemm_gflops_per_second", {}).items():
         print(f"  GEMM GFLOP/s, deformconv {phase:18s} {rate:7.1f}", file=out)
     for name, size in result["peak_forward_bytes"].items():
-        print(f"  peak forward memory, {name:12s} {size / 2**20:8.1f} MiB", file=out)
+        print(f"  peak forward memory, {name:24s} {size / 2**20:8.1f} MiB", file=out)
     for name, value in result.get("agreement", {}).items():
         print(f"  {name:40s} {value:.2e}", file=out)
 
