@@ -89,27 +89,46 @@ C10_HOST_DEVICE inline void dcnv3_tap(const Dcnv3Geometry& g, int64_t point, int
 //   x = (wo * stride_w - pad_w + c_w) - c_w * s + (i * dilation_w + dx) * s
 // and likewise y: the reference point where a convolution's centre tap would be, and the
 // dilation grid and the offset about it, both scaled by s. The terms are added in this order,
-// the originals' order.
+// the originals' order. The reference point depends on the pixel only and the grid term on the
+// point only: dcnv3_reference_point and dcnv3_grid_point, which a CPU launcher computes once
+// each, give the terms of this sum.
+template <typename opmath_t>
+C10_HOST_DEVICE inline void dcnv3_reference_point(const Dcnv3Geometry& g, int64_t ho, int64_t wo,
+                                                  opmath_t& base_y, opmath_t& base_x) {
+  const opmath_t scale = static_cast<opmath_t>(g.offset_scale);
+  const int64_t centre_w = g.dilation_w * (g.kernel_w - 1) / 2;
+  const int64_t centre_h = g.dilation_h * (g.kernel_h - 1) / 2;
+  base_x = static_cast<opmath_t>(wo * g.stride_w - g.pad_w + centre_w) -
+      static_cast<opmath_t>(centre_w) * scale;
+  base_y = static_cast<opmath_t>(ho * g.stride_h - g.pad_h + centre_h) -
+      static_cast<opmath_t>(centre_h) * scale;
+}
+
+// The dilation grid's displacement (i * dilation_w, j * dilation_h) of a point, unscaled.
+template <typename opmath_t>
+C10_HOST_DEVICE inline void dcnv3_grid_point(const Dcnv3Geometry& g, int64_t point,
+                                             opmath_t& grid_y, opmath_t& grid_x) {
+  int64_t i, j;
+  dcnv3_tap(g, point, i, j);
+  grid_x = static_cast<opmath_t>(i * g.dilation_w);
+  grid_y = static_cast<opmath_t>(j * g.dilation_h);
+}
+
 template <typename scalar_t, typename opmath_t>
 C10_HOST_DEVICE inline void dcnv3_position(const Dcnv3Geometry& g, const Dcnv3Fields& f,
                                            const Dcnv3Sample& s, const scalar_t* offset,
                                            const scalar_t* mask, opmath_t& y, opmath_t& x,
                                            opmath_t& m) {
-  int64_t i, j;
-  dcnv3_tap(g, s.point, i, j);
+  opmath_t base_y, base_x, grid_y, grid_x;
+  dcnv3_reference_point(g, s.ho, s.wo, base_y, base_x);
+  dcnv3_grid_point(g, s.point, grid_y, grid_x);
   const opmath_t scale = static_cast<opmath_t>(g.offset_scale);
-  const int64_t centre_w = g.dilation_w * (g.kernel_w - 1) / 2;
-  const int64_t centre_h = g.dilation_h * (g.kernel_h - 1) / 2;
-  const opmath_t base_x = static_cast<opmath_t>(s.wo * g.stride_w - g.pad_w + centre_w) -
-      static_cast<opmath_t>(centre_w) * scale;
-  const opmath_t base_y = static_cast<opmath_t>(s.ho * g.stride_h - g.pad_h + centre_h) -
-      static_cast<opmath_t>(centre_h) * scale;
   const int64_t offset_at =
       s.pixel * f.offset_pixel_stride + s.group * f.offset_group_stride + 2 * s.point;
   const opmath_t dx = static_cast<opmath_t>(offset[offset_at]);
   const opmath_t dy = static_cast<opmath_t>(offset[offset_at + 1]);
-  x = base_x + (static_cast<opmath_t>(i * g.dilation_w) + dx) * scale;
-  y = base_y + (static_cast<opmath_t>(j * g.dilation_h) + dy) * scale;
+  x = base_x + (grid_x + dx) * scale;
+  y = base_y + (grid_y + dy) * scale;
   m = static_cast<opmath_t>(
       mask[s.pixel * f.mask_pixel_stride + s.group * f.mask_group_stride + s.point]);
 }

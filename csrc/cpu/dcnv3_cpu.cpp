@@ -15,27 +15,115 @@
 namespace deformconv {
 namespace {
 
+// The positions and mask values of every sample of one output pixel, sample k = group * P +
+// point: dcnv3_position's sum with its terms computed once, the reference point per pixel and
+// the grid points per task, so that what remains per sample is a loop over k without
+// branches, which the compiler vectorises. A task keeps one and moves it from pixel to pixel.
+template <typename opmath_t>
+class PixelPositions {
+ public:
+  explicit PixelPositions(const Dcnv3Geometry& g)
+      : grid_y_(g.groups * g.points()), grid_x_(grid_y_.size()), dy_(grid_y_.size()),
+        dx_(grid_y_.size()), y(grid_y_.size()), x(grid_y_.size()), m(grid_y_.size()) {
+    for (int64_t k = 0; k < static_cast<int64_t>(grid_y_.size()); ++k) {
+      dcnv3_grid_point(g, k % g.points(), grid_y_[k], grid_x_[k]);
+    }
+  }
+
+  template <typename scalar_t>
+  DEFORMCONV_INLINE void locate(const Dcnv3Geometry& g, const Dcnv3Fields& f, int64_t pixel,
+                                const scalar_t* offset, const scalar_t* mask) {
+    const int64_t P = g.points();
+    for (int64_t group = 0; group < g.groups; ++group) {
+      const scalar_t* group_offset =
+          offset + pixel * f.offset_pixel_stride + group * f.offset_group_stride;
+      const scalar_t* group_mask = mask + pixel * f.mask_pixel_stride + group * f.mask_group_stride;
+      for (int64_t point = 0; point < P; ++point) {
+        dx_[group * P + point] = static_cast<opmath_t>(group_offset[2 * point]);
+        dy_[group * P + point] = static_cast<opmath_t>(group_offset[2 * point + 1]);
+        m[group * P + point] = static_cast<opmath_t>(group_mask[point]);
+      }
+    }
+    opmath_t base_y, base_x;
+    dcnv3_reference_point(g, pixel / g.out_width % g.out_height, pixel % g.out_width, base_y,
+                          base_x);
+    const opmath_t scale = static_cast<opmath_t>(g.offset_scale);
+    const int64_t samples = static_cast<int64_t>(x.size());
+    for (int64_t k = 0; k < samples; ++k) {
+      x[k] = base_x + (grid_x_[k] + dx_[k]) * scale;
+      y[k] = base_y + (grid_y_[k] + dy_[k]) * scale;
+    }
+  }
+
+ private:
+  std::vector<opmath_t> grid_y_, grid_x_, dy_, dx_;
+
+ public:
+  std::vector<opmath_t> y, x, m;  // of sample k, after locate()
+};
+
 // Pixels [begin, end) of the batch's output, every group: each channel's sum over the points
-// of its group, made in the accumulation type, the D channels of a plan vectorised.
+// of its group, made in the accumulation type. The four corners of every point are located
+// first; a corner that takes no part (outside the image, or of zero weight) reads a row of
+// zeros instead, so that each sample is the same weighted sum of four rows, without branches,
+// and an infinite input value at such a corner cannot make NaN. Then, kLanes channels at a
+// time, the sum over the points stays in registers.
 template <typename scalar_t>
 DEFORMCONV_VECTOR_CLONES void dcnv3_forward_pixels(const Dcnv3Geometry& g, const Dcnv3Fields& f,
                                                    const scalar_t* input, const scalar_t* offset,
                                                    const scalar_t* mask, scalar_t* output,
                                                    int64_t begin, int64_t end) {
   using opmath_t = at::opmath_type<scalar_t>;
-  std::vector<opmath_t> sums(g.group_channels);
+  using Lanes = typename LanesOf<opmath_t>::type;
+  const int64_t P = g.points();
+  const int64_t D = g.group_channels;
+  const std::vector<scalar_t> zeros(D, scalar_t(0));
+  std::vector<const scalar_t*> rows(4 * P);
+  std::vector<opmath_t> weights(4 * P);
+  PixelPositions<opmath_t> positions(g);
   for (int64_t pixel = begin; pixel < end; ++pixel) {
+    positions.locate(g, f, pixel, offset, mask);
     for (int64_t group = 0; group < g.groups; ++group) {
-      std::fill(sums.begin(), sums.end(), opmath_t(0));
-      Dcnv3Sample s = dcnv3_sample_at(g, pixel, group, 0);
-      const scalar_t* channels = dcnv3_group_channels(g, input, s);
-      for (s.point = 0; s.point < g.points(); ++s.point) {
-        sample_channels<true>(dcnv3_plan(g, f, s, offset, mask), channels, g.channels(),
-                              g.group_channels, sums.data());
+      const scalar_t* channels =
+          dcnv3_group_channels(g, input, dcnv3_sample_at(g, pixel, group, 0));
+      for (int64_t point = 0; point < P; ++point) {
+        const int64_t k = group * P + point;
+        const auto plan =
+            plan_at(positions.y[k], positions.x[k], positions.m[k], g.height, g.width);
+        for (int corner = 0; corner < 4; ++corner) {
+          const bool takes_part = plan.weight[corner] != opmath_t(0);
+          weights[4 * point + corner] = plan.weight[corner];
+          rows[4 * point + corner] =
+              takes_part ? channels + plan.index[corner] * g.channels() : zeros.data();
+        }
       }
-      scalar_t* out = output + pixel * g.channels() + group * g.group_channels;
-      for (int64_t c = 0; c < g.group_channels; ++c) {
-        out[c] = static_cast<scalar_t>(sums[c]);
+      scalar_t* out = output + pixel * g.channels() + group * D;
+      int64_t c = 0;
+      for (; c + kLanes <= D; c += kLanes) {
+        Lanes sum = {};
+        for (int64_t point = 0; point < P; ++point) {
+          const opmath_t* w = weights.data() + 4 * point;
+          const scalar_t* const* row = rows.data() + 4 * point;
+          Lanes v0, v1, v2, v3;
+          load_lanes<opmath_t>(row[0] + c, v0);
+          load_lanes<opmath_t>(row[1] + c, v1);
+          load_lanes<opmath_t>(row[2] + c, v2);
+          load_lanes<opmath_t>(row[3] + c, v3);
+          sum += w[0] * v0 + w[1] * v1 + w[2] * v2 + w[3] * v3;
+        }
+        for (int64_t lane = 0; lane < kLanes; ++lane) {
+          out[c + lane] = static_cast<scalar_t>(sum[lane]);
+        }
+      }
+      for (; c < D; ++c) {
+        opmath_t sum = 0;
+        for (int64_t point = 0; point < P; ++point) {
+          const opmath_t* w = weights.data() + 4 * point;
+          const scalar_t* const* row = rows.data() + 4 * point;
+          sum += w[0] * static_cast<opmath_t>(row[0][c]) + w[1] * static_cast<opmath_t>(row[1][c]) +
+              w[2] * static_cast<opmath_t>(row[2][c]) + w[3] * static_cast<opmath_t>(row[3][c]);
+        }
+        out[c] = static_cast<scalar_t>(sum);
       }
     }
   }
@@ -64,21 +152,24 @@ DEFORMCONV_VECTOR_CLONES void dcnv3_input_grad_bands(
     const scalar_t* offset, const scalar_t* mask, at::opmath_type<scalar_t>* grad_input,
     int64_t rows_per_band, int64_t bands, int64_t begin, int64_t end) {
   using opmath_t = at::opmath_type<scalar_t>;
+  PixelPositions<opmath_t> positions(g);
   for (int64_t task = begin; task < end; ++task) {
     const int64_t n = task / bands;
     const int64_t band_begin = task % bands * rows_per_band * g.width;
     const int64_t band_end = std::min(band_begin + rows_per_band * g.width, g.in_pixels());
     for (int64_t pixel = n * g.out_pixels(); pixel < (n + 1) * g.out_pixels(); ++pixel) {
+      positions.locate(g, f, pixel, offset, mask);
       for (int64_t group = 0; group < g.groups; ++group) {
         const scalar_t* grad = grad_output + pixel * g.channels() + group * g.group_channels;
-        for (int64_t point = 0; point < g.points(); ++point) {
-          const Dcnv3Sample s = dcnv3_sample_at(g, pixel, group, point);
-          const auto plan = dcnv3_plan(g, f, s, offset, mask);
+        opmath_t* grad_channels =
+            dcnv3_group_channels(g, grad_input, dcnv3_sample_at(g, pixel, group, 0));
+        for (int64_t k = group * g.points(); k < (group + 1) * g.points(); ++k) {
+          const auto plan =
+              plan_at(positions.y[k], positions.x[k], positions.m[k], g.height, g.width);
           for (int corner = 0; corner < 4; ++corner) {
             const int64_t index = plan.index[corner];
             if (plan.weight[corner] != opmath_t(0) && index >= band_begin && index < band_end) {
-              scatter_corner(plan, corner, grad, g.group_channels,
-                             dcnv3_group_channels(g, grad_input, s), g.channels());
+              scatter_corner(plan, corner, grad, g.group_channels, grad_channels, g.channels());
             }
           }
         }
@@ -87,13 +178,18 @@ DEFORMCONV_VECTOR_CLONES void dcnv3_input_grad_bands(
   }
 }
 
+// How many bands of input rows each image's input gradient is split into: about two tasks per
+// thread over the images. Each band's task walks all the samples of its image, so many more
+// bands would multiply that cost.
+int64_t input_grad_rows_per_band(const Dcnv3Geometry& g, int64_t batch) {
+  const int64_t wanted_bands = (2 * at::get_num_threads() + batch - 1) / batch;
+  return (g.height + wanted_bands - 1) / wanted_bands;
+}
+
 void dcnv3_input_grad_cpu(const Dcnv3Geometry& g, const Dcnv3Fields& f, int64_t batch,
                           const at::Tensor& grad_output, const at::Tensor& offset,
                           const at::Tensor& mask, at::Tensor& grad_input) {
-  // About two bands per thread over the images: each band's task walks all the samples of its
-  // image, so many more bands would multiply that cost.
-  const int64_t wanted_bands = (2 * at::get_num_threads() + batch - 1) / batch;
-  const int64_t rows_per_band = (g.height + wanted_bands - 1) / wanted_bands;
+  const int64_t rows_per_band = input_grad_rows_per_band(g, batch);
   const int64_t bands = (g.height + rows_per_band - 1) / rows_per_band;
   DEFORMCONV_DISPATCH(grad_output.scalar_type(), "dcnv3_input_grad_cpu", [&] {
     // Note [Input gradient sums in float32]
@@ -118,12 +214,17 @@ DEFORMCONV_VECTOR_CLONES void dcnv3_offset_mask_grad_pixels(
     const scalar_t* input, const scalar_t* offset, const scalar_t* mask, scalar_t* grad_offset,
     scalar_t* grad_mask, int64_t begin, int64_t end) {
   using opmath_t = at::opmath_type<scalar_t>;
+  PixelPositions<opmath_t> positions(g);
   for (int64_t pixel = begin; pixel < end; ++pixel) {
+    positions.locate(g, f, pixel, offset, mask);
     for (int64_t group = 0; group < g.groups; ++group) {
       const scalar_t* grad = grad_output + pixel * g.channels() + group * g.group_channels;
       for (int64_t point = 0; point < g.points(); ++point) {
         const Dcnv3Sample s = dcnv3_sample_at(g, pixel, group, point);
-        const auto acc = dcnv3_start_grad(g, f, s, offset, mask);
+        const int64_t k = group * g.points() + point;
+        const auto acc =
+            start_position_grad(positions.y[k], positions.x[k], positions.m[k], g.height,
+                                g.width);
         LaneSums<opmath_t> sums;
         if (acc.cell.inside) {
           add_channels_to_sums(acc, grad, dcnv3_group_channels(g, input, s), g.channels(),
@@ -153,10 +254,83 @@ void dcnv3_offset_mask_grad_cpu(const Dcnv3Geometry& g, const Dcnv3Fields& f, in
   });
 }
 
+// Images [begin, end) of the whole backward, each image a task of its own: every sample is
+// located once for its offset and mask gradients and its share of the input gradient, which the
+// task owns for its image, added in the order (pixel, group, point, corner) as the banded pass
+// adds it.
+template <typename scalar_t>
+DEFORMCONV_VECTOR_CLONES void dcnv3_gradients_images(
+    const Dcnv3Geometry& g, const Dcnv3Fields& f, const scalar_t* grad_output,
+    const scalar_t* input, const scalar_t* offset, const scalar_t* mask,
+    at::opmath_type<scalar_t>* grad_input, scalar_t* grad_offset, scalar_t* grad_mask,
+    int64_t begin, int64_t end) {
+  using opmath_t = at::opmath_type<scalar_t>;
+  PixelPositions<opmath_t> positions(g);
+  for (int64_t pixel = begin * g.out_pixels(); pixel < end * g.out_pixels(); ++pixel) {
+    positions.locate(g, f, pixel, offset, mask);
+    for (int64_t group = 0; group < g.groups; ++group) {
+      const scalar_t* grad = grad_output + pixel * g.channels() + group * g.group_channels;
+      const Dcnv3Sample first = dcnv3_sample_at(g, pixel, group, 0);
+      const scalar_t* channels = dcnv3_group_channels(g, input, first);
+      opmath_t* grad_channels = dcnv3_group_channels(g, grad_input, first);
+      for (int64_t point = 0; point < g.points(); ++point) {
+        const int64_t k = group * g.points() + point;
+        const auto acc =
+            start_position_grad(positions.y[k], positions.x[k], positions.m[k], g.height,
+                                g.width);
+        LaneSums<opmath_t> sums;
+        if (acc.cell.inside) {
+          add_channels_to_sums(acc, grad, channels, g.channels(), g.group_channels, sums);
+          scatter_with_plan(plan_of_cell(acc.cell, acc.mask, g.width), grad, g.group_channels,
+                            grad_channels, g.channels());
+        }
+        dcnv3_finish_grad(g, f, dcnv3_sample_at(g, pixel, group, point), acc, sums.total(),
+                          grad_offset, grad_mask);
+      }
+    }
+  }
+}
+
+// The gradients asked for: in one pass over each image when all are asked for and the images
+// are enough to keep the threads busy (one band each), otherwise the input gradient in bands
+// and the offset and mask gradients by pixels.
+void dcnv3_gradients_cpu(const Dcnv3Geometry& g, const Dcnv3Fields& f, int64_t batch,
+                         const at::Tensor& grad_output, const at::Tensor& input,
+                         const at::Tensor& offset, const at::Tensor& mask,
+                         at::Tensor& grad_input, at::Tensor& grad_offset, at::Tensor& grad_mask) {
+  const bool want_offset_or_mask = grad_offset.defined() || grad_mask.defined();
+  if (grad_input.defined() && want_offset_or_mask &&
+      input_grad_rows_per_band(g, batch) >= g.height) {
+    DEFORMCONV_DISPATCH(input.scalar_type(), "dcnv3_gradients_cpu", [&] {
+      // Note [Input gradient sums in float32]
+      at::Tensor sums = input_gradient_sums<scalar_t>(grad_input);
+      const scalar_t* grad_output_data = grad_output.const_data_ptr<scalar_t>();
+      const scalar_t* input_data = input.const_data_ptr<scalar_t>();
+      const scalar_t* offset_data = offset.const_data_ptr<scalar_t>();
+      const scalar_t* mask_data = mask.const_data_ptr<scalar_t>();
+      auto* sums_data = sums.mutable_data_ptr<at::opmath_type<scalar_t>>();
+      scalar_t* grad_offset_data = mutable_data_or_null<scalar_t>(grad_offset);
+      scalar_t* grad_mask_data = mutable_data_or_null<scalar_t>(grad_mask);
+      parallel_tasks(batch, [&](int64_t begin, int64_t end) {
+        dcnv3_gradients_images(g, f, grad_output_data, input_data, offset_data, mask_data,
+                               sums_data, grad_offset_data, grad_mask_data, begin, end);
+      });
+      store_input_gradient_sums(sums, grad_input);
+    });
+    return;
+  }
+  if (grad_input.defined()) {
+    dcnv3_input_grad_cpu(g, f, batch, grad_output, offset, mask, grad_input);
+  }
+  if (want_offset_or_mask) {
+    dcnv3_offset_mask_grad_cpu(g, f, batch, grad_output, input, offset, mask, grad_offset,
+                               grad_mask);
+  }
+}
+
 constexpr Dcnv3Launchers kCpuDcnv3Launchers{
     .forward = dcnv3_forward_cpu,
-    .input_grad = dcnv3_input_grad_cpu,
-    .offset_mask_grad = dcnv3_offset_mask_grad_cpu,
+    .backward = dcnv3_gradients_cpu,
 };
 
 at::Tensor dcnv3_cpu(const at::Tensor& input, const at::Tensor& offset, const at::Tensor& mask,

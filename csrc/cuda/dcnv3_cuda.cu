@@ -126,13 +126,27 @@ void dcnv3_offset_mask_grad_cuda(const Dcnv3Geometry& g, const Dcnv3Fields& f, i
   });
 }
 
+// The input gradient's kernel and the offset and mask gradients', each when asked for.
+void dcnv3_gradients_cuda(const Dcnv3Geometry& g, const Dcnv3Fields& f, int64_t batch,
+                          const at::Tensor& grad_output, const at::Tensor& input,
+                          const at::Tensor& offset, const at::Tensor& mask,
+                          at::Tensor& grad_input, at::Tensor& grad_offset,
+                          at::Tensor& grad_mask) {
+  if (grad_input.defined()) {
+    dcnv3_input_grad_cuda(g, f, batch, grad_output, offset, mask, grad_input);
+  }
+  if (grad_offset.defined() || grad_mask.defined()) {
+    dcnv3_offset_mask_grad_cuda(g, f, batch, grad_output, input, offset, mask, grad_offset,
+                                grad_mask);
+  }
+}
+
 }  // namespace
 
 const Dcnv3Launchers& dcnv3_cuda_launchers() {
   static const Dcnv3Launchers launchers{
       .forward = dcnv3_forward_cuda,
-      .input_grad = dcnv3_input_grad_cuda,
-      .offset_mask_grad = dcnv3_offset_mask_grad_cuda,
+      .backward = dcnv3_gradients_cuda,
   };
   return launchers;
 }

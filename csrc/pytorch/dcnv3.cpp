@@ -198,18 +198,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dcnv3_backward(
   // so does DCNv4's padding, which no sample owns.
   at::Tensor grad_offset = want_offset ? at::zeros_like(offset) : at::Tensor();
   at::Tensor grad_mask = packed || !want_mask ? at::Tensor() : at::zeros_like(mask);
-  if (grad_output.numel() == 0 || input.numel() == 0) {
+  if (grad_output.numel() == 0 || input.numel() == 0 ||
+      !(want_input || want_offset || want_mask)) {
     return {grad_input, grad_offset, grad_mask};
   }
-  if (want_input) {
-    launchers.input_grad(g, fields, batch, grad_output, offset, mask_slots(g, offset, mask),
-                         grad_input);
-  }
-  if (want_offset || want_mask) {
-    at::Tensor grad_mask_slots = packed ? mask_slots(g, grad_offset, mask) : grad_mask;
-    launchers.offset_mask_grad(g, fields, batch, grad_output, input, offset,
-                               mask_slots(g, offset, mask), grad_offset, grad_mask_slots);
-  }
+  at::Tensor grad_mask_slots =
+      packed && want_mask ? mask_slots(g, grad_offset, mask) : grad_mask;
+  launchers.backward(g, fields, batch, grad_output, input, offset, mask_slots(g, offset, mask),
+                     grad_input, grad_offset, grad_mask_slots);
   return {grad_input, grad_offset, grad_mask};
 }
 

@@ -25,19 +25,17 @@ namespace deformconv {
 
 // Every tensor is contiguous and channels-last, on the launchers' device; offsets and mask are
 // read through `fields`. Gradients to be filled are allocated by the driver: grad_input zeroed
-// (launchers add into it), grad_offset and grad_mask written in full (either may be undefined:
-// not asked for).
+// (launchers add into it), grad_offset and grad_mask written in full. Any of the three may be
+// undefined (not asked for), not all; the launchers choose whether to compute those asked for
+// in one pass or several.
 struct Dcnv3Launchers {
   void (*forward)(const Dcnv3Geometry& geometry, const Dcnv3Fields& fields, int64_t batch,
                   const at::Tensor& input, const at::Tensor& offset, const at::Tensor& mask,
                   at::Tensor& output);
-  void (*input_grad)(const Dcnv3Geometry& geometry, const Dcnv3Fields& fields, int64_t batch,
-                     const at::Tensor& grad_output, const at::Tensor& offset,
-                     const at::Tensor& mask, at::Tensor& grad_input);
-  void (*offset_mask_grad)(const Dcnv3Geometry& geometry, const Dcnv3Fields& fields,
-                           int64_t batch, const at::Tensor& grad_output, const at::Tensor& input,
-                           const at::Tensor& offset, const at::Tensor& mask,
-                           at::Tensor& grad_offset, at::Tensor& grad_mask);
+  void (*backward)(const Dcnv3Geometry& geometry, const Dcnv3Fields& fields, int64_t batch,
+                   const at::Tensor& grad_output, const at::Tensor& input,
+                   const at::Tensor& offset, const at::Tensor& mask, at::Tensor& grad_input,
+                   at::Tensor& grad_offset, at::Tensor& grad_mask);
 };
 
 // The scalar arguments of the op, in the originals' order.
