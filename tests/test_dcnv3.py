@@ -154,6 +154,27 @@ def test_any_batch_size_and_im2col_step():
         assert torch.equal(part, whole[n:n + 1])
 
 
+@pytest.mark.parametrize("op", ["dcnv3", "dcnv4"])
+def test_empty_input_with_padding_gives_zeros(op):
+    """Height 0, padded to an output of 2 rows: nothing to sample, so the output and the
+    offset and mask gradients are zero (not left as uninitialised memory)."""
+    input = torch.randn(1, 0, 3, 2, dtype=torch.float64, requires_grad=True)
+    offset = torch.randn(1, 2, 3, 2, dtype=torch.float64, requires_grad=True)
+    mask = torch.randn(1, 2, 3, 1, dtype=torch.float64, requires_grad=True)
+    scalars = (1, 1, 1, 1, 1, 0, 1, 1, 1, 2, 1.0)
+    if op == "dcnv3":
+        leaves = (input, offset, mask)
+        out = deformconv.dcnv3(input, offset, mask, *scalars)
+    else:
+        offset_mask = torch.randn(1, 2, 3, 8, dtype=torch.float64, requires_grad=True)
+        leaves = (input, offset_mask)
+        out = deformconv.dcnv4(input, offset_mask, *scalars)
+    assert out.shape == (1, 2, 3, 2) and torch.count_nonzero(out) == 0
+    grads = torch.autograd.grad(out, leaves, torch.ones_like(out))
+    assert grads[0].shape == input.shape
+    assert all(torch.count_nonzero(grad) == 0 for grad in grads[1:])
+
+
 def test_non_finite_positions_sample_nothing():
     geometry = GEOMETRIES[0]
     input, offset, mask = random_operands(1, 4, 4, geometry)

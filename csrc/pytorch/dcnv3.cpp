@@ -1,6 +1,7 @@
 #include "dcnv3.h"
 
 #include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <ATen/ops/zeros_like.h>
 #include <c10/core/ScalarType.h>
 #include <c10/util/Exception.h>
@@ -201,13 +202,24 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dcnv3_backward(
   const at::Tensor mask = packed ? at::Tensor() : mask_arg.contiguous();
   const Dcnv3Fields fields = dcnv3_fields(g, offset, mask);
   at::Tensor grad_input = want_input ? at::zeros_like(input) : at::Tensor();
-  // Every sample writes its own offset and mask gradients; an empty sum leaves them zero, and
-  // so does DCNv4's padding, which no sample owns.
-  at::Tensor grad_offset = want_offset ? at::zeros_like(offset) : at::Tensor();
-  at::Tensor grad_mask = packed || !want_mask ? at::Tensor() : at::zeros_like(mask);
-  if (grad_output.numel() == 0 || input.numel() == 0 ||
-      !(want_input || want_offset || want_mask)) {
+  // Every sample writes its own offset and mask gradients, so they need no zeroing, except
+  // where no sample writes: DCNv4's padding, and everything when nothing is sampled.
+  at::Tensor grad_offset = want_offset ? at::empty_like(offset) : at::Tensor();
+  at::Tensor grad_mask = packed || !want_mask ? at::Tensor() : at::empty_like(mask);
+  if (grad_output.numel() == 0 || input.numel() == 0) {
+    for (at::Tensor* grad : {&grad_offset, &grad_mask}) {
+      if (grad->defined()) {
+        grad->zero_();
+      }
+    }
     return {grad_input, grad_offset, grad_mask};
+  }
+  if (!(want_input || want_offset || want_mask)) {
+    return {grad_input, grad_offset, grad_mask};
+  }
+  if (packed && want_offset) {
+    const int64_t used = 3 * g.groups * g.points();
+    grad_offset.narrow(3, used, offset.size(3) - used).zero_();
   }
   at::Tensor grad_mask_slots =
       packed && want_mask ? mask_slots(g, grad_offset, mask) : grad_mask;
