@@ -162,17 +162,16 @@ C10_HOST_DEVICE inline OffsetMaskGrad<at::opmath_type<scalar_t>> dcnv3_start_gra
   return start_position_grad(y, x, m, g.height, g.width);
 }
 
-// Writes a sample's gradients, either pointer null when not asked for. The position moves by
+// Writes the gradients of a sample of mask value m, either pointer null when not asked for. The position moves by
 // s per unit of offset, so d/d(dx) = s * d/dx; the sums carry no factor m yet.
 template <typename scalar_t>
 C10_HOST_DEVICE inline void dcnv3_finish_grad(const Dcnv3Geometry& g, const Dcnv3Fields& f,
-                                              const Dcnv3Sample& s,
-                                              const OffsetMaskGrad<at::opmath_type<scalar_t>>& acc,
+                                              const Dcnv3Sample& s, at::opmath_type<scalar_t> m,
                                               const OffsetMaskGradSums<at::opmath_type<scalar_t>>& sums,
                                               scalar_t* grad_offset, scalar_t* grad_mask) {
   using opmath_t = at::opmath_type<scalar_t>;
   if (grad_offset != nullptr) {
-    const opmath_t factor = static_cast<opmath_t>(g.offset_scale) * acc.mask;
+    const opmath_t factor = static_cast<opmath_t>(g.offset_scale) * m;
     const int64_t at =
         s.pixel * f.offset_pixel_stride + s.group * f.offset_group_stride + 2 * s.point;
     grad_offset[at] = static_cast<scalar_t>(factor * sums.x);

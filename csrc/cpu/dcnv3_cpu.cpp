@@ -123,10 +123,9 @@ class PixelSamples {
     return static_cast<int64_t>(y0_[k]) * width_ + x0_[k];
   }
 
-  // Sample k as bilinear_sampling.cuh's functions take it.
-  DEFORMCONV_INLINE OffsetMaskGrad<opmath_t> offset_mask_grad(int64_t k) const {
-    OffsetMaskGrad<opmath_t> acc;
-    BilinearCell<opmath_t>& cell = acc.cell;
+  // Sample k's cell, as locate_cell makes it, and its mask value.
+  DEFORMCONV_INLINE BilinearCell<opmath_t> cell(int64_t k) const {
+    BilinearCell<opmath_t> cell;
     cell.inside = inside_[k];
     if (cell.inside) {
       cell.y0 = y0_[k];
@@ -138,10 +137,9 @@ class PixelSamples {
       cell.left = cell.x0 >= 0;
       cell.right = cell.x0 + 1 < width_;
     }
-    corner_indices(cell, width_, acc.index);
-    acc.mask = m_[k];
-    return acc;
+    return cell;
   }
+  DEFORMCONV_INLINE opmath_t mask(int64_t k) const { return m_[k]; }
 
   DEFORMCONV_INLINE SamplingPlan<opmath_t> plan(int64_t k) const {
     SamplingPlan<opmath_t> plan;
@@ -324,13 +322,14 @@ DEFORMCONV_VECTOR_CLONES void dcnv3_offset_mask_grad_pixels(
       for (int64_t point = 0; point < g.points(); ++point) {
         const Dcnv3Sample s = dcnv3_sample_at(g, pixel, group, point);
         const int64_t k = group * g.points() + point;
-        const auto acc = samples.offset_mask_grad(k);
+        OffsetMaskGrad<opmath_t> acc{samples.cell(k), {}, samples.mask(k)};
+        corner_indices(acc.cell, g.width, acc.index);
         LaneSums<opmath_t> sums;
         if (acc.cell.inside) {
           add_channels_to_sums(acc, grad, dcnv3_group_channels(g, input, s), g.channels(),
                                g.group_channels, sums);
         }
-        dcnv3_finish_grad(g, f, s, acc, sums.total(), grad_offset, grad_mask);
+        dcnv3_finish_grad(g, f, s, acc.mask, sums.total(), grad_offset, grad_mask);
       }
     }
   }
@@ -357,7 +356,8 @@ void dcnv3_offset_mask_grad_cpu(const Dcnv3Geometry& g, const Dcnv3Fields& f, in
 // Images [begin, end) of the whole backward, each image a task of its own: every sample is
 // located once for its offset and mask gradients and its share of the input gradient, which the
 // task owns for its image, added in the order (pixel, group, point, corner) as the banded pass
-// adds it.
+// adds it. A corner outside the image reads a row of zeros, and kLanes channels of the sampled
+// values' gradient serve both sums.
 template <typename scalar_t>
 DEFORMCONV_VECTOR_CLONES void dcnv3_gradients_images(
     const Dcnv3Geometry& g, const Dcnv3Fields& f, const scalar_t* grad_output,
@@ -365,25 +365,74 @@ DEFORMCONV_VECTOR_CLONES void dcnv3_gradients_images(
     at::opmath_type<scalar_t>* grad_input, scalar_t* grad_offset, scalar_t* grad_mask,
     int64_t begin, int64_t end) {
   using opmath_t = at::opmath_type<scalar_t>;
+  using Lanes = typename LanesOf<opmath_t>::type;
+  const int64_t D = g.group_channels;
+  const int64_t C = g.channels();
+  const std::vector<scalar_t> zeros(D, scalar_t(0));
   PixelSamples<opmath_t> samples(g);
   for (int64_t pixel = begin * g.out_pixels(); pixel < end * g.out_pixels(); ++pixel) {
     samples.locate(g, f, pixel, offset, mask);
     for (int64_t group = 0; group < g.groups; ++group) {
-      const scalar_t* grad = grad_output + pixel * g.channels() + group * g.group_channels;
+      const scalar_t* grad = grad_output + pixel * C + group * D;
       const Dcnv3Sample first = dcnv3_sample_at(g, pixel, group, 0);
       const scalar_t* channels = dcnv3_group_channels(g, input, first);
       opmath_t* grad_channels = dcnv3_group_channels(g, grad_input, first);
       for (int64_t point = 0; point < g.points(); ++point) {
         const int64_t k = group * g.points() + point;
-        const auto acc = samples.offset_mask_grad(k);
+        const BilinearCell<opmath_t> cell = samples.cell(k);
         LaneSums<opmath_t> sums;
-        if (acc.cell.inside) {
-          add_channels_to_sums(acc, grad, channels, g.channels(), g.group_channels, sums);
-          scatter_with_plan(samples.plan(k), grad, g.group_channels, grad_channels,
-                            g.channels());
+        if (cell.inside) {
+          bool inside[4];
+          corners_inside(cell, inside);
+          const int64_t top_left = samples.top_left(k);
+          const int64_t corner_index[4] = {top_left, top_left + 1, top_left + g.width,
+                                           top_left + g.width + 1};
+          const scalar_t* rows[4];
+          opmath_t* grad_rows[4];
+          opmath_t weight[4];
+          for (int corner = 0; corner < 4; ++corner) {
+            rows[corner] = inside[corner] ? channels + corner_index[corner] * C : zeros.data();
+            weight[corner] = samples.weight(corner, k);
+            grad_rows[corner] = grad_channels + (inside[corner] ? corner_index[corner] : 0) * C;
+          }
+          int64_t c = 0;
+          for (; c + kLanes <= D; c += kLanes) {
+            Lanes grad_lanes, v00, v01, v10, v11;
+            load_lanes<opmath_t>(grad + c, grad_lanes);
+            load_lanes<opmath_t>(rows[0] + c, v00);
+            load_lanes<opmath_t>(rows[1] + c, v01);
+            load_lanes<opmath_t>(rows[2] + c, v10);
+            load_lanes<opmath_t>(rows[3] + c, v11);
+            add_offset_mask_grad_terms(cell, grad_lanes, v00, v01, v10, v11, sums.y, sums.x,
+                                       sums.m);
+            // scatter_corner's adds, kLanes channels at a time.
+            for (int corner = 0; corner < 4; ++corner) {
+              if (weight[corner] != opmath_t(0)) {
+                Lanes grad_row;
+                load_lanes<opmath_t>(grad_rows[corner] + c, grad_row);
+                grad_row += weight[corner] * grad_lanes;
+                for (int64_t lane = 0; lane < kLanes; ++lane) {
+                  grad_rows[corner][c + lane] = grad_row[lane];
+                }
+              }
+            }
+          }
+          for (; c < D; ++c) {
+            const opmath_t grad_value = static_cast<opmath_t>(grad[c]);
+            add_offset_mask_grad_terms(cell, grad_value, static_cast<opmath_t>(rows[0][c]),
+                                       static_cast<opmath_t>(rows[1][c]),
+                                       static_cast<opmath_t>(rows[2][c]),
+                                       static_cast<opmath_t>(rows[3][c]), sums.rest.y,
+                                       sums.rest.x, sums.rest.m);
+            for (int corner = 0; corner < 4; ++corner) {
+              if (weight[corner] != opmath_t(0)) {
+                grad_rows[corner][c] += weight[corner] * grad_value;
+              }
+            }
+          }
         }
-        dcnv3_finish_grad(g, f, dcnv3_sample_at(g, pixel, group, point), acc, sums.total(),
-                          grad_offset, grad_mask);
+        dcnv3_finish_grad(g, f, dcnv3_sample_at(g, pixel, group, point), samples.mask(k),
+                          sums.total(), grad_offset, grad_mask);
       }
     }
   }

@@ -78,7 +78,7 @@ __global__ void dcnv3_offset_mask_grad_kernel(Dcnv3Geometry g, Dcnv3Fields f, in
         accumulate_offset_mask_grad(acc, grad[c], channels + c, g.channels(), sums);
       }
     }
-    dcnv3_finish_grad(g, f, s, acc, sums, grad_offset, grad_mask);
+    dcnv3_finish_grad(g, f, s, acc.mask, sums, grad_offset, grad_mask);
   }
 }
 
