@@ -45,6 +45,20 @@ def test_benchmark_writes_json_and_chart(tmp_path):
         assert result["agreement"]["onnxruntime max abs difference"] < 1e-4
 
 
+def test_benchmark_of_dcnv3_and_dcnv4(tmp_path):
+    output = tmp_path / "bench.json"
+    assert main(["benchmark", "--shapes", "fit-stage4", "--repeats", "1", "--warmup", "0",
+                 "--output", str(output), "--plot", ""]) == 0
+    result = json.loads(output.read_text())["results"][0]
+    assert result["shape"]["name"] == "fit-stage4"
+    for op in ("dcnv3", "dcnv4"):
+        for measure in ("forward", "forward+backward", "peak forward memory"):
+            assert result["ratios"][f"grid_sample formulation/{op} {measure}"] > 0
+    # The peer computes the same op: float32 agreement, and DCNv4 is DCNv3 exactly.
+    assert result["agreement"]["grid_sample formulation max abs difference"] < 1e-4
+    assert result["agreement"]["dcnv4 max abs difference"] == 0
+
+
 def test_busy_core_spins_a_process_for_the_run_only():
     with busy_core(True) as spinner:
         assert spinner.poll() is None  # running
