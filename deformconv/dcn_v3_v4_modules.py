@@ -38,9 +38,11 @@ def _activation(act_layer: str) -> nn.Module:
         f"DCNv3: act_layer must be 'ReLU', 'SiLU' or 'GELU', but got {act_layer!r}")
 
 
-def _check_common(name: str, channels: int, kernel_size: int, stride: int, pad: int,
-                  dilation: int, group: int) -> int:
-    """The checks both modules make; returns group_channels."""
+def _check_and_set_common(module: nn.Module, channels: int, kernel_size: int, stride: int,
+                          pad: int, dilation: int, group: int, offset_scale: float,
+                          center_feature_scale: bool, remove_center: bool) -> None:
+    """The checks both modules make, and the attributes both keep, named as the originals'."""
+    name = type(module).__name__
     for arg, value in (("channels", channels), ("kernel_size", kernel_size),
                        ("stride", stride), ("dilation", dilation), ("group", group)):
         if value < 1:
@@ -54,7 +56,16 @@ def _check_common(name: str, channels: int, kernel_size: int, stride: int, pad: 
             f"{name}: the module predicts offsets at the input's resolution, so it needs an "
             f"output of the input's size: stride 1 and pad = dilation * (kernel_size - 1) / 2 "
             f"= {dilation * (kernel_size - 1) / 2:g}, but got stride {stride} and pad {pad}")
-    return channels // group
+    module.offset_scale = offset_scale
+    module.channels = channels
+    module.kernel_size = kernel_size
+    module.stride = stride
+    module.dilation = dilation
+    module.pad = pad
+    module.group = group
+    module.group_channels = channels // group
+    module.center_feature_scale = center_feature_scale
+    module.remove_center = int(remove_center)
 
 
 def _add_centre_feature_scale(module: nn.Module, wanted: bool, group: int,
@@ -107,20 +118,10 @@ class DCNv3(nn.Module):
         if remove_center and kernel_size % 2 == 0:
             raise ValueError(f"DCNv3: remove_center needs an odd kernel_size, but got "
                              f"{kernel_size}")
-        group_channels = _check_common("DCNv3", channels, kernel_size, stride, pad, dilation,
-                                       group)
+        _check_and_set_common(self, channels, kernel_size, stride, pad, dilation, group,
+                              offset_scale, center_feature_scale, remove_center)
         dw_kernel_size = kernel_size if dw_kernel_size is None else dw_kernel_size
-        self.offset_scale = offset_scale
-        self.channels = channels
-        self.kernel_size = kernel_size
         self.dw_kernel_size = dw_kernel_size
-        self.stride = stride
-        self.dilation = dilation
-        self.pad = pad
-        self.group = group
-        self.group_channels = group_channels
-        self.center_feature_scale = center_feature_scale
-        self.remove_center = int(remove_center)
         points = group * (kernel_size * kernel_size - self.remove_center)
 
         self.dw_conv = nn.Sequential(
@@ -196,19 +197,9 @@ class DCNv4(nn.Module):
         **kwargs,
     ) -> None:
         super().__init__()
-        group_channels = _check_common("DCNv4", channels, kernel_size, stride, pad, dilation,
-                                       group)
-        self.offset_scale = offset_scale
-        self.channels = channels
-        self.kernel_size = kernel_size
-        self.stride = stride
-        self.dilation = dilation
-        self.pad = pad
-        self.group = group
-        self.group_channels = group_channels
+        _check_and_set_common(self, channels, kernel_size, stride, pad, dilation, group,
+                              offset_scale, center_feature_scale, remove_center)
         self.dw_kernel_size = dw_kernel_size
-        self.center_feature_scale = center_feature_scale
-        self.remove_center = int(remove_center)
         self.without_pointwise = without_pointwise
         self.K = group * (kernel_size * kernel_size - self.remove_center)
 

@@ -65,6 +65,16 @@ def random_checkpoint(keys, seed):
     return state
 
 
+def blend_with_centre_feature_scale(state, y, value, query, group_channels):
+    """Step 5 of §2.3 and §4.3, when the checkpoint has the centre-feature-scale parameters."""
+    if "center_feature_scale_proj_weight" not in state:
+        return y
+    a = torch.sigmoid(F.linear(query, state["center_feature_scale_proj_weight"],
+                               state["center_feature_scale_proj_bias"]))
+    a = a[..., None].repeat(1, 1, 1, 1, group_channels).flatten(-2)
+    return y * (1 - a) + value * a
+
+
 def dcnv3_module_reference(state, x, kernel_size, group, offset_scale, norm, act,
                            remove_center):
     """§2.3, step by step, on the checkpoint's tensors (eval mode for BN)."""
@@ -88,11 +98,7 @@ def dcnv3_module_reference(state, x, kernel_size, group, offset_scale, norm, act
     pad = (kernel_size - 1) // 2
     y = dcnv3_reference(value, offset, mask, kernel_size, kernel_size, 1, 1, pad, pad, 1, 1,
                         group, D, offset_scale, remove_center)
-    if "center_feature_scale_proj_weight" in state:
-        a = torch.sigmoid(F.linear(feature, state["center_feature_scale_proj_weight"],
-                                   state["center_feature_scale_proj_bias"]))
-        a = a[..., None].repeat(1, 1, 1, 1, D).flatten(-2)
-        y = y * (1 - a) + value * a
+    y = blend_with_centre_feature_scale(state, y, value, feature, D)
     return F.linear(y, state["output_proj.weight"], state["output_proj.bias"])
 
 
@@ -116,11 +122,7 @@ def dcnv4_module_reference(state, x, H, W, kernel_size, group, offset_scale, rem
     pad = (kernel_size - 1) // 2
     y = dcnv3_reference(value, offset, mask, kernel_size, kernel_size, 1, 1, pad, pad, 1, 1,
                         group, D, offset_scale, remove_center)
-    if "center_feature_scale_proj_weight" in state:
-        a = torch.sigmoid(F.linear(y, state["center_feature_scale_proj_weight"],
-                                   state["center_feature_scale_proj_bias"]))
-        a = a[..., None].repeat(1, 1, 1, 1, D).flatten(-2)
-        y = y * (1 - a) + value * a
+    y = blend_with_centre_feature_scale(state, y, value, y, D)
     y = y.reshape(N, L, C)
     if "output_proj.weight" in state:
         y = F.linear(y, state["output_proj.weight"], state.get("output_proj.bias"))
