@@ -108,10 +108,11 @@ C10_HOST_DEVICE inline void corner_indices(const BilinearCell<opmath_t>& cell, i
   }
 }
 
-// The plan of a located cell with modulation m (1 for DCN v1) in a grid `width` wide.
+// The plan of a sample at (y, x) with modulation m (1 for DCN v1) in a height x width grid.
 template <typename opmath_t>
-C10_HOST_DEVICE inline SamplingPlan<opmath_t> plan_of_cell(const BilinearCell<opmath_t>& cell,
-                                                          opmath_t m, int64_t width) {
+C10_HOST_DEVICE inline SamplingPlan<opmath_t> plan_at(opmath_t y, opmath_t x, opmath_t m,
+                                                     int64_t height, int64_t width) {
+  const BilinearCell<opmath_t> cell = locate_cell(y, x, height, width);
   const opmath_t hy = opmath_t(1) - cell.ly;
   const opmath_t hx = opmath_t(1) - cell.lx;
   bool inside[4];
@@ -123,13 +124,6 @@ C10_HOST_DEVICE inline SamplingPlan<opmath_t> plan_of_cell(const BilinearCell<op
     plan.weight[corner] = inside[corner] ? m * corner_weight[corner] : opmath_t(0);
   }
   return plan;
-}
-
-// The plan of a sample at (y, x) with modulation m in a height x width grid.
-template <typename opmath_t>
-C10_HOST_DEVICE inline SamplingPlan<opmath_t> plan_at(opmath_t y, opmath_t x, opmath_t m,
-                                                     int64_t height, int64_t width) {
-  return plan_of_cell(locate_cell(y, x, height, width), m, width);
 }
 
 // m * bilinear(image, (y, x)) of one channel, `channel` as in the comment at the top, in the

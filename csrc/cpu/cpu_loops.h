@@ -59,34 +59,23 @@ void parallel_tasks(int64_t tasks, const Function& run) {
   });
 }
 
-// out = value, or out += value, in out's type.
-template <bool accumulate, typename out_t, typename opmath_t>
-DEFORMCONV_INLINE void store_sample(out_t& out, opmath_t value) {
-  if constexpr (accumulate) {
-    out += static_cast<out_t>(value);
-  } else {
-    out = static_cast<out_t>(value);
-  }
-}
-
 // Kept out of line: inlined, its vectorised form would set up per-corner lane masks for every
 // sample, even for those that never come here.
-template <bool accumulate, typename scalar_t, typename out_t>
+template <typename scalar_t, typename out_t>
 DEFORMCONV_NOINLINE void sample_channels_one_by_one(
     const SamplingPlan<at::opmath_type<scalar_t>>& plan, const scalar_t* channel,
     int64_t channel_stride, int64_t count, out_t* out) {
   for (int64_t c = 0; c < count; ++c) {
-    store_sample<accumulate>(out[c], sample_value_with_plan(plan, channel + c, channel_stride));
+    out[c] = static_cast<out_t>(sample_value_with_plan(plan, channel + c, channel_stride));
   }
 }
 
-// sample_value_with_plan over `count` consecutive channels, stored into out[c] (an output
-// entry) or, with `accumulate`, added to it (a running sum in the accumulation type). When all
+// sample_value_with_plan over `count` consecutive channels, stored into out[c]. When all
 // four corners carry weight, as nearly every sample does, the channels are a plain weighted
 // sum of four rows, which the compiler vectorises without masks; otherwise they go one by one
 // through the shared function, which skips the corners without weight (so that an infinite
 // input there cannot make NaN).
-template <bool accumulate, typename scalar_t, typename out_t>
+template <typename scalar_t, typename out_t>
 DEFORMCONV_INLINE void sample_channels(const SamplingPlan<at::opmath_type<scalar_t>>& plan,
                                        const scalar_t* channel, int64_t channel_stride,
                                        int64_t count, out_t* __restrict out) {
@@ -98,14 +87,14 @@ DEFORMCONV_INLINE void sample_channels(const SamplingPlan<at::opmath_type<scalar
     const scalar_t* __restrict row_2 = channel + plan.index[2] * channel_stride;
     const scalar_t* __restrict row_3 = channel + plan.index[3] * channel_stride;
     for (int64_t c = 0; c < count; ++c) {
-      store_sample<accumulate>(out[c], w[0] * static_cast<opmath_t>(row_0[c]) +
-                                           w[1] * static_cast<opmath_t>(row_1[c]) +
-                                           w[2] * static_cast<opmath_t>(row_2[c]) +
-                                           w[3] * static_cast<opmath_t>(row_3[c]));
+      out[c] = static_cast<out_t>(w[0] * static_cast<opmath_t>(row_0[c]) +
+                                  w[1] * static_cast<opmath_t>(row_1[c]) +
+                                  w[2] * static_cast<opmath_t>(row_2[c]) +
+                                  w[3] * static_cast<opmath_t>(row_3[c]));
     }
     return;
   }
-  sample_channels_one_by_one<accumulate>(plan, channel, channel_stride, count, out);
+  sample_channels_one_by_one(plan, channel, channel_stride, count, out);
 }
 
 // kLanes values of opmath_t in one GCC/Clang vector (lowered to what the target has: one

@@ -181,7 +181,7 @@ DEFORMCONV_VECTOR_CLONES void im2col_tasks(const Im2colTask<scalar_t>& t, int64_
               : make_sampling_plan(g, s, t.offset, t.mask);
           const int64_t entries = columns_at(g, t.window, n, pixel, tap);
           for (const ChannelRun& run : t.runs[group]) {
-            sample_channels<false>(plan, channel_of(g, t.input, n, run.first), g.in_channels, run.count,
+            sample_channels(plan, channel_of(g, t.input, n, run.first), g.in_channels, run.count,
                             t.columns + run.column_offset + entries);
           }
         }
