@@ -238,6 +238,8 @@ def test_cpu_backward_is_deterministic_across_threads():
     (lambda a: a.update(group=0), "group to be at least 1"),
     (lambda a: a.update(offset_scale=math.inf), "offset_scale to be finite"),
     (lambda a: a.update(kernel_h=9), "at least as large as the dilated kernel"),
+    (lambda a: a.update(input=a["input"][:, :1].expand(-1, 2 ** 31, -1, -1)),
+     "height and width to be at most 2147483646, but got 2147483648 x 4"),
 ])
 def test_bad_arguments_raise_value_errors(change, pattern):
     geometry = GEOMETRIES[1]

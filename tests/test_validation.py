@@ -72,6 +72,11 @@ BAD_CALLS = [
      r"expected the padded input \(1 x 1\) to be at least as large as the dilated kernel"),
     ("empty-input", dict(input=torch.randn(2, 4, 0, 5)), ValueError,
      r"expected input to have non-zero channels, height and width"),
+    # 2^31 rows, expanded from one element: the CPU launchers index rows in 32 bits.
+    ("huge-height", dict(input=torch.zeros(1, 1, 1, 1).expand(2, 4, 2 ** 31, 5),
+                         offset=torch.zeros(1, 1, 1, 1).expand(2, 36, 2 ** 31, 5),
+                         mask=torch.zeros(1, 1, 1, 1).expand(2, 18, 2 ** 31, 5)), ValueError,
+     r"expected input's height and width to be at most 2147483646, but got 2147483648 x 5"),
 ]
 
 

@@ -26,6 +26,10 @@
 
 namespace deformconv {
 
+// The largest image height and width the ops take: the CPU launchers index rows and columns
+// within an image in 32 bits (cpu/located_samples.h), with one to spare for a cell's far side.
+constexpr int64_t kMaxImageSide = INT32_MAX - 1;
+
 // The unit cell of the input grid that holds a sample at (y, x):
 //
 //        x0      x0+1

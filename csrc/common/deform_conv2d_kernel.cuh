@@ -132,20 +132,28 @@ C10_HOST_DEVICE inline void next_pixel(const DeformConv2dGeometry& g, SampleInde
   }
 }
 
+// Where a sample's displacement in y lies in the block's offset tensor (its displacement in x
+// lies out_pixels() further on), and where its mask value lies in the mask tensor; the same
+// places hold their gradients.
+C10_HOST_DEVICE inline int64_t offset_y_index(const DeformConv2dGeometry& g,
+                                              const SampleIndex& s) {
+  return ((s.n * g.offset_groups + s.group) * 2 * g.taps() + 2 * s.tap) * g.out_pixels() +
+      s.pixel;
+}
+C10_HOST_DEVICE inline int64_t mask_index(const DeformConv2dGeometry& g, const SampleIndex& s) {
+  return ((s.n * g.offset_groups + s.group) * g.taps() + s.tap) * g.out_pixels() + s.pixel;
+}
+
 // Sampled position of one sample, read from the offset tensor of the block, and its mask value
 // (1 without a mask).
 template <typename scalar_t, typename opmath_t>
 C10_HOST_DEVICE inline void sample_position(
     const DeformConv2dGeometry& g, const SampleIndex& s, const scalar_t* offset,
     const scalar_t* mask, opmath_t& y, opmath_t& x, opmath_t& m) {
-  const int64_t K = g.taps();
-  const int64_t P = g.out_pixels();
-  const int64_t offset_y_at = ((s.n * g.offset_groups + s.group) * 2 * K + 2 * s.tap) * P + s.pixel;
+  const int64_t offset_y_at = offset_y_index(g, s);
   y = static_cast<opmath_t>(s.grid_y) + static_cast<opmath_t>(offset[offset_y_at]);
-  x = static_cast<opmath_t>(s.grid_x) + static_cast<opmath_t>(offset[offset_y_at + P]);
-  m = mask == nullptr
-      ? opmath_t(1)
-      : static_cast<opmath_t>(mask[((s.n * g.offset_groups + s.group) * K + s.tap) * P + s.pixel]);
+  x = static_cast<opmath_t>(s.grid_x) + static_cast<opmath_t>(offset[offset_y_at + g.out_pixels()]);
+  m = mask == nullptr ? opmath_t(1) : static_cast<opmath_t>(mask[mask_index(g, s)]);
 }
 
 // The plan of one sample of this op: its position and mask from the offset and mask tensors.
@@ -238,15 +246,13 @@ C10_HOST_DEVICE inline void finish_offset_mask_grad(
     const OffsetMaskGrad<at::opmath_type<scalar_t>>& acc,
     const OffsetMaskGradSums<at::opmath_type<scalar_t>>& sums, scalar_t* grad_offset,
     scalar_t* grad_mask) {
-  const int64_t group_of_image = s.n * g.offset_groups + s.group;
   if (grad_offset != nullptr) {
-    const int64_t y_at = (group_of_image * 2 * g.taps() + 2 * s.tap) * g.out_pixels() + s.pixel;
+    const int64_t y_at = offset_y_index(g, s);
     grad_offset[y_at] = static_cast<scalar_t>(acc.mask * sums.y);
     grad_offset[y_at + g.out_pixels()] = static_cast<scalar_t>(acc.mask * sums.x);
   }
   if (grad_mask != nullptr) {
-    grad_mask[(group_of_image * g.taps() + s.tap) * g.out_pixels() + s.pixel] =
-        static_cast<scalar_t>(sums.m);
+    grad_mask[mask_index(g, s)] = static_cast<scalar_t>(sums.m);
   }
 }
 

@@ -1,7 +1,7 @@
 #pragma once
 
-// The CPU launchers' common loops: parallel tasks, channels sampled or summed with a plan
-// vectorised, and the instruction-set clones they are compiled in.
+// The CPU launchers' common loops: parallel tasks, channels sampled or summed vectorised, and
+// the instruction-set clones they are compiled in.
 
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
@@ -59,42 +59,24 @@ void parallel_tasks(int64_t tasks, const Function& run) {
   });
 }
 
-// Kept out of line: inlined, its vectorised form would set up per-corner lane masks for every
-// sample, even for those that never come here.
-template <typename scalar_t, typename out_t>
-DEFORMCONV_NOINLINE void sample_channels_one_by_one(
-    const SamplingPlan<at::opmath_type<scalar_t>>& plan, const scalar_t* channel,
-    int64_t channel_stride, int64_t count, out_t* out) {
-  for (int64_t c = 0; c < count; ++c) {
-    out[c] = static_cast<out_t>(sample_value_with_plan(plan, channel + c, channel_stride));
-  }
-}
-
-// sample_value_with_plan over `count` consecutive channels, stored into out[c]. When all
-// four corners carry weight, as nearly every sample does, the channels are a plain weighted
-// sum of four rows, which the compiler vectorises without masks; otherwise they go one by one
-// through the shared function, which skips the corners without weight (so that an infinite
-// input there cannot make NaN).
-template <typename scalar_t, typename out_t>
-DEFORMCONV_INLINE void sample_channels(const SamplingPlan<at::opmath_type<scalar_t>>& plan,
-                                       const scalar_t* channel, int64_t channel_stride,
+// One bilinear sample of `count` consecutive channels, stored into out[c]: the sum of the four
+// corner rows weighted by `weight`. The caller points a corner that takes no part (outside the
+// image, or of zero weight) at a row of zeros, so that every sample is the same sum, which the
+// compiler vectorises without masks or branches, and an infinite input value at such a corner
+// cannot make NaN.
+template <typename scalar_t, typename opmath_t, typename out_t>
+DEFORMCONV_INLINE void sum_corner_rows(const scalar_t* const rows[4], const opmath_t weight[4],
                                        int64_t count, out_t* __restrict out) {
-  using opmath_t = at::opmath_type<scalar_t>;
-  const opmath_t* w = plan.weight;
-  if (w[0] != opmath_t(0) && w[1] != opmath_t(0) && w[2] != opmath_t(0) && w[3] != opmath_t(0)) {
-    const scalar_t* __restrict row_0 = channel + plan.index[0] * channel_stride;
-    const scalar_t* __restrict row_1 = channel + plan.index[1] * channel_stride;
-    const scalar_t* __restrict row_2 = channel + plan.index[2] * channel_stride;
-    const scalar_t* __restrict row_3 = channel + plan.index[3] * channel_stride;
-    for (int64_t c = 0; c < count; ++c) {
-      out[c] = static_cast<out_t>(w[0] * static_cast<opmath_t>(row_0[c]) +
-                                  w[1] * static_cast<opmath_t>(row_1[c]) +
-                                  w[2] * static_cast<opmath_t>(row_2[c]) +
-                                  w[3] * static_cast<opmath_t>(row_3[c]));
-    }
-    return;
+  const scalar_t* __restrict row_0 = rows[0];
+  const scalar_t* __restrict row_1 = rows[1];
+  const scalar_t* __restrict row_2 = rows[2];
+  const scalar_t* __restrict row_3 = rows[3];
+  const opmath_t w_0 = weight[0], w_1 = weight[1], w_2 = weight[2], w_3 = weight[3];
+  for (int64_t c = 0; c < count; ++c) {
+    out[c] = static_cast<out_t>(
+        w_0 * static_cast<opmath_t>(row_0[c]) + w_1 * static_cast<opmath_t>(row_1[c]) +
+        w_2 * static_cast<opmath_t>(row_2[c]) + w_3 * static_cast<opmath_t>(row_3[c]));
   }
-  sample_channels_one_by_one(plan, channel, channel_stride, count, out);
 }
 
 // kLanes values of opmath_t in one GCC/Clang vector (lowered to what the target has: one

@@ -13,82 +13,21 @@
 #include "../pytorch/dcnv3.h"
 #include "../pytorch/launchers.h"
 #include "cpu_loops.h"
+#include "located_samples.h"
 
 namespace deformconv {
 namespace {
 
-// The positions (dcnv3_position's sum), cells (locate_cell) and mask-weighted corner weights
-// (plan_at's) of `samples` samples, each an array over the samples; restrict-qualified
-// parameters, so that the compiler vectorises without checking the arrays for overlap. A
-// sample outside (or at NaN) gets the cell of (0, 0), unused. The floor of a value in
-// (-1, size) is its truncation, less one below an integer: a conversion and a comparison, and
-// every product is made then selected, because GCC keeps a loop scalar rather than compute for
-// all lanes an operation that could trap.
+// Every sample of one output pixel, k = group * P + point, located at once (LocatedSamples):
+// dcnv3_position's sum with its terms computed once, the reference point per pixel and the
+// grid points per task. A task keeps one and moves it from pixel to pixel.
 template <typename opmath_t>
-DEFORMCONV_INLINE void locate_cells(
-    int64_t samples, opmath_t base_y, opmath_t base_x, opmath_t scale, int64_t height,
-    int64_t width, const opmath_t* __restrict grid_y, const opmath_t* __restrict grid_x,
-    const opmath_t* __restrict dy, const opmath_t* __restrict dx,
-    const opmath_t* __restrict mask, int32_t* __restrict inside_out,
-    int32_t* __restrict y0_out, int32_t* __restrict x0_out, opmath_t* __restrict ly_out,
-    opmath_t* __restrict lx_out, opmath_t* __restrict weight_0, opmath_t* __restrict weight_1,
-    opmath_t* __restrict weight_2, opmath_t* __restrict weight_3) {
-  const opmath_t height_value = static_cast<opmath_t>(height);
-  const opmath_t width_value = static_cast<opmath_t>(width);
-  const int32_t rows = static_cast<int32_t>(height);
-  const int32_t columns = static_cast<int32_t>(width);
-  for (int64_t k = 0; k < samples; ++k) {
-    const opmath_t x = base_x + (grid_x[k] + dx[k]) * scale;
-    const opmath_t y = base_y + (grid_y[k] + dy[k]) * scale;
-    const int32_t inside = int32_t(y > opmath_t(-1)) & int32_t(y < height_value) &
-        int32_t(x > opmath_t(-1)) & int32_t(x < width_value);
-    const opmath_t y_in = inside ? y : opmath_t(0);
-    const opmath_t x_in = inside ? x : opmath_t(0);
-    const int32_t y_truncated = static_cast<int32_t>(y_in);
-    const int32_t x_truncated = static_cast<int32_t>(x_in);
-    const int32_t y0 = y_truncated - int32_t(y_in < static_cast<opmath_t>(y_truncated));
-    const int32_t x0 = x_truncated - int32_t(x_in < static_cast<opmath_t>(x_truncated));
-    const opmath_t ly = y_in - static_cast<opmath_t>(y0);
-    const opmath_t lx = x_in - static_cast<opmath_t>(x0);
-    inside_out[k] = inside;
-    y0_out[k] = y0;
-    x0_out[k] = x0;
-    ly_out[k] = ly;
-    lx_out[k] = lx;
-    const int32_t top = inside & int32_t(y0 >= 0);
-    const int32_t bottom = inside & int32_t(y0 + 1 < rows);
-    const int32_t left = int32_t(x0 >= 0);
-    const int32_t right = int32_t(x0 + 1 < columns);
-    const opmath_t hy = opmath_t(1) - ly;
-    const opmath_t hx = opmath_t(1) - lx;
-    const opmath_t m = mask[k];
-    const opmath_t w0 = m * (hy * hx), w1 = m * (hy * lx), w2 = m * (ly * hx),
-                   w3 = m * (ly * lx);
-    weight_0[k] = (top & left) ? w0 : opmath_t(0);
-    weight_1[k] = (top & right) ? w1 : opmath_t(0);
-    weight_2[k] = (bottom & left) ? w2 : opmath_t(0);
-    weight_3[k] = (bottom & right) ? w3 : opmath_t(0);
-  }
-}
-
-// Every sample of one output pixel, k = group * P + point, located at once: dcnv3_position's
-// sum with its terms computed once (the reference point per pixel, the grid points per task),
-// then locate_cell and plan_at's corner weights, as loops over k without branches, which the
-// compiler vectorises. What remains per sample is integer indexing. A task keeps one and moves
-// it from pixel to pixel. Indices within an image are int32: the driver checks that height and
-// width fit.
-template <typename opmath_t>
-class PixelSamples {
+class PixelSamples : public LocatedSamples<opmath_t> {
  public:
   explicit PixelSamples(const Dcnv3Geometry& g)
-      : height_(g.height), width_(g.width), grid_y_(g.groups * g.points()),
-        grid_x_(grid_y_.size()), dy_(grid_y_.size()), dx_(grid_y_.size()),
-        m_(grid_y_.size()), inside_(grid_y_.size()), y0_(grid_y_.size()),
-        x0_(grid_y_.size()), ly_(grid_y_.size()), lx_(grid_y_.size()),
-        weight_{std::vector<opmath_t>(grid_y_.size()), std::vector<opmath_t>(grid_y_.size()),
-                std::vector<opmath_t>(grid_y_.size()), std::vector<opmath_t>(grid_y_.size())} {
-    for (int64_t k = 0; k < static_cast<int64_t>(grid_y_.size()); ++k) {
-      dcnv3_grid_point(g, k % g.points(), grid_y_[k], grid_x_[k]);
+      : LocatedSamples<opmath_t>(g.groups * g.points(), g.height, g.width) {
+    for (int64_t k = 0; k < g.groups * g.points(); ++k) {
+      dcnv3_grid_point(g, k % g.points(), this->grid_y[k], this->grid_x[k]);
     }
   }
 
@@ -101,64 +40,17 @@ class PixelSamples {
           offset + pixel * f.offset_pixel_stride + group * f.offset_group_stride;
       const scalar_t* group_mask = mask + pixel * f.mask_pixel_stride + group * f.mask_group_stride;
       for (int64_t point = 0; point < P; ++point) {
-        dx_[group * P + point] = static_cast<opmath_t>(group_offset[2 * point]);
-        dy_[group * P + point] = static_cast<opmath_t>(group_offset[2 * point + 1]);
-        m_[group * P + point] = static_cast<opmath_t>(group_mask[point]);
+        this->dx[group * P + point] = static_cast<opmath_t>(group_offset[2 * point]);
+        this->dy[group * P + point] = static_cast<opmath_t>(group_offset[2 * point + 1]);
+        this->m[group * P + point] = static_cast<opmath_t>(group_mask[point]);
       }
     }
     opmath_t base_y, base_x;
     dcnv3_reference_point(g, pixel / g.out_width % g.out_height, pixel % g.out_width, base_y,
                           base_x);
-    locate_cells(static_cast<int64_t>(grid_y_.size()), base_y, base_x,
-                 static_cast<opmath_t>(g.offset_scale), g.height, g.width, grid_y_.data(),
-                 grid_x_.data(), dy_.data(), dx_.data(), m_.data(), inside_.data(), y0_.data(),
-                 x0_.data(), ly_.data(), lx_.data(), weight_[0].data(), weight_[1].data(),
-                 weight_[2].data(), weight_[3].data());
+    LocatedSamples<opmath_t>::locate(g.groups * P, base_y, base_x,
+                                     static_cast<opmath_t>(g.offset_scale));
   }
-
-  // Sample k's mask-weighted weight of a corner (0 where the corner is outside the image), and
-  // the grid index of its top left corner (meaningful when the sample is inside).
-  DEFORMCONV_INLINE opmath_t weight(int corner, int64_t k) const { return weight_[corner][k]; }
-  DEFORMCONV_INLINE int64_t top_left(int64_t k) const {
-    return static_cast<int64_t>(y0_[k]) * width_ + x0_[k];
-  }
-
-  // Sample k's cell, as locate_cell makes it, and its mask value.
-  DEFORMCONV_INLINE BilinearCell<opmath_t> cell(int64_t k) const {
-    BilinearCell<opmath_t> cell;
-    cell.inside = inside_[k];
-    if (cell.inside) {
-      cell.y0 = y0_[k];
-      cell.x0 = x0_[k];
-      cell.ly = ly_[k];
-      cell.lx = lx_[k];
-      cell.top = cell.y0 >= 0;
-      cell.bottom = cell.y0 + 1 < height_;
-      cell.left = cell.x0 >= 0;
-      cell.right = cell.x0 + 1 < width_;
-    }
-    return cell;
-  }
-  DEFORMCONV_INLINE opmath_t mask(int64_t k) const { return m_[k]; }
-
-  DEFORMCONV_INLINE SamplingPlan<opmath_t> plan(int64_t k) const {
-    SamplingPlan<opmath_t> plan;
-    const int64_t top_left_index = top_left(k);
-    const int64_t corner_index[4] = {top_left_index, top_left_index + 1,
-                                     top_left_index + width_, top_left_index + width_ + 1};
-    for (int corner = 0; corner < 4; ++corner) {
-      plan.weight[corner] = weight_[corner][k];
-      plan.index[corner] = plan.weight[corner] != opmath_t(0) ? corner_index[corner] : 0;
-    }
-    return plan;
-  }
-
- private:
-  int64_t height_, width_;
-  std::vector<opmath_t> grid_y_, grid_x_, dy_, dx_, m_;
-  std::vector<int32_t> inside_, y0_, x0_;
-  std::vector<opmath_t> ly_, lx_;
-  std::vector<opmath_t> weight_[4];
 };
 
 // Pixels [begin, end) of the batch's output, every group: each channel's sum over the points

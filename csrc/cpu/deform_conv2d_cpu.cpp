@@ -1,10 +1,12 @@
 // CPU launchers: parallel loops over the shared element functions (parallel_tasks), and the
 // CPU kernels of the ops.
 //
-// The sampling plans of a window are made once, in parallel; each stage then applies a plan to
-// the consecutive channels it serves (channels-last layouts, see deform_conv2d_kernel.cuh).
-// Those loops over channels are what runs vectorised, and each stage is compiled for several
-// instruction sets (DEFORMCONV_VECTOR_CLONES), chosen when the library loads.
+// Each stage locates its samples a (deform group, tap) row at a time, as arrays over a stretch
+// of pixels (StretchSamples), and applies each sample to the consecutive channels it serves
+// (channels-last layouts, see deform_conv2d_kernel.cuh); col2im, which visits the samples in
+// another order, reads plans made once per window. Both the locating and the loops over
+// channels run vectorised, and each stage is compiled for several instruction sets
+// (DEFORMCONV_VECTOR_CLONES), chosen when the library loads.
 
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -21,6 +23,7 @@
 #include "../common/deform_conv2d_kernel.cuh"
 #include "../pytorch/deform_conv2d.h"
 #include "cpu_loops.h"
+#include "located_samples.h"
 
 namespace deformconv {
 namespace {
@@ -28,6 +31,11 @@ namespace {
 // About this many samples per task when plans are made or offset gradients summed: enough
 // work to amortise a task, and tasks enough to balance the threads.
 constexpr int64_t kPlansPerTask = 256;
+
+// At least this many pixels per task, though: a task locates its samples a (deform group, tap)
+// row at a time, as arrays over its pixels (StretchSamples), and arrays shorter than a few
+// vectors run mostly in the loops' scalar remainders.
+constexpr int64_t kMinPixelsPerTask = 32;
 
 // Consecutive input channels that stay in one conv group, so that their columns entries are
 // consecutive too: entry (image n, window pixel p, tap k, channel first + i) is at
@@ -70,7 +78,7 @@ int64_t columns_at(const DeformConv2dGeometry& g, const PixelWindow& window, int
 
 // Output pixels per task when each pixel needs `plans_per_pixel` plans.
 int64_t pixels_per_task(int64_t plans_per_pixel) {
-  return std::max<int64_t>(1, kPlansPerTask / plans_per_pixel);
+  return std::max(kMinPixelsPerTask, kPlansPerTask / plans_per_pixel);
 }
 
 // The window's pixels of each image cut into stretches of pixels_per_task pixels: the tasks of
@@ -99,13 +107,110 @@ PixelStretch stretch_of(const PixelWindow& window, const PixelStretches& stretch
           std::min(stretches.pixels, window.pixels - first_pixel)};
 }
 
+// The samples of one (deform group, tap) row over a stretch of output pixels of one image,
+// located at once (LocatedSamples), sample i at the stretch's pixel i: the undeformed
+// positions of tap (0, 0) are made once per stretch, and each row adds its own tap's.
+template <typename opmath_t>
+class StretchSamples : public LocatedSamples<opmath_t> {
+ public:
+  StretchSamples(const DeformConv2dGeometry& g, int64_t max_pixels)
+      : LocatedSamples<opmath_t>(max_pixels, g.in_height, g.in_width),
+        origin_y_(max_pixels),
+        origin_x_(max_pixels) {}
+
+  // Output pixels [first_pixel, first_pixel + pixels) of the output grid.
+  void start(const DeformConv2dGeometry& g, int64_t first_pixel, int64_t pixels) {
+    first_pixel_ = first_pixel;
+    pixels_ = pixels;
+    SampleIndex s = make_sample_index(g, 0, 0, 0, first_pixel);
+    for (int64_t i = 0; i < pixels; ++i, next_pixel(g, s)) {
+      origin_y_[i] = s.grid_y;
+      origin_x_[i] = s.grid_x;
+    }
+  }
+
+  // The row of image n, deform group `group`, tap `tap`, read from the block's offset and mask
+  // (null: DCN v1) tensors, in whose layout the row's pixels are consecutive.
+  template <typename scalar_t>
+  DEFORMCONV_INLINE void locate(const DeformConv2dGeometry& g, int64_t n, int64_t group,
+                                int64_t tap, const scalar_t* offset, const scalar_t* mask) {
+    const SampleIndex s = make_sample_index(g, n, group, tap, first_pixel_);
+    const int64_t tap_y = s.grid_y - origin_y_[0];
+    const int64_t tap_x = s.grid_x - origin_x_[0];
+    const scalar_t* offset_y = offset + offset_y_index(g, s);
+    const scalar_t* offset_x = offset_y + g.out_pixels();
+    for (int64_t i = 0; i < pixels_; ++i) {
+      this->grid_y[i] = static_cast<opmath_t>(origin_y_[i] + tap_y);
+      this->grid_x[i] = static_cast<opmath_t>(origin_x_[i] + tap_x);
+      this->dy[i] = static_cast<opmath_t>(offset_y[i]);
+      this->dx[i] = static_cast<opmath_t>(offset_x[i]);
+    }
+    if (mask == nullptr) {
+      std::fill_n(this->m.begin(), pixels_, opmath_t(1));
+    } else {
+      const scalar_t* row_mask = mask + mask_index(g, s);
+      for (int64_t i = 0; i < pixels_; ++i) {
+        this->m[i] = static_cast<opmath_t>(row_mask[i]);
+      }
+    }
+    LocatedSamples<opmath_t>::locate(pixels_, opmath_t(0), opmath_t(0), opmath_t(1));
+    // A task's rows lie in 3 * offset_groups * K planes of the offset and mask tensors, more
+    // streams than a CPU's prefetcher follows, so each row asks for the same row of the next
+    // stretch, which the next task most often is.
+    prefetch_next(offset_y);
+    prefetch_next(offset_x);
+    if (mask != nullptr) {
+      prefetch_next(mask + mask_index(g, s));
+    }
+  }
+
+ private:
+  template <typename scalar_t>
+  DEFORMCONV_INLINE void prefetch_next(const scalar_t* row) const {
+    constexpr int64_t kCacheLine = 64;
+    const char* next = reinterpret_cast<const char*>(row + pixels_);
+    for (int64_t byte = 0; byte < pixels_ * int64_t(sizeof(scalar_t)); byte += kCacheLine) {
+      __builtin_prefetch(next + byte);
+    }
+  }
+
+  std::vector<int64_t> origin_y_, origin_x_;
+  int64_t first_pixel_ = 0;
+  int64_t pixels_ = 0;
+};
+
 // The CPU's window preparation: the sampling plans of every sample of the window, (image,
 // window pixel, deform group, tap), made in parallel once per window and then read by every
-// channel that uses them, in im2col and in col2im. They live in the driver's workspace,
+// channel that uses them in col2im. They live in the driver's workspace,
 // workspace_bytes_per_sample each at most, which it counts in the window's scratch memory.
 template <typename opmath_t>
 const SamplingPlan<opmath_t>* plans_of(const WindowSampling& sampling) {
   return reinterpret_cast<const SamplingPlan<opmath_t>*>(sampling.prepared.const_data_ptr());
+}
+
+// Tasks [begin, end) of the window's plans, task = a stretch of one image's window pixels.
+template <typename scalar_t>
+DEFORMCONV_VECTOR_CLONES void make_plans_tasks(const DeformConv2dGeometry& g,
+                                               const PixelWindow& window,
+                                               const PixelStretches& stretches,
+                                               const scalar_t* offset, const scalar_t* mask,
+                                               SamplingPlan<at::opmath_type<scalar_t>>* plans,
+                                               int64_t begin, int64_t end) {
+  const int64_t plans_per_pixel = g.offset_groups * g.taps();
+  StretchSamples<at::opmath_type<scalar_t>> samples(g, stretches.pixels);
+  for (int64_t task = begin; task < end; ++task) {
+    const auto [n, first_pixel, pixels] = stretch_of(window, stretches, task);
+    auto* task_plans = plans + (n * window.pixels + first_pixel) * plans_per_pixel;
+    samples.start(g, window.begin + first_pixel, pixels);
+    for (int64_t group = 0; group < g.offset_groups; ++group) {
+      for (int64_t tap = 0; tap < g.taps(); ++tap) {
+        samples.locate(g, n, group, tap, offset, mask);
+        for (int64_t i = 0; i < pixels; ++i) {
+          task_plans[i * plans_per_pixel + group * g.taps() + tap] = samples.plan(i);
+        }
+      }
+    }
+  }
 }
 
 void make_plans_cpu(const DeformConv2dGeometry& g, const PixelWindow& window, int64_t batch,
@@ -120,21 +225,7 @@ void make_plans_cpu(const DeformConv2dGeometry& g, const PixelWindow& window, in
     const scalar_t* offset_data = offset.const_data_ptr<scalar_t>();
     const scalar_t* mask_data = data_or_null<scalar_t>(mask);
     parallel_tasks(batch * stretches.per_image, [&](int64_t begin, int64_t end) {
-      for (int64_t task = begin; task < end; ++task) {
-        const auto [n, first_pixel, pixels] = stretch_of(window, stretches, task);
-        Plan* task_plans = plan_data + (n * window.pixels + first_pixel) * plans_per_pixel;
-        // Along each (deform group, tap) row, stepping the sample instead of dividing per
-        // sample.
-        for (int64_t group = 0; group < g.offset_groups; ++group) {
-          for (int64_t tap = 0; tap < g.taps(); ++tap) {
-            SampleIndex s = make_sample_index(g, n, group, tap, window.begin + first_pixel);
-            for (int64_t i = 0; i < pixels; ++i, next_pixel(g, s)) {
-              task_plans[i * plans_per_pixel + group * g.taps() + tap] =
-                  make_sampling_plan(g, s, offset_data, mask_data);
-            }
-          }
-        }
-      }
+      make_plans_tasks(g, window, stretches, offset_data, mask_data, plan_data, begin, end);
     });
   });
 }
@@ -154,9 +245,6 @@ struct Im2colTask {
   PixelWindow window;
   const std::vector<std::vector<ChannelRun>>& runs;
   PixelStretches stretches;
-  // The window's plans, or null: each task then makes the plans of its own samples as it
-  // goes, which spares the forward the plans' round trip through memory.
-  const SamplingPlan<at::opmath_type<scalar_t>>* plans;
   const scalar_t* offset;
   const scalar_t* mask;
   const scalar_t* input;
@@ -164,25 +252,44 @@ struct Im2colTask {
 };
 
 // Tasks [begin, end) of im2col, task = a stretch of one image's window pixels, walked along
-// (deform group, tap) rows: every columns entry is written by exactly one task.
+// (deform group, tap) rows: every columns entry is written by exactly one task. Each row's
+// samples are located at once; a corner that takes no part reads a row of zeros
+// (sum_corner_rows).
 template <typename scalar_t>
 DEFORMCONV_VECTOR_CLONES void im2col_tasks(const Im2colTask<scalar_t>& t, int64_t begin,
                                            int64_t end) {
+  using opmath_t = at::opmath_type<scalar_t>;
   const DeformConv2dGeometry& g = t.g;
+  // A row of zeros as long as a grid pixel's channels, so that a run's channels of it are
+  // where they are in the image.
+  const std::vector<scalar_t> zeros(g.in_channels, scalar_t(0));
+  StretchSamples<opmath_t> samples(g, t.stretches.pixels);
   for (int64_t task = begin; task < end; ++task) {
     const auto [n, first_pixel, pixels] = stretch_of(t.window, t.stretches, task);
+    const scalar_t* image = channel_of(g, t.input, n, 0);
+    samples.start(g, t.window.begin + first_pixel, pixels);
     for (int64_t group = 0; group < g.offset_groups; ++group) {
       for (int64_t tap = 0; tap < g.taps(); ++tap) {
-        SampleIndex s = make_sample_index(g, n, group, tap, t.window.begin + first_pixel);
-        for (int64_t pixel = first_pixel; pixel < first_pixel + pixels;
-             ++pixel, next_pixel(g, s)) {
-          const auto plan = t.plans != nullptr
-              ? plans_of_pixel(g, t.window, t.plans, n, pixel)[group * g.taps() + tap]
-              : make_sampling_plan(g, s, t.offset, t.mask);
-          const int64_t entries = columns_at(g, t.window, n, pixel, tap);
+        samples.locate(g, n, group, tap, t.offset, t.mask);
+        for (int64_t i = 0; i < pixels; ++i) {
+          const int64_t top_left = samples.top_left(i);
+          const int64_t corner_index[4] = {top_left, top_left + 1, top_left + g.in_width,
+                                           top_left + g.in_width + 1};
+          opmath_t weight[4];
+          const scalar_t* corner_pixel[4];
+          for (int corner = 0; corner < 4; ++corner) {
+            weight[corner] = samples.weight(corner, i);
+            corner_pixel[corner] = weight[corner] != opmath_t(0)
+                ? image + corner_index[corner] * g.in_channels
+                : zeros.data();
+          }
+          const int64_t entries = columns_at(g, t.window, n, first_pixel + i, tap);
           for (const ChannelRun& run : t.runs[group]) {
-            sample_channels(plan, channel_of(g, t.input, n, run.first), g.in_channels, run.count,
-                            t.columns + run.column_offset + entries);
+            const scalar_t* rows[4];
+            for (int corner = 0; corner < 4; ++corner) {
+              rows[corner] = corner_pixel[corner] + run.first;
+            }
+            sum_corner_rows(rows, weight, run.count, t.columns + run.column_offset + entries);
           }
         }
       }
@@ -195,11 +302,14 @@ void im2col_cpu(const DeformConv2dGeometry& g, const PixelWindow& window, int64_
   const auto runs = runs_of_offset_groups(g, window);
   const PixelStretches stretches = pixel_stretches(g, window);
   DEFORMCONV_DISPATCH(input.scalar_type(), "deform_conv2d_im2col_cpu", [&] {
-    const Im2colTask<scalar_t> t{
-        g, window, runs, stretches,
-        sampling.prepared.defined() ? plans_of<at::opmath_type<scalar_t>>(sampling) : nullptr,
-        sampling.offset.const_data_ptr<scalar_t>(), data_or_null<scalar_t>(sampling.mask),
-        input.const_data_ptr<scalar_t>(), columns.mutable_data_ptr<scalar_t>()};
+    const Im2colTask<scalar_t> t{g,
+                                 window,
+                                 runs,
+                                 stretches,
+                                 sampling.offset.const_data_ptr<scalar_t>(),
+                                 data_or_null<scalar_t>(sampling.mask),
+                                 input.const_data_ptr<scalar_t>(),
+                                 columns.mutable_data_ptr<scalar_t>()};
     parallel_tasks(batch * stretches.per_image,
                    [&](int64_t begin, int64_t end) { im2col_tasks(t, begin, end); });
   });
@@ -316,13 +426,17 @@ DEFORMCONV_VECTOR_CLONES void offset_mask_grad_tasks(const OffsetMaskGradTask<sc
                                                      int64_t begin, int64_t end) {
   using opmath_t = at::opmath_type<scalar_t>;
   const DeformConv2dGeometry& g = t.g;
+  StretchSamples<opmath_t> samples(g, t.stretches.pixels);
   for (int64_t task = begin; task < end; ++task) {
     const auto [n, first_pixel, pixels] = stretch_of(t.window, t.stretches, task);
+    samples.start(g, t.window.begin + first_pixel, pixels);
     for (int64_t group = 0; group < g.offset_groups; ++group) {
       for (int64_t tap = 0; tap < g.taps(); ++tap) {
+        samples.locate(g, n, group, tap, t.offset, t.mask);
         SampleIndex s = make_sample_index(g, n, group, tap, t.window.begin + first_pixel);
         for (int64_t i = 0; i < pixels; ++i, next_pixel(g, s)) {
-          const auto acc = start_offset_mask_grad(g, s, t.offset, t.mask);
+          OffsetMaskGrad<opmath_t> acc{samples.cell(i), {}, samples.mask(i)};
+          corner_indices(acc.cell, g.in_width, acc.index);
           const int64_t entries = columns_at(g, t.window, n, first_pixel + i, tap);
           const auto sums = acc.cell.inside
               ? offset_mask_grad_of_sample(g, n, entries, t.runs[group], acc, t.grad_columns,

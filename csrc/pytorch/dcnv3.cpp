@@ -8,7 +8,6 @@
 
 #include <cmath>
 #include <cstdint>
-#include <limits>
 
 #include "../common/output_length.h"
 
@@ -117,10 +116,8 @@ Dcnv3Geometry check_dcnv3_arguments(const std::optional<at::Tensor>& grad_output
                     a.group_channels, " = ", a.group * a.group_channels,
                     " channels (its last dimension), but got ", input.size(3));
 
-  // The CPU launchers index rows and columns within an image in 32 bits.
-  constexpr int64_t kMaxSide = std::numeric_limits<int32_t>::max() - 1;
-  TORCH_CHECK_VALUE(input.size(1) <= kMaxSide && input.size(2) <= kMaxSide, op,
-                    ": expected input's height and width to be at most ", kMaxSide,
+  TORCH_CHECK_VALUE(input.size(1) <= kMaxImageSide && input.size(2) <= kMaxImageSide, op,
+                    ": expected input's height and width to be at most ", kMaxImageSide,
                     ", but got ", input.size(1), " x ", input.size(2));
   Dcnv3Geometry g{};
   g.height = input.size(1);

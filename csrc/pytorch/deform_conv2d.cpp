@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <vector>
 
+#include "../common/bilinear_sampling.cuh"
 #include "../common/output_length.h"
 
 namespace deformconv {
@@ -344,6 +345,9 @@ DeformConv2dGeometry check_deform_conv2d_arguments(
   TORCH_CHECK_VALUE(g.in_channels > 0 && g.in_height > 0 && g.in_width > 0,
                     "deform_conv2d(): expected input to have non-zero channels, height and "
                     "width, but got shape ", input.sizes());
+  TORCH_CHECK_VALUE(g.in_height <= kMaxImageSide && g.in_width <= kMaxImageSide,
+                    "deform_conv2d(): expected input's height and width to be at most ",
+                    kMaxImageSide, ", but got ", g.in_height, " x ", g.in_width);
   TORCH_CHECK_VALUE(g.kernel_h > 0 && g.kernel_w > 0,
                     "deform_conv2d(): expected weight to have a non-empty kernel, but got shape ",
                     weight.sizes());

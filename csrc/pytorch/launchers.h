@@ -20,8 +20,8 @@ namespace deformconv {
 // Where the samples of one window come from: the block's offset and mask (mask undefined for
 // DCN v1), and the launchers' own preparation of them for this window (prepare_window, into a
 // workspace the driver allocates once per call), which the launchers that run after it share:
-// on the CPU, the sampling plans that col2im needs and im2col reuses. Undefined where the
-// launchers prepare nothing, or where im2col runs alone.
+// on the CPU, the sampling plans that col2im reads. Undefined where the launchers prepare
+// nothing, or where im2col runs alone.
 struct WindowSampling {
   at::Tensor offset;
   at::Tensor mask;
