@@ -94,10 +94,32 @@ at::Tensor columns_of_window(const at::Tensor& columns, const WorkSplit& w,
 }
 
 // The weight in the order of a columns row, per conv group: (G, C_out / G, K * C_in / G), its
-// last dimension (tap, channel) as the columns have it.
-at::Tensor weight_rows(const at::Tensor& weight, const WorkSplit& w) {
-  return weight.permute({0, 2, 3, 1}).contiguous().view(
-      {w.groups, w.out_per_group, w.rows_per_group});
+// last dimension (tap, channel) as the columns have it, that is, for each output channel the
+// transpose of its (C_in / G, K) matrix. In the launchers' scratch memory: a fresh buffer as
+// large as the weight (9 MiB for 512 x 512 x 3 x 3) would fault in page by page every call.
+at::Tensor weight_rows(const DeformConv2dLaunchers& launchers, const DeformConv2dGeometry& g,
+                       const at::Tensor& weight, const WorkSplit& w) {
+  at::Tensor rows =
+      launchers.scratch({w.groups, w.out_per_group, w.rows_per_group}, weight.options());
+  at::Tensor matrices = rows.view({g.out_channels, g.taps(), g.channels_per_group()});
+  launchers.transpose(weight.contiguous().view({g.out_channels, g.channels_per_group(), g.taps()}),
+                      matrices);
+  return rows;
+}
+
+// Writes a weight gradient summed in weight_rows' order into grad_weight, in the weight's
+// layout.
+void store_weight_gradient(const DeformConv2dLaunchers& launchers, const DeformConv2dGeometry& g,
+                           const at::Tensor& rows, at::Tensor& grad_weight) {
+  const at::Tensor matrices = rows.view({g.out_channels, g.taps(), g.channels_per_group()});
+  if (grad_weight.is_contiguous()) {
+    at::Tensor planes = grad_weight.view({g.out_channels, g.channels_per_group(), g.taps()});
+    launchers.transpose(matrices, planes);
+  } else {
+    grad_weight.copy_(
+        matrices.view({g.out_channels, g.kernel_h, g.kernel_w, g.channels_per_group()})
+            .permute({0, 3, 1, 2}));
+  }
 }
 
 // A block of images in the channels-last layout the launchers read, (images, H, W, C_in):
@@ -163,18 +185,21 @@ at::Tensor columns_as_image(const at::Tensor& columns, const WorkSplit& w,
 
 // The weight as the 1x1 convolution of the Note takes it: (C_out, K * C_in, 1, 1), its input
 // channels in the order of a columns row.
-at::Tensor weight_1x1(const at::Tensor& weight, const WorkSplit& w) {
-  return weight_rows(weight, w).view({w.groups * w.out_per_group, w.rows_per_group, 1, 1});
+at::Tensor weight_1x1(const DeformConv2dLaunchers& launchers, const DeformConv2dGeometry& g,
+                      const at::Tensor& weight, const WorkSplit& w) {
+  return weight_rows(launchers, g, weight, w)
+      .view({w.groups * w.out_per_group, w.rows_per_group, 1, 1});
 }
 
 // The weight as the GEMMs of the windows take it: weight_1x1 when as_convolution, else the
 // per-group weight matrices repeated for every image of a block, so that one batched GEMM
 // covers the whole block, (step * G, C_out / G, K * C_in / G).
-at::Tensor gemm_weight(const at::Tensor& weight, const WorkSplit& w, bool as_convolution) {
+at::Tensor gemm_weight(const DeformConv2dLaunchers& launchers, const DeformConv2dGeometry& g,
+                       const at::Tensor& weight, const WorkSplit& w, bool as_convolution) {
   if (as_convolution) {
-    return weight_1x1(weight, w);
+    return weight_1x1(launchers, g, weight, w);
   }
-  return weight_rows(weight, w)
+  return weight_rows(launchers, g, weight, w)
       .unsqueeze(0)
       .expand({w.step, w.groups, w.out_per_group, w.rows_per_group})
       .reshape({w.step * w.groups, w.out_per_group, w.rows_per_group});
@@ -439,7 +464,7 @@ at::Tensor deform_conv2d_forward(
   const WorkSplit w = split_work(g, batch, im2col_step, input_arg.scalar_type(), launchers);
   at::Tensor columns = columns_buffer(launchers, g, w, input_arg.options());
   const bool as_convolution = gemms_as_convolutions(launchers, g, input_arg);
-  const at::Tensor weight_batched = gemm_weight(weight_arg, w, as_convolution);
+  const at::Tensor weight_batched = gemm_weight(launchers, g, weight_arg, w, as_convolution);
 
   for (int64_t first = 0; first < batch; first += w.step) {
     const int64_t images = std::min(w.step, batch - first);
@@ -500,7 +525,7 @@ BackwardScratch backward_scratch(const DeformConv2dLaunchers& launchers,
   }
   scratch.as_convolution = gemms_as_convolutions(launchers, g, input);
   if (scratch.as_convolution || want.columns()) {
-    scratch.weight = gemm_weight(weight, w, scratch.as_convolution);
+    scratch.weight = gemm_weight(launchers, g, weight, w, scratch.as_convolution);
   }
   if (want.weight) {
     scratch.grad_weight_rows =
@@ -638,10 +663,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> deform_co
     }
   }
   if (want.weight) {
-    grad_weight.copy_(scratch.grad_weight_rows
-                          .view({g.out_channels, g.kernel_h, g.kernel_w,
-                                 g.in_channels / g.groups})
-                          .permute({0, 3, 1, 2}));
+    store_weight_gradient(launchers, g, scratch.grad_weight_rows, grad_weight);
   }
   return {grad_input, grad_offset, grad_weight, grad_mask, grad_bias};
 }
