@@ -36,6 +36,26 @@ def geometries(draw):
                     dilation, groups, offset_groups)
 
 
+def test_forward_of_whole_images_per_thread_equals_one_thread():
+    # Two threads and at least two images each: the CPU forward gives each thread whole images
+    # in one parallel region (Note [Whole images per thread]), with the float32 GEMMs on
+    # oneDNN run by that thread alone. Each image's output and the gradients through it are
+    # those of a one-thread run, bit for bit.
+    geometry = Geometry("images", 8, 16, 12, 9, 10, (3, 3), padding=(1, 1), offset_groups=2)
+    operands = make_operands(geometry, dtype=torch.float32)
+    previous = torch.get_num_threads()
+    try:
+        runs = []
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            runs.append(forward_and_grads(deformconv.deform_conv2d, *operands, geometry))
+    finally:
+        torch.set_num_threads(previous)
+    (out_1, grads_1), (out_2, grads_2) = runs
+    assert torch.equal(out_1, out_2)
+    assert all(torch.equal(a, b) for a, b in zip(grads_1, grads_2))
+
+
 @given(geometry=geometries(), with_mask=st.booleans(), with_bias=st.booleans(),
        offset_scale=st.sampled_from([0.5, 2.0, 8.0]), seed=st.integers(0, 2**16),
        im2col_step=st.integers(0, 4))

@@ -542,6 +542,7 @@ constexpr DeformConv2dLaunchers kCpuLaunchers{
     .offset_mask_grad = offset_mask_grad_cpu,
     .transpose = transpose_cpu,
     .onednn_gemms = true,
+    .images_per_thread = true,
 };
 
 at::Tensor deform_conv2d_cpu(const at::Tensor& input, const at::Tensor& offset,

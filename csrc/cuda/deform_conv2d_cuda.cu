@@ -222,6 +222,7 @@ const DeformConv2dLaunchers& cuda_launchers() {
       .offset_mask_grad = offset_mask_grad_cuda,
       .transpose = transpose_cuda,
       .onednn_gemms = false,
+    .images_per_thread = false,
   };
   return launchers;
 }

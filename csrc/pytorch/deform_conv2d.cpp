@@ -1,6 +1,7 @@
 #include "deform_conv2d.h"
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <c10/util/irange.h>
 
 #include <algorithm>
@@ -443,6 +444,48 @@ DeformConv2dGeometry check_deform_conv2d_backward_arguments(
   return g;
 }
 
+namespace {
+
+// Note [Whole images per thread]
+// A forward whose batch gives every thread at least two images, with the automatic
+// im2col_step, runs in one parallel region: each thread takes whole images, one block of one
+// image at a time, and runs their windows by itself (im2col, the GEMM, the output copy) in a
+// columns buffer of its own. The stages of a window then meet no barrier, which on a machine
+// whose cores another process shares would make every thread wait for the slowest; the ATen
+// and oneDNN calls inside run on the calling thread alone. Each image's output is the same as
+// in a block of its own.
+bool whole_images_per_thread(const DeformConv2dLaunchers& launchers, int64_t batch,
+                             int64_t im2col_step) {
+  const int64_t threads = at::get_num_threads();
+  return launchers.images_per_thread && im2col_step == 0 && threads > 1 &&
+      batch >= 2 * threads && !at::in_parallel_region();
+}
+
+// The forward of images [first, first + images), one block: channels-last input, then window
+// by window the columns and their GEMM into the output.
+void forward_block(const DeformConv2dLaunchers& launchers, const DeformConv2dGeometry& g,
+                   const WorkSplit& w, const at::Tensor& input, const at::Tensor& offset,
+                   const at::Tensor& mask, const at::Tensor& weight_gemm,
+                   const std::optional<at::Tensor>& bias, bool as_convolution, int64_t first,
+                   int64_t images, at::Tensor& columns, at::Tensor& output) {
+  const at::Tensor input_block = channels_last_block(launchers, input, first, images);
+  const at::Tensor offset_block = offset.narrow(0, first, images);
+  const at::Tensor mask_block = mask.defined() ? mask.narrow(0, first, images) : at::Tensor();
+  const at::Tensor output_block =
+      output.narrow(0, first, images).view({images * w.groups, w.out_per_group, w.pixels});
+  for (const PixelWindow& window : windows_of(w)) {
+    // Nothing prepared: im2col locates each sample as it reads it.
+    launchers.im2col(g, window, images, input_block,
+                     WindowSampling{offset_block, mask_block, {}}, columns);
+    // (images * G, C_out / G, window) inside the output: rows P apart.
+    at::Tensor output_window = output_block.narrow(2, window.begin, window.pixels);
+    multiply_window(w, window, images, columns, weight_gemm, bias, as_convolution,
+                    output_window);
+  }
+}
+
+}  // namespace
+
 at::Tensor deform_conv2d_forward(
     const DeformConv2dLaunchers& launchers, const at::Tensor& input_arg,
     const at::Tensor& offset_arg, const at::Tensor& weight_arg,
@@ -461,27 +504,28 @@ at::Tensor deform_conv2d_forward(
   if (batch == 0) {
     return output;
   }
+  const bool as_convolution = gemms_as_convolutions(launchers, g, input_arg);
+  if (whole_images_per_thread(launchers, batch, im2col_step)) {
+    const WorkSplit w = split_work(g, 1, 1, input_arg.scalar_type(), launchers);
+    const at::Tensor weight_gemm = gemm_weight(launchers, g, weight_arg, w, as_convolution);
+    at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
+      // This thread's share runs as a kernel does, below autograd, whose dispatch state
+      // worker threads do not inherit.
+      at::AutoDispatchBelowADInplaceOrView below_autograd;
+      at::Tensor columns = columns_buffer(launchers, g, w, input_arg.options());
+      for (int64_t n = begin; n < end; ++n) {
+        forward_block(launchers, g, w, input_arg, offset, mask, weight_gemm, bias, as_convolution,
+                      n, 1, columns, output);
+      }
+    });
+    return output;
+  }
   const WorkSplit w = split_work(g, batch, im2col_step, input_arg.scalar_type(), launchers);
   at::Tensor columns = columns_buffer(launchers, g, w, input_arg.options());
-  const bool as_convolution = gemms_as_convolutions(launchers, g, input_arg);
-  const at::Tensor weight_batched = gemm_weight(launchers, g, weight_arg, w, as_convolution);
-
+  const at::Tensor weight_gemm = gemm_weight(launchers, g, weight_arg, w, as_convolution);
   for (int64_t first = 0; first < batch; first += w.step) {
-    const int64_t images = std::min(w.step, batch - first);
-    const at::Tensor input_block = channels_last_block(launchers, input_arg, first, images);
-    const at::Tensor offset_block = offset.narrow(0, first, images);
-    const at::Tensor mask_block = mask.defined() ? mask.narrow(0, first, images) : at::Tensor();
-    const at::Tensor output_block =
-        output.narrow(0, first, images).view({images * w.groups, w.out_per_group, w.pixels});
-    for (const PixelWindow& window : windows_of(w)) {
-      // Nothing prepared: im2col locates each sample as it reads it.
-      launchers.im2col(g, window, images, input_block,
-                       WindowSampling{offset_block, mask_block, {}}, columns);
-      // (images * G, C_out / G, window) inside the output: rows P apart.
-      at::Tensor output_window = output_block.narrow(2, window.begin, window.pixels);
-      multiply_window(w, window, images, columns, weight_batched, bias, as_convolution,
-                      output_window);
-    }
+    forward_block(launchers, g, w, input_arg, offset, mask, weight_gemm, bias, as_convolution,
+                  first, std::min(w.step, batch - first), columns, output);
   }
   return output;
 }

@@ -69,6 +69,9 @@ struct DeformConv2dLaunchers {
   // Whether the driver may run the GEMMs of float32 windows with one conv group as oneDNN 1x1
   // convolutions (Note [GEMMs as 1x1 convolutions]): on the CPU, not on CUDA.
   bool onednn_gemms;
+  // Whether the forward may give whole images to the threads (Note [Whole images per thread]):
+  // on the CPU, not on CUDA.
+  bool images_per_thread;
 };
 
 // The dtypes of every launcher: float32 and float64, and float16 and bfloat16 (arithmetic in
