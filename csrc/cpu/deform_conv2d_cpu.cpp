@@ -11,6 +11,8 @@
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/from_blob.h>
+#include <ATen/record_function.h>
+#include <c10/core/Allocator.h>
 #include <c10/core/impl/alloc_cpu.h>
 #include <c10/util/accumulate.h>
 #include <torch/library.h>
@@ -531,6 +533,8 @@ class ScratchPool {
   }
 
   at::Tensor take(c10::IntArrayRef sizes, const at::TensorOptions& options) {
+    // An event of its own, as aten::empty has, which the block counts as allocated by.
+    RECORD_FUNCTION("deformconv::scratch", std::vector<c10::IValue>());
     const size_t bytes = std::max<size_t>(
         1, static_cast<size_t>(c10::multiply_integers(sizes)) * options.dtype().itemsize());
     void* block = nullptr;
@@ -548,6 +552,7 @@ class ScratchPool {
     if (block == nullptr) {
       block = allocate(bytes);
     }
+    report_to_profiler(block, static_cast<int64_t>(block_bytes));
     return at::from_blob(
         block, sizes, [this, block_bytes](void* data) { give_back(data, block_bytes); },
         options);
@@ -573,7 +578,14 @@ class ScratchPool {
     return block;
   }
 
+  // A block in use counts as allocated for PyTorch's memory profiler, as a fresh buffer from
+  // PyTorch's allocator would, whether it was kept or new.
+  static void report_to_profiler(void* block, int64_t bytes) {
+    c10::reportMemoryUsageToProfiler(block, bytes, 0, 0, c10::Device(c10::DeviceType::CPU));
+  }
+
   void give_back(void* block, size_t bytes) {
+    report_to_profiler(block, -static_cast<int64_t>(bytes));
     {
       std::lock_guard<std::mutex> lock(mutex_);
       if (kept_bytes_ + bytes <= kKeptScratchBytes) {
