@@ -171,12 +171,15 @@ class StretchSamples : public LocatedSamples<opmath_t> {
   }
 
  private:
+  // The addresses are made as integers: the next stretch may lie past the end of the tensor,
+  // where a prefetch is harmless but pointer arithmetic would not be defined.
   template <typename scalar_t>
   DEFORMCONV_INLINE void prefetch_next(const scalar_t* row) const {
-    constexpr int64_t kCacheLine = 64;
-    const char* next = reinterpret_cast<const char*>(row + pixels_);
-    for (int64_t byte = 0; byte < pixels_ * int64_t(sizeof(scalar_t)); byte += kCacheLine) {
-      __builtin_prefetch(next + byte);
+    constexpr uintptr_t kCacheLine = 64;
+    const uintptr_t bytes = static_cast<uintptr_t>(pixels_) * sizeof(scalar_t);
+    const uintptr_t next = reinterpret_cast<uintptr_t>(row) + bytes;
+    for (uintptr_t byte = 0; byte < bytes; byte += kCacheLine) {
+      __builtin_prefetch(reinterpret_cast<const void*>(next + byte));
     }
   }
 

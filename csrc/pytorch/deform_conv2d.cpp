@@ -450,10 +450,11 @@ namespace {
 // A forward whose batch gives every thread at least two images, with the automatic
 // im2col_step, runs in one parallel region: each thread takes whole images, one block of one
 // image at a time, and runs their windows by itself (im2col, the GEMM, the output copy) in a
-// columns buffer of its own. The stages of a window then meet no barrier, which on a machine
-// whose cores another process shares would make every thread wait for the slowest; the ATen
-// and oneDNN calls inside run on the calling thread alone. Each image's output is the same as
-// in a block of its own.
+// columns buffer of its own. The call then has one barrier, at its end, instead of several per
+// window, each of which makes every thread wait for the slowest (a thread whose core another
+// process shares, say); the shares are at::parallel_for's, fixed. The ATen and oneDNN calls
+// inside run on the calling thread alone. Each image's output is the same as in a block of
+// its own.
 bool whole_images_per_thread(const DeformConv2dLaunchers& launchers, int64_t batch,
                              int64_t im2col_step) {
   const int64_t threads = at::get_num_threads();
