@@ -79,9 +79,8 @@ DEFORMCONV_VECTOR_CLONES void dcnv3_forward_pixels(const Dcnv3Geometry& g, const
           dcnv3_group_channels(g, input, dcnv3_sample_at(g, pixel, group, 0));
       for (int64_t point = 0; point < P; ++point) {
         const int64_t k = group * P + point;
-        const int64_t top_left = samples.top_left(k);
-        const int64_t corner_index[4] = {top_left, top_left + 1, top_left + g.width,
-                                         top_left + g.width + 1};
+        int64_t corner_index[4];
+        samples.corner_grid_indices(k, corner_index);
         for (int corner = 0; corner < 4; ++corner) {
           const opmath_t weight = samples.weight(corner, k);
           weights[4 * point + corner] = weight;
@@ -276,9 +275,8 @@ DEFORMCONV_VECTOR_CLONES void dcnv3_gradients_images(
         if (cell.inside) {
           bool inside[4];
           corners_inside(cell, inside);
-          const int64_t top_left = samples.top_left(k);
-          const int64_t corner_index[4] = {top_left, top_left + 1, top_left + g.width,
-                                           top_left + g.width + 1};
+          int64_t corner_index[4];
+          samples.corner_grid_indices(k, corner_index);
           const scalar_t* rows[4];
           opmath_t* grad_rows[4];
           opmath_t weight[4];

@@ -281,9 +281,8 @@ DEFORMCONV_VECTOR_CLONES void im2col_tasks(const Im2colTask<scalar_t>& t, int64_
       for (int64_t tap = 0; tap < g.taps(); ++tap) {
         samples.locate(g, n, group, tap, t.offset, t.mask);
         for (int64_t i = 0; i < pixels; ++i) {
-          const int64_t top_left = samples.top_left(i);
-          const int64_t corner_index[4] = {top_left, top_left + 1, top_left + g.in_width,
-                                           top_left + g.in_width + 1};
+          int64_t corner_index[4];
+          samples.corner_grid_indices(i, corner_index);
           opmath_t weight[4];
           const scalar_t* corner_pixel[4];
           for (int corner = 0; corner < 4; ++corner) {

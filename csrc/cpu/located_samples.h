@@ -94,10 +94,15 @@ class LocatedSamples {
   }
 
   // Sample k's mask-weighted weight of a corner (0 where the corner is outside the image), and
-  // the grid index of its top left corner (meaningful when the sample is inside).
+  // the grid indices of its cell's corners in corner order, whether inside the image or not
+  // (unlike corner_indices, which puts 0 for those outside).
   DEFORMCONV_INLINE opmath_t weight(int corner, int64_t k) const { return weight_[corner][k]; }
-  DEFORMCONV_INLINE int64_t top_left(int64_t k) const {
-    return static_cast<int64_t>(y0_[k]) * width_ + x0_[k];
+  DEFORMCONV_INLINE void corner_grid_indices(int64_t k, int64_t index[4]) const {
+    const int64_t top_left = static_cast<int64_t>(y0_[k]) * width_ + x0_[k];
+    index[0] = top_left;
+    index[1] = top_left + 1;
+    index[2] = top_left + width_;
+    index[3] = top_left + width_ + 1;
   }
 
   // Sample k's cell, as locate_cell makes it, and its mask value.
@@ -120,9 +125,8 @@ class LocatedSamples {
 
   DEFORMCONV_INLINE SamplingPlan<opmath_t> plan(int64_t k) const {
     SamplingPlan<opmath_t> plan;
-    const int64_t top_left_index = top_left(k);
-    const int64_t corner_index[4] = {top_left_index, top_left_index + 1,
-                                     top_left_index + width_, top_left_index + width_ + 1};
+    int64_t corner_index[4];
+    corner_grid_indices(k, corner_index);
     for (int corner = 0; corner < 4; ++corner) {
       plan.weight[corner] = weight_[corner][k];
       plan.index[corner] = plan.weight[corner] != opmath_t(0) ? corner_index[corner] : 0;
