@@ -231,16 +231,27 @@ void multiply_window(const WorkSplit& w, const PixelWindow& window, int64_t imag
   }
 }
 
+// Note [A window's gradients outlive it]
+// With the GEMMs as convolutions, ATen allocates each window's columns gradient and weight
+// gradient afresh, megabytes each. Freed at the end of their window, they are often the top
+// of glibc's heap, which free() hands back to the kernel once the top passes its trim
+// threshold, and the next window's would be faulted in again page by page, each page zeroed
+// by the kernel. Kept until the next window's have been made, they lie below the new ones and
+// the window after reuses their memory: fresh pages are needed for the first two windows of a
+// call only, for one window's gradients more held at a time.
+
 // The backward GEMMs of a window, for grad_output_window (images, G, C_out / G, window) and
 // `weight` from gemm_weight. Adds the window's share of the weight gradient to
 // grad_weight_rows when that is defined (`columns` then holds the window's columns), and
 // returns the gradient of the window's columns when want_columns_grad, in the layout of the
-// columns: a tensor of the convolution's, or the columns buffer itself, overwritten.
+// columns: a tensor of the convolution's, or the columns buffer itself, overwritten. The
+// convolution's gradients are also put in `results`, for the caller to keep.
 at::Tensor window_gradient_gemms(const WorkSplit& w, const PixelWindow& window, int64_t images,
                                  at::Tensor& columns, const at::Tensor& grad_output_window,
                                  const at::Tensor& weight,
                                  bool as_convolution, bool want_columns_grad,
-                                 at::Tensor& grad_weight_rows) {
+                                 at::Tensor& grad_weight_rows,
+                                 std::vector<at::Tensor>& results) {
   const bool want_weight = grad_weight_rows.defined();
   if (as_convolution) {
     // The convolution's gradients: of its input, the columns image (images, K * C_in, 1,
@@ -253,6 +264,7 @@ at::Tensor window_gradient_gemms(const WorkSplit& w, const PixelWindow& window, 
     if (want_weight) {
       grad_weight_rows.add_(grad_weight_window.view_as(grad_weight_rows));
     }
+    results = {grad_image, grad_weight_window};
     return want_columns_grad ? grad_image.permute({0, 2, 3, 1}).reshape({-1}) : at::Tensor();
   }
   const at::Tensor columns_block = columns_of_window(columns, w, window, images);
@@ -555,6 +567,8 @@ struct BackwardScratch {
   at::Tensor weight;
   // The weight gradient in the order of weight_rows, summed over the windows.
   at::Tensor grad_weight_rows;
+  // The previous window's convolution gradients: Note [A window's gradients outlive it].
+  std::vector<at::Tensor> previous_window_results;
 };
 
 BackwardScratch backward_scratch(const DeformConv2dLaunchers& launchers,
@@ -649,9 +663,10 @@ void backward_window(const DeformConv2dLaunchers& launchers, const DeformConv2dG
   if (want.weight) {
     launchers.im2col(g, window, block.images, block.input, sampling, scratch.columns);
   }
+  std::vector<at::Tensor> window_results;
   const at::Tensor grad_columns = window_gradient_gemms(
       scratch.w, window, block.images, scratch.columns, grad_output_window, scratch.weight,
-      scratch.as_convolution, want.columns(), scratch.grad_weight_rows);
+      scratch.as_convolution, want.columns(), scratch.grad_weight_rows, window_results);
   if (want.input) {
     launchers.col2im(g, window, block.images, grad_columns, sampling, block.grad_input);
   }
@@ -659,6 +674,7 @@ void backward_window(const DeformConv2dLaunchers& launchers, const DeformConv2dG
     launchers.offset_mask_grad(g, window, block.images, grad_columns, block.input, sampling,
                                block.grad_offset, block.grad_mask);
   }
+  scratch.previous_window_results = std::move(window_results);
 }
 
 }  // namespace
