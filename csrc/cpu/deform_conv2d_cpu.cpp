@@ -20,6 +20,7 @@
 #include <algorithm>
 #include <map>
 #include <mutex>
+#include <utility>
 #include <vector>
 
 #if defined(__linux__)
@@ -608,6 +609,32 @@ at::Tensor scratch_cpu(c10::IntArrayRef sizes, const at::TensorOptions& options)
   return ScratchPool::instance().take(sizes, options);
 }
 
+// Note [A window's gradients outlive it]: the last backward window's GEMM results, shared by
+// every thread, released when the next window's arrive. Results of more than
+// kKeptWindowResultsBytes are not kept.
+void keep_window_results_cpu(std::vector<at::Tensor> results) {
+  constexpr size_t kKeptWindowResultsBytes = size_t(128) << 20;
+  struct Kept {
+    std::mutex mutex;
+    std::vector<at::Tensor> results;
+  };
+  // Never destroyed: the tensors are freed at exit by the system, not during static destruction.
+  static Kept* kept = new Kept();
+  size_t bytes = 0;
+  for (const at::Tensor& result : results) {
+    bytes += result.storage().nbytes();
+  }
+  if (bytes > kKeptWindowResultsBytes) {
+    results.clear();
+  }
+  // The previous results are freed here, after the lock is released.
+  std::vector<at::Tensor> previous;
+  {
+    std::lock_guard<std::mutex> lock(kept->mutex);
+    previous = std::exchange(kept->results, std::move(results));
+  }
+}
+
 // 4 MiB of scratch per window (columns and plans): within the last-level cache of a CPU. A
 // plan takes 48 bytes in float32, 64 in float64.
 constexpr DeformConv2dLaunchers kCpuLaunchers{
@@ -620,6 +647,7 @@ constexpr DeformConv2dLaunchers kCpuLaunchers{
     .col2im = col2im_cpu,
     .offset_mask_grad = offset_mask_grad_cpu,
     .transpose = transpose_cpu,
+    .keep_window_results = keep_window_results_cpu,
     .onednn_gemms = true,
     .images_per_thread = true,
 };

@@ -221,8 +221,9 @@ const DeformConv2dLaunchers& cuda_launchers() {
       .col2im = col2im_cuda,
       .offset_mask_grad = offset_mask_grad_cuda,
       .transpose = transpose_cuda,
+      .keep_window_results = nullptr,
       .onednn_gemms = false,
-    .images_per_thread = false,
+      .images_per_thread = false,
   };
   return launchers;
 }

@@ -232,13 +232,14 @@ void multiply_window(const WorkSplit& w, const PixelWindow& window, int64_t imag
 }
 
 // Note [A window's gradients outlive it]
-// With the GEMMs as convolutions, ATen allocates each window's columns gradient and weight
-// gradient afresh, megabytes each. Freed at the end of their window, they are often the top
-// of glibc's heap, which free() hands back to the kernel once the top passes its trim
-// threshold, and the next window's would be faulted in again page by page, each page zeroed
-// by the kernel. Kept until the next window's have been made, they lie below the new ones and
-// the window after reuses their memory: fresh pages are needed for the first two windows of a
-// call only, for one window's gradients more held at a time.
+// With the GEMMs as convolutions, ATen allocates each backward window's columns gradient and
+// weight gradient afresh, megabytes each. Freed at the end of their window, they are often the
+// top of glibc's heap, which free() hands back to the kernel once the top passes its trim
+// threshold; the next window's are then faulted in again page by page, each page zeroed by the
+// kernel, window after window and call after call. So the CPU launchers keep a window's
+// results (keep_window_results) until the next window's have been made, in this call or the
+// next: the older ones then lie below the new ones, and their memory is reused. What stays
+// held between calls is one window's GEMM results, up to a bound.
 
 // The backward GEMMs of a window, for grad_output_window (images, G, C_out / G, window) and
 // `weight` from gemm_weight. Adds the window's share of the weight gradient to
@@ -567,8 +568,6 @@ struct BackwardScratch {
   at::Tensor weight;
   // The weight gradient in the order of weight_rows, summed over the windows.
   at::Tensor grad_weight_rows;
-  // The previous window's convolution gradients: Note [A window's gradients outlive it].
-  std::vector<at::Tensor> previous_window_results;
 };
 
 BackwardScratch backward_scratch(const DeformConv2dLaunchers& launchers,
@@ -674,7 +673,9 @@ void backward_window(const DeformConv2dLaunchers& launchers, const DeformConv2dG
     launchers.offset_mask_grad(g, window, block.images, grad_columns, block.input, sampling,
                                block.grad_offset, block.grad_mask);
   }
-  scratch.previous_window_results = std::move(window_results);
+  if (launchers.keep_window_results != nullptr) {
+    launchers.keep_window_results(std::move(window_results));
+  }
 }
 
 }  // namespace

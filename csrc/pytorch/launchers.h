@@ -12,6 +12,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <type_traits>
+#include <vector>
 
 #include "../common/deform_conv2d_geometry.h"
 
@@ -66,6 +67,11 @@ struct DeformConv2dLaunchers {
   // dst (M, C, R) = src (M, R, C) with the last two dimensions swapped, both contiguous: the
   // copies between the (C_in, H * W) planes of the user's tensors and channels-last.
   void (*transpose)(const at::Tensor& src, at::Tensor& dst);
+  // Takes the tensors that ATen allocated for a backward window's GEMMs and keeps them until
+  // the next window's (of this call or a later one) are handed over: Note [A window's
+  // gradients outlive it]. Null where the device's allocator reuses its memory by itself
+  // (CUDA's caching allocator).
+  void (*keep_window_results)(std::vector<at::Tensor> results);
   // Whether the driver may run the GEMMs of float32 windows with one conv group as oneDNN 1x1
   // convolutions (Note [GEMMs as 1x1 convolutions]): on the CPU, not on CUDA.
   bool onednn_gemms;
