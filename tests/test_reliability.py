@@ -56,6 +56,33 @@ def test_forward_of_whole_images_per_thread_equals_one_thread():
     assert all(torch.equal(a, b) for a, b in zip(grads_1, grads_2))
 
 
+def test_forward_of_windows_per_thread_equals_one_thread():
+    # One image of 3,600 output pixels and 64 channels makes two windows of pixels (the CPU's
+    # 4 MiB of columns and plans per window), which two threads share out in one parallel
+    # region (Note [Whole images per thread]), each running its windows' GEMMs on oneDNN alone.
+    # The output is that of a one-thread run, bit for bit, and so are the gradients through it
+    # but the weight's: the backward of a one-image batch runs oneDNN's weight-gradient GEMM on
+    # every thread, which sums over the pixels in an order that depends on the thread count.
+    geometry = Geometry("windows", 1, 64, 24, 60, 60, (3, 3), padding=(1, 1), offset_groups=2)
+    operands = make_operands(geometry, dtype=torch.float32)
+    previous = torch.get_num_threads()
+    try:
+        runs = []
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            runs.append(forward_and_grads(deformconv.deform_conv2d, *operands, geometry))
+    finally:
+        torch.set_num_threads(previous)
+    (out_1, grads_1), (out_2, grads_2) = runs
+    assert torch.equal(out_1, out_2)
+    input_1, offset_1, weight_1, bias_1, mask_1 = grads_1
+    input_2, offset_2, weight_2, bias_2, mask_2 = grads_2
+    for one_thread, two_threads in ((input_1, input_2), (offset_1, offset_2), (bias_1, bias_2),
+                                    (mask_1, mask_2)):
+        assert torch.equal(one_thread, two_threads)
+    torch.testing.assert_close(weight_2, weight_1, rtol=1e-5, atol=1e-4)
+
+
 @given(geometry=geometries(), with_mask=st.booleans(), with_bias=st.booleans(),
        offset_scale=st.sampled_from([0.5, 2.0, 8.0]), seed=st.integers(0, 2**16),
        im2col_step=st.integers(0, 4))

@@ -5,6 +5,7 @@
 #include <c10/util/irange.h>
 
 #include <algorithm>
+#include <atomic>
 #include <vector>
 
 #include "../common/bilinear_sampling.cuh"
@@ -460,42 +461,95 @@ DeformConv2dGeometry check_deform_conv2d_backward_arguments(
 namespace {
 
 // Note [Whole images per thread]
-// A forward whose batch gives every thread at least two images, with the automatic
-// im2col_step, runs in one parallel region: each thread takes whole images, one block of one
-// image at a time, and runs their windows by itself (im2col, the GEMM, the output copy) in a
-// columns buffer of its own. The call then has one barrier, at its end, instead of several per
-// window, each of which makes every thread wait for the slowest (a thread whose core another
-// process shares, say); the shares are at::parallel_for's, fixed. The ATen and oneDNN calls
-// inside run on the calling thread alone. Each image's output is the same as in a block of
-// its own.
-bool whole_images_per_thread(const DeformConv2dLaunchers& launchers, int64_t batch,
-                             int64_t im2col_step) {
+// A forward with the automatic im2col_step runs in one parallel region where it can: with a
+// batch that gives every thread at least two images, each thread takes whole images, one block
+// of one image at a time; with fewer images, each block's windows are shared out instead, as
+// long as there is a window per thread. A thread runs its images' or windows' work by itself
+// (im2col, the GEMM, the output copy) in a columns buffer of its own. A block then has one
+// barrier, at its end, instead of several per window, each of which makes every thread wait
+// for the slowest (a thread whose core another process shares, say), and the threads take the
+// images or windows one at a time from a shared counter, so that a slowed thread takes fewer.
+// The ATen and oneDNN calls inside run on the calling thread alone.
+// Each pixel's output is the same as in a block and window of its own.
+enum class ForwardParallelism { kStages, kImages, kWindows };
+
+ForwardParallelism forward_parallelism(const DeformConv2dLaunchers& launchers, int64_t batch,
+                                       int64_t im2col_step, int64_t windows) {
   const int64_t threads = at::get_num_threads();
-  return launchers.images_per_thread && im2col_step == 0 && threads > 1 &&
-      batch >= 2 * threads && !at::in_parallel_region();
+  if (!launchers.images_per_thread || im2col_step != 0 || threads == 1 ||
+      at::in_parallel_region()) {
+    return ForwardParallelism::kStages;
+  }
+  if (batch >= 2 * threads) {
+    return ForwardParallelism::kImages;
+  }
+  return windows >= threads ? ForwardParallelism::kWindows : ForwardParallelism::kStages;
 }
 
-// The forward of images [first, first + images), one block: channels-last input, then window
-// by window the columns and their GEMM into the output.
+// Runs run(i, columns) for i in [0, count) in one parallel region, each thread with a columns
+// buffer of its own, taking the next i from a shared counter: a thread slowed down by another
+// process runs fewer. Below autograd, as a kernel runs, whose dispatch state worker threads do
+// not inherit.
+template <typename Function>
+void run_with_columns_per_thread(const DeformConv2dLaunchers& launchers,
+                                 const DeformConv2dGeometry& g, const WorkSplit& w,
+                                 const at::TensorOptions& options, int64_t count,
+                                 const Function& run) {
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    at::Tensor columns = columns_buffer(launchers, g, w, options);
+    for (int64_t i = next.fetch_add(1); i < count; i = next.fetch_add(1)) {
+      run(i, columns);
+    }
+  });
+}
+
+// One window of a block: its columns, then their GEMM into the block's output,
+// (images * G, C_out / G, P).
+void forward_window(const DeformConv2dLaunchers& launchers, const DeformConv2dGeometry& g,
+                    const WorkSplit& w, const PixelWindow& window, int64_t images,
+                    const at::Tensor& input_block, const at::Tensor& offset_block,
+                    const at::Tensor& mask_block, const at::Tensor& weight_gemm,
+                    const std::optional<at::Tensor>& bias, bool as_convolution,
+                    at::Tensor& columns, const at::Tensor& output_block) {
+  // Nothing prepared: im2col locates each sample as it reads it.
+  launchers.im2col(g, window, images, input_block,
+                   WindowSampling{offset_block, mask_block, {}}, columns);
+  // (images * G, C_out / G, window) inside the output: rows P apart.
+  at::Tensor output_window = output_block.narrow(2, window.begin, window.pixels);
+  multiply_window(w, window, images, columns, weight_gemm, bias, as_convolution, output_window);
+}
+
+// The forward of images [first, first + images), one block: channels-last input, then its
+// windows, in turn, or shared out among the threads (each with a columns buffer of its own)
+// when windows_per_thread.
 void forward_block(const DeformConv2dLaunchers& launchers, const DeformConv2dGeometry& g,
                    const WorkSplit& w, const at::Tensor& input, const at::Tensor& offset,
                    const at::Tensor& mask, const at::Tensor& weight_gemm,
                    const std::optional<at::Tensor>& bias, bool as_convolution, int64_t first,
-                   int64_t images, at::Tensor& columns, at::Tensor& output) {
+                   int64_t images, at::Tensor& columns, at::Tensor& output,
+                   bool windows_per_thread) {
   const at::Tensor input_block = channels_last_block(launchers, input, first, images);
   const at::Tensor offset_block = offset.narrow(0, first, images);
   const at::Tensor mask_block = mask.defined() ? mask.narrow(0, first, images) : at::Tensor();
   const at::Tensor output_block =
       output.narrow(0, first, images).view({images * w.groups, w.out_per_group, w.pixels});
-  for (const PixelWindow& window : windows_of(w)) {
-    // Nothing prepared: im2col locates each sample as it reads it.
-    launchers.im2col(g, window, images, input_block,
-                     WindowSampling{offset_block, mask_block, {}}, columns);
-    // (images * G, C_out / G, window) inside the output: rows P apart.
-    at::Tensor output_window = output_block.narrow(2, window.begin, window.pixels);
-    multiply_window(w, window, images, columns, weight_gemm, bias, as_convolution,
-                    output_window);
+  const std::vector<PixelWindow> windows = windows_of(w);
+  if (!windows_per_thread) {
+    for (const PixelWindow& window : windows) {
+      forward_window(launchers, g, w, window, images, input_block, offset_block, mask_block,
+                     weight_gemm, bias, as_convolution, columns, output_block);
+    }
+    return;
   }
+  run_with_columns_per_thread(
+      launchers, g, w, input.options(), static_cast<int64_t>(windows.size()),
+      [&](int64_t i, at::Tensor& thread_columns) {
+        forward_window(launchers, g, w, windows[i], images, input_block, offset_block,
+                       mask_block, weight_gemm, bias, as_convolution, thread_columns,
+                       output_block);
+      });
 }
 
 }  // namespace
@@ -519,27 +573,29 @@ at::Tensor deform_conv2d_forward(
     return output;
   }
   const bool as_convolution = gemms_as_convolutions(launchers, g, input_arg);
-  if (whole_images_per_thread(launchers, batch, im2col_step)) {
-    const WorkSplit w = split_work(g, 1, 1, input_arg.scalar_type(), launchers);
-    const at::Tensor weight_gemm = gemm_weight(launchers, g, weight_arg, w, as_convolution);
-    at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
-      // This thread's share runs as a kernel does, below autograd, whose dispatch state
-      // worker threads do not inherit.
-      at::AutoDispatchBelowADInplaceOrView below_autograd;
-      at::Tensor columns = columns_buffer(launchers, g, w, input_arg.options());
-      for (int64_t n = begin; n < end; ++n) {
-        forward_block(launchers, g, w, input_arg, offset, mask, weight_gemm, bias, as_convolution,
-                      n, 1, columns, output);
-      }
-    });
+  const WorkSplit w = split_work(g, batch, im2col_step, input_arg.scalar_type(), launchers);
+  const ForwardParallelism parallelism = forward_parallelism(
+      launchers, batch, im2col_step, static_cast<int64_t>(windows_of(w).size()));
+  if (parallelism == ForwardParallelism::kImages) {
+    const WorkSplit image_split = split_work(g, 1, 1, input_arg.scalar_type(), launchers);
+    const at::Tensor weight_gemm =
+        gemm_weight(launchers, g, weight_arg, image_split, as_convolution);
+    run_with_columns_per_thread(
+        launchers, g, image_split, input_arg.options(), batch,
+        [&](int64_t n, at::Tensor& columns) {
+          forward_block(launchers, g, image_split, input_arg, offset, mask, weight_gemm, bias,
+                        as_convolution, n, 1, columns, output, false);
+        });
     return output;
   }
-  const WorkSplit w = split_work(g, batch, im2col_step, input_arg.scalar_type(), launchers);
-  at::Tensor columns = columns_buffer(launchers, g, w, input_arg.options());
+  const bool windows_per_thread = parallelism == ForwardParallelism::kWindows;
+  // Shared by the windows in turn; each thread has its own when windows_per_thread.
+  at::Tensor columns =
+      windows_per_thread ? at::Tensor() : columns_buffer(launchers, g, w, input_arg.options());
   const at::Tensor weight_gemm = gemm_weight(launchers, g, weight_arg, w, as_convolution);
   for (int64_t first = 0; first < batch; first += w.step) {
     forward_block(launchers, g, w, input_arg, offset, mask, weight_gemm, bias, as_convolution,
-                  first, std::min(w.step, batch - first), columns, output);
+                  first, std::min(w.step, batch - first), columns, output, windows_per_thread);
   }
   return output;
 }
