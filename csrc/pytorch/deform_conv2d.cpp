@@ -2,6 +2,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/ThreadLocalState.h>
 #include <c10/util/irange.h>
 
 #include <algorithm>
@@ -488,16 +489,18 @@ ForwardParallelism forward_parallelism(const DeformConv2dLaunchers& launchers, i
 
 // Runs run(i, columns) for i in [0, count) in one parallel region, each thread with a columns
 // buffer of its own, taking the next i from a shared counter: a thread slowed down by another
-// process runs fewer. Below autograd, as a kernel runs, whose dispatch state worker threads do
-// not inherit.
+// process runs fewer. Every thread runs in the caller's thread-local state, which worker
+// threads do not inherit: below autograd, as a kernel runs, and seen by the profiler that
+// watches the caller, allocations included.
 template <typename Function>
 void run_with_columns_per_thread(const DeformConv2dLaunchers& launchers,
                                  const DeformConv2dGeometry& g, const WorkSplit& w,
                                  const at::TensorOptions& options, int64_t count,
                                  const Function& run) {
   std::atomic<int64_t> next{0};
+  const at::ThreadLocalState caller_state;
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
-    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    at::ThreadLocalStateGuard caller_state_guard(caller_state);
     at::Tensor columns = columns_buffer(launchers, g, w, options);
     for (int64_t i = next.fetch_add(1); i < count; i = next.fetch_add(1)) {
       run(i, columns);
