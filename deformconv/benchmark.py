@@ -348,9 +348,9 @@ def forward_step(run: Callable, tensors) -> Callable[[], None]:
 
 def peak_forward_bytes(run: Callable, tensors, device: str = "cpu") -> int:
     """Peak of live allocations during one forward (the output included). On CUDA, from the
-    caching allocator's statistics. On the CPU, from the profiler: each event's own allocations
-    minus its own frees, in the order the events end (an op frees its scratch buffers as it
-    ends, after its children allocated them)."""
+    caching allocator's statistics. On the CPU, from the profiler's record of every allocation
+    and free, on every thread that runs in the caller's thread-local state, in the order they
+    happened."""
     if device == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -363,9 +363,11 @@ def peak_forward_bytes(run: Callable, tensors, device: str = "cpu") -> int:
                                 profile_memory=True) as profiler:
         with torch.no_grad():
             run(*tensors)
+    records = sorted((event for event in profiler.profiler.kineto_results.events()
+                      if event.name() == "[memory]"), key=lambda event: event.start_ns())
     live = peak = 0
-    for event in sorted(profiler.events(), key=lambda e: e.time_range.end):
-        live += event.self_cpu_memory_usage
+    for record in records:
+        live += record.nbytes()
         peak = max(peak, live)
     return peak
 
