@@ -464,14 +464,16 @@ namespace {
 // Note [Whole images per thread]
 // A forward with the automatic im2col_step runs in one parallel region where it can: with a
 // batch that gives every thread at least two images, each thread takes whole images, one block
-// of one image at a time; with fewer images, each block's windows are shared out instead, as
-// long as there is a window per thread. A thread runs its images' or windows' work by itself
+// of one image at a time; with fewer images, each block's windows are shared out instead, if
+// there are at least two per thread. A thread runs its images' or windows' work by itself
 // (im2col, the GEMM, the output copy) in a columns buffer of its own. A block then has one
 // barrier, at its end, instead of several per window, each of which makes every thread wait
 // for the slowest (a thread whose core another process shares, say), and the threads take the
 // images or windows one at a time from a shared counter, so that a slowed thread takes fewer.
-// The ATen and oneDNN calls inside run on the calling thread alone.
-// Each pixel's output is the same as in a block and window of its own.
+// The ATen and oneDNN calls inside run on the calling thread alone, and oneDNN then reorders
+// the weight for each GEMM (a weight-sized buffer per thread): with a single window per thread,
+// whose shares could not even out anyway, a forward keeps its stages. Each pixel's output is
+// the same as in a block and window of its own.
 enum class ForwardParallelism { kStages, kImages, kWindows };
 
 ForwardParallelism forward_parallelism(const DeformConv2dLaunchers& launchers, int64_t batch,
@@ -484,7 +486,7 @@ ForwardParallelism forward_parallelism(const DeformConv2dLaunchers& launchers, i
   if (batch >= 2 * threads) {
     return ForwardParallelism::kImages;
   }
-  return windows >= threads ? ForwardParallelism::kWindows : ForwardParallelism::kStages;
+  return windows >= 2 * threads ? ForwardParallelism::kWindows : ForwardParallelism::kStages;
 }
 
 // Runs run(i, columns) for i in [0, count) in one parallel region, each thread with a columns
