@@ -464,8 +464,10 @@ namespace {
 // Note [Whole images per thread]
 // A forward with the automatic im2col_step runs in one parallel region where it can: with a
 // batch that gives every thread at least two images, each thread takes whole images, one block
-// of one image at a time; with fewer images, each block's windows are shared out instead, if
-// there are at least two per thread. A thread runs its images' or windows' work by itself
+// of one image at a time; with fewer images and the GEMMs as convolutions, each block's windows
+// are shared out instead, if there are at least two per thread (a window's bmm, for grouped
+// convolutions, runs slower on one thread than on all). A thread runs its images' or windows'
+// work by itself
 // (im2col, the GEMM, the output copy) in a columns buffer of its own. A block then has one
 // barrier, at its end, instead of several per window, each of which makes every thread wait
 // for the slowest (a thread whose core another process shares, say), and the threads take the
@@ -477,7 +479,8 @@ namespace {
 enum class ForwardParallelism { kStages, kImages, kWindows };
 
 ForwardParallelism forward_parallelism(const DeformConv2dLaunchers& launchers, int64_t batch,
-                                       int64_t im2col_step, int64_t windows) {
+                                       int64_t im2col_step, int64_t windows,
+                                       bool as_convolution) {
   const int64_t threads = at::get_num_threads();
   if (!launchers.images_per_thread || im2col_step != 0 || threads == 1 ||
       at::in_parallel_region()) {
@@ -486,7 +489,8 @@ ForwardParallelism forward_parallelism(const DeformConv2dLaunchers& launchers, i
   if (batch >= 2 * threads) {
     return ForwardParallelism::kImages;
   }
-  return windows >= 2 * threads ? ForwardParallelism::kWindows : ForwardParallelism::kStages;
+  return as_convolution && windows >= 2 * threads ? ForwardParallelism::kWindows
+                                                  : ForwardParallelism::kStages;
 }
 
 // Runs run(i, columns) for i in [0, count) in one parallel region, each thread with a columns
@@ -580,7 +584,7 @@ at::Tensor deform_conv2d_forward(
   const bool as_convolution = gemms_as_convolutions(launchers, g, input_arg);
   const WorkSplit w = split_work(g, batch, im2col_step, input_arg.scalar_type(), launchers);
   const ForwardParallelism parallelism = forward_parallelism(
-      launchers, batch, im2col_step, static_cast<int64_t>(windows_of(w).size()));
+      launchers, batch, im2col_step, static_cast<int64_t>(windows_of(w).size()), as_convolution);
   if (parallelism == ForwardParallelism::kImages) {
     const WorkSplit image_split = split_work(g, 1, 1, input_arg.scalar_type(), launchers);
     const at::Tensor weight_gemm =
