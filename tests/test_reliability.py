@@ -36,12 +36,8 @@ def geometries(draw):
                     dilation, groups, offset_groups)
 
 
-def test_forward_of_whole_images_per_thread_equals_one_thread():
-    # Two threads and at least two images each: the CPU forward gives each thread whole images
-    # in one parallel region (Note [Whole images per thread]), with the float32 GEMMs on
-    # oneDNN run by that thread alone. Each image's output and the gradients through it are
-    # those of a one-thread run, bit for bit.
-    geometry = Geometry("images", 8, 16, 12, 9, 10, (3, 3), padding=(1, 1), offset_groups=2)
+def one_and_two_thread_runs(geometry):
+    """(output, gradients) of one float32 run on one thread, then of one on two."""
     operands = make_operands(geometry, dtype=torch.float32)
     previous = torch.get_num_threads()
     try:
@@ -51,7 +47,16 @@ def test_forward_of_whole_images_per_thread_equals_one_thread():
             runs.append(forward_and_grads(deformconv.deform_conv2d, *operands, geometry))
     finally:
         torch.set_num_threads(previous)
-    (out_1, grads_1), (out_2, grads_2) = runs
+    return runs
+
+
+def test_forward_of_whole_images_per_thread_equals_one_thread():
+    # Two threads and at least two images each: the CPU forward gives each thread whole images
+    # in one parallel region (Note [Whole images per thread]), with the float32 GEMMs on
+    # oneDNN run by that thread alone. Each image's output and the gradients through it are
+    # those of a one-thread run, bit for bit.
+    geometry = Geometry("images", 8, 16, 12, 9, 10, (3, 3), padding=(1, 1), offset_groups=2)
+    (out_1, grads_1), (out_2, grads_2) = one_and_two_thread_runs(geometry)
     assert torch.equal(out_1, out_2)
     assert all(torch.equal(a, b) for a, b in zip(grads_1, grads_2))
 
@@ -64,16 +69,7 @@ def test_forward_of_windows_per_thread_equals_one_thread():
     # but the weight's: the backward of a one-image batch runs oneDNN's weight-gradient GEMM on
     # every thread, which sums over the pixels in an order that depends on the thread count.
     geometry = Geometry("windows", 1, 64, 24, 72, 72, (3, 3), padding=(1, 1), offset_groups=2)
-    operands = make_operands(geometry, dtype=torch.float32)
-    previous = torch.get_num_threads()
-    try:
-        runs = []
-        for threads in (1, 2):
-            torch.set_num_threads(threads)
-            runs.append(forward_and_grads(deformconv.deform_conv2d, *operands, geometry))
-    finally:
-        torch.set_num_threads(previous)
-    (out_1, grads_1), (out_2, grads_2) = runs
+    (out_1, grads_1), (out_2, grads_2) = one_and_two_thread_runs(geometry)
     assert torch.equal(out_1, out_2)
     input_1, offset_1, weight_1, bias_1, mask_1 = grads_1
     input_2, offset_2, weight_2, bias_2, mask_2 = grads_2

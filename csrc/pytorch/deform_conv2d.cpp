@@ -467,15 +467,14 @@ namespace {
 // of one image at a time; with fewer images and the GEMMs as convolutions, each block's windows
 // are shared out instead, if there are at least two per thread (a window's bmm, for grouped
 // convolutions, runs slower on one thread than on all). A thread runs its images' or windows'
-// work by itself
-// (im2col, the GEMM, the output copy) in a columns buffer of its own. A block then has one
-// barrier, at its end, instead of several per window, each of which makes every thread wait
-// for the slowest (a thread whose core another process shares, say), and the threads take the
-// images or windows one at a time from a shared counter, so that a slowed thread takes fewer.
-// The ATen and oneDNN calls inside run on the calling thread alone, and oneDNN then reorders
-// the weight for each GEMM (a weight-sized buffer per thread): with a single window per thread,
-// whose shares could not even out anyway, a forward keeps its stages. Each pixel's output is
-// the same as in a block and window of its own.
+// work by itself (im2col, the GEMM, the output copy) in a columns buffer of its own. A block
+// then has one barrier, at its end, instead of several per window, each of which makes every
+// thread wait for the slowest (a thread whose core another process shares, say), and the
+// threads take the images or windows one at a time from a shared counter, so that a slowed
+// thread takes fewer. The ATen and oneDNN calls inside run on the calling thread alone, and
+// oneDNN then reorders the weight for each GEMM (a weight-sized buffer per thread): with a
+// single window per thread, whose shares could not even out anyway, a forward keeps its
+// stages. Each pixel's output is the same as in a block and window of its own.
 enum class ForwardParallelism { kStages, kImages, kWindows };
 
 ForwardParallelism forward_parallelism(const DeformConv2dLaunchers& launchers, int64_t batch,
