@@ -105,29 +105,19 @@ DEFORMCONV_INLINE void load_lanes(const scalar_t* data, typename LanesOf<opmath_
   }
 }
 
-// Adds the upper half of partial[0, width) onto its lower half, and so on down to partial[0]:
-// the sum of the lanes in log2(kLanes) dependent steps rather than kLanes, in an order fixed
-// by the code, not by the machine. Recursion on a constant width, so that every loop unrolls
-// and the partial sums stay in registers.
-template <int64_t width, typename opmath_t>
-DEFORMCONV_INLINE opmath_t sum_halves(opmath_t* partial) {
-  if constexpr (width == 1) {
-    return partial[0];
-  } else {
-    for (int64_t lane = 0; lane < width / 2; ++lane) {
-      partial[lane] += partial[lane + width / 2];
-    }
-    return sum_halves<width / 2>(partial);
-  }
-}
-
+// The sum of the lanes: the upper half added onto the lower half, and again, down to one lane,
+// in log2(kLanes) dependent steps rather than kLanes and in an order fixed by the code, not by
+// the machine. Each step is one vector add of the halves, which stay in registers.
 template <typename opmath_t>
 DEFORMCONV_INLINE opmath_t sum_of_lanes(const typename LanesOf<opmath_t>::type& lanes) {
-  opmath_t partial[kLanes];
-  for (int64_t lane = 0; lane < kLanes; ++lane) {
-    partial[lane] = lanes[lane];
-  }
-  return sum_halves<kLanes>(partial);
+  static_assert(kLanes == 16, "the halving steps below are written out for 16 lanes");
+  const auto eight = __builtin_shufflevector(lanes, lanes, 0, 1, 2, 3, 4, 5, 6, 7) +
+      __builtin_shufflevector(lanes, lanes, 8, 9, 10, 11, 12, 13, 14, 15);
+  const auto four = __builtin_shufflevector(eight, eight, 0, 1, 2, 3) +
+      __builtin_shufflevector(eight, eight, 4, 5, 6, 7);
+  const auto two = __builtin_shufflevector(four, four, 0, 1) +
+      __builtin_shufflevector(four, four, 2, 3);
+  return two[0] + two[1];
 }
 
 // The offset and mask gradient sums of one sample (bilinear_sampling.cuh), kLanes channels at
