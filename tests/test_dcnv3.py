@@ -214,6 +214,32 @@ def test_cpu_backward_passes_match_reference(batch):
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("batch", [1, 4])
+@pytest.mark.parametrize("geometry", [GEOMETRIES[1], GEOMETRIES[5]])
+def test_samples_of_zero_mask_add_nothing_to_the_input_gradient(geometry, batch):
+    """A sample of mask 0 weighs 0 at every corner and adds nothing to the input gradient, not
+    even 0 * an infinite output gradient: NaN there would spread to every pixel it samples.
+    Both CPU backward passes (one thread: batch 4 in one pass, batch 1 in bands)."""
+    (kh, kw), (sh, sw), (ph, pw), (dh, dw), G, D = geometry
+    input, offset, mask = random_operands(batch, 6, 7, geometry, seed=3, spread=0.5)
+    P = kh * kw
+    mask[0, 1, 1, :P] = 0
+    grad_output = torch.randn(*mask.shape[:3], G * D, dtype=input.dtype)
+    finite_grad_output = grad_output.clone()
+    grad_output[0, 1, 1, :D] = math.inf
+    finite_grad_output[0, 1, 1, :D] = 0
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        grads = [torch.ops.deformconv.dcnv3_backward(
+            grad, input, offset, mask, kh, kw, sh, sw, ph, pw, dh, dw, G, D, 1.0, 0, False,
+            [True, True, True])[0] for grad in (grad_output, finite_grad_output)]
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.isfinite(grads[0]).all()
+    torch.testing.assert_close(grads[0], grads[1], rtol=0, atol=0)
+
+
 def test_cpu_backward_is_deterministic_across_threads():
     geometry = GEOMETRIES[5]
     operands = random_operands(3, 9, 8, geometry, dtype=torch.float32)
