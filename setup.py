@@ -10,6 +10,9 @@ nvcc on PATH belongs to, else /usr/local/cuda. The GPU architectures are TORCH_C
 set, else those of the visible GPUs, else (a build machine without a GPU) those that torch itself
 was built for. MAX_JOBS bounds the parallel compile jobs. DEFORMCONV_SANITIZE=1 compiles the C++
 with AddressSanitizer and UndefinedBehaviorSanitizer (tools/run_sanitized_tests.sh uses it).
+On x86-64 the CPU kernels carry AVX-512, AVX2 and baseline copies, picked at load time;
+DEFORMCONV_CPU_CLONES=avx2 leaves the AVX-512 copies out, so that an AVX-512 machine measures
+the AVX2 ones (README, Benchmark).
 
 Making an sdist or reading the metadata needs no torch; compiling does, and it must be the torch
 the extension will run with, so pip's build isolation (which would hide it, or install another)
@@ -50,6 +53,15 @@ def cuda_switch() -> str:
         if value in spellings:
             return meaning
     sys.exit(f"deformconv build: DEFORMCONV_WITH_CUDA must be 0, 1 or auto, got {value!r}")
+
+
+def cpu_clones() -> str:
+    """The x86-64 copies of the CPU kernels: "all" (AVX-512, AVX2, baseline) or "avx2" (no
+    AVX-512 copy)."""
+    value = os.environ.get("DEFORMCONV_CPU_CLONES", "all").strip().lower() or "all"
+    if value not in ("all", "avx2"):
+        sys.exit(f"deformconv build: DEFORMCONV_CPU_CLONES must be all or avx2, got {value!r}")
+    return value
 
 
 def has_cuda_headers(path) -> bool:
@@ -201,6 +213,8 @@ def extension(cpp_extension, with_cuda: bool):
                     "-fno-omit-frame-pointer", "-g"]
         cxx_flags = ["-O1", "-fopenmp", "-fno-trapping-math"] + sanitize
         link_flags += sanitize
+    if cpu_clones() == "avx2":
+        cxx_flags.append("-DDEFORMCONV_NO_AVX512_CLONES")
     if with_cuda:
         return cpp_extension.CUDAExtension(
             "deformconv._C",
@@ -254,6 +268,7 @@ def build_options():
                 f"TORCH_VERSION = {torch.__version__!r}\n"
                 f"CUDA_ARCH_LIST = {archs!r}\n"
                 f"CPU_ONLY_REASON = {self.cpu_only_reason!r}\n"
+                f"CPU_CLONES = {cpu_clones()!r}\n"
             )
 
     return {

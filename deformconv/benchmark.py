@@ -16,6 +16,7 @@ for the run, as a data-loader worker would. A benchmark, not a test: nothing her
 import argparse
 import contextlib
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -482,7 +483,10 @@ def plot(results: List[dict], path: str, setup: dict) -> None:
     axis.set_xticklabels(names)
     axis.set_ylabel("time of other / time of deformconv (higher: deformconv faster)")
     where = (setup["gpu"] if setup["device"] == "cuda"
-             else f"{setup['vector_isa']} CPU, {setup['threads']} threads"
+             else f"{setup['vector_isa']} CPU"
+             + (f" running {setup['kernels_isa']} kernels"
+                if setup["kernels_isa"] != setup["vector_isa"] else "")
+             + f", {setup['threads']} threads"
              + (", one core busy" if setup["busy_core"] else ""))
     axis.set_title(f"deformconv on {where}, torch {torch.__version__}")
     axis.legend(fontsize=7, ncol=3, loc="upper left")
@@ -490,9 +494,18 @@ def plot(results: List[dict], path: str, setup: dict) -> None:
     figure.savefig(path, dpi=120)
 
 
+# Environment variables that cap the vector ISA of the libraries' CPU kernels below what the
+# CPU has: oneDNN's (dense convolution, and deformconv's GEMMs), MKL's, ATen's own.
+ISA_CAP_VARIABLES = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS",
+                     "ATEN_CPU_CAPABILITY")
+
+
 def cpu_description() -> dict:
-    """The CPU's model name and vector ISA (from /proc/cpuinfo where there is one), and the
-    kernels ATen dispatches to on it (torch.backends.cpu.get_cpu_capability)."""
+    """The CPU's model name and vector ISA (from /proc/cpuinfo where there is one), the
+    kernels ATen dispatches to on it (torch.backends.cpu.get_cpu_capability), the copies of
+    deformconv's CPU kernels this build holds (setup.py's DEFORMCONV_CPU_CLONES), and the ISA
+    caps set in the environment. An AVX-512 machine runs every contender's AVX2 kernels when
+    the clones are "avx2" and the caps say AVX2: then "kernels_isa" is AVX2."""
     model, flags = platform.processor() or platform.machine(), set()
     with contextlib.suppress(OSError):
         with open("/proc/cpuinfo") as cpuinfo:
@@ -508,8 +521,17 @@ def cpu_description() -> dict:
                                         ("asimd", "NEON")) if flag in flags), "unknown")
     if isa == "unknown" and platform.machine() in ("arm64", "aarch64"):
         isa = "NEON"
-    return {"cpu": model, "vector_isa": isa,
-            "aten_cpu_capability": torch.backends.cpu.get_cpu_capability()}
+    try:
+        from ._build_info import CPU_CLONES as clones
+    except ImportError:  # built by other means than setup.py, or before it recorded them
+        clones = "unknown"
+    caps = {name: os.environ[name] for name in ISA_CAP_VARIABLES if os.environ.get(name)}
+    aten = torch.backends.cpu.get_cpu_capability()
+    onednn_cap = caps.get("ONEDNN_MAX_CPU_ISA", caps.get("DNNL_MAX_CPU_ISA", "")).upper()
+    capped = (isa == "AVX-512" and clones == "avx2" and aten == "AVX2"
+              and onednn_cap == "AVX2" and caps.get("MKL_ENABLE_INSTRUCTIONS") == "AVX2")
+    return {"cpu": model, "vector_isa": isa, "kernels_isa": "AVX2" if capped else isa,
+            "aten_cpu_capability": aten, "deformconv_cpu_clones": clones, "isa_caps": caps}
 
 
 @contextlib.contextmanager

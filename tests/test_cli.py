@@ -33,6 +33,7 @@ def test_benchmark_writes_json_and_chart(tmp_path):
                  "--output", str(output), "--plot", str(chart)]) == 0
     report = json.loads(output.read_text())
     assert report["setup"]["vector_isa"] in ("AVX-512", "AVX2", "NEON", "unknown")
+    assert report["setup"]["deformconv_cpu_clones"] in ("all", "avx2", "unknown")
     assert report["setup"]["busy_core"] is False
     result = report["results"][0]
     assert result["shape"]["name"] == "c5"
@@ -86,3 +87,25 @@ def test_benchmark_on_cuda_without_a_gpu_says_so(capsys):
         main(["benchmark", "--device", "cuda"])
     assert exit_info.value.code == 2
     assert "--device cuda: no CUDA device is visible" in capsys.readouterr().err
+
+
+def test_cpu_description_records_isa_caps(monkeypatch):
+    """The benchmark's setup says which ISA caps the environment sets, and calls the kernels
+    AVX2 on an AVX-512 CPU only when every contender's are capped at AVX2."""
+    from deformconv.benchmark import cpu_description
+
+    for name in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS"):
+        monkeypatch.delenv(name, raising=False)
+    uncapped = cpu_description()
+    assert uncapped["kernels_isa"] == uncapped["vector_isa"]
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    monkeypatch.setenv("MKL_ENABLE_INSTRUCTIONS", "AVX2")
+    capped = cpu_description()
+    assert capped["isa_caps"]["ONEDNN_MAX_CPU_ISA"] == "AVX2"
+    assert capped["isa_caps"]["MKL_ENABLE_INSTRUCTIONS"] == "AVX2"
+    # ATen's capability is fixed when torch starts, and the clones when deformconv is built.
+    everything_capped = (capped["aten_cpu_capability"] == "AVX2"
+                         and capped["deformconv_cpu_clones"] == "avx2")
+    expected = "AVX2" if everything_capped and capped["vector_isa"] == "AVX-512" \
+        else capped["vector_isa"]
+    assert capped["kernels_isa"] == expected

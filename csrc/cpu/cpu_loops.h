@@ -14,11 +14,17 @@
 
 // x86-64 builds with GCC carry an AVX-512, an AVX2 and a baseline copy of each stage; the
 // dynamic loader picks the best one for the CPU at hand, so a wheel built on one machine
-// stays correct on another. Elsewhere the compiler's default target is used.
+// stays correct on another. DEFORMCONV_NO_AVX512_CLONES (setup.py defines it when
+// DEFORMCONV_CPU_CLONES=avx2) leaves the AVX-512 copy out, so that an AVX-512 machine runs
+// what an AVX2-only one would. Elsewhere the compiler's default target is used.
 #if defined(__x86_64__) && defined(__ELF__) && defined(__GNUC__) && !defined(__clang__) && \
     !defined(__SANITIZE_ADDRESS__)
+#if defined(DEFORMCONV_NO_AVX512_CLONES)
+#define DEFORMCONV_VECTOR_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
+#else
 #define DEFORMCONV_VECTOR_CLONES \
   __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#endif
 #else
 #define DEFORMCONV_VECTOR_CLONES
 #endif
