@@ -85,12 +85,14 @@ DEFORMCONV_INLINE void sum_corner_rows(const scalar_t* const rows[4], const opma
   }
 }
 
-// kLanes values of opmath_t in one GCC/Clang vector (lowered to what the target has: one
-// AVX-512 register of floats, two AVX2 ones, ...). Arithmetic on it is lane by lane, so the
+// kLanes values of opmath_t in one GCC/Clang vector. Arithmetic on it is lane by lane, so the
 // offset/mask gradient sums run kLanes channels at a time through the shared
 // add_offset_mask_grad_terms; reductions are written with explicit lanes because the compiler
-// may not reorder floating-point sums by itself.
-inline constexpr int64_t kLanes = 16;
+// may not reorder floating-point sums by itself. Eight floats are one AVX2 register (and half
+// an AVX-512 one): a vector wider than the clone's registers, such as 16 floats in the AVX2
+// clone, has no register to live in, and GCC keeps it on the stack, broadcasting a scalar
+// into it with a store per lane.
+inline constexpr int64_t kLanes = 8;
 template <typename opmath_t>
 struct LanesOf;
 template <>
@@ -116,11 +118,9 @@ DEFORMCONV_INLINE void load_lanes(const scalar_t* data, typename LanesOf<opmath_
 // the machine. Each step is one vector add of the halves, which stay in registers.
 template <typename opmath_t>
 DEFORMCONV_INLINE opmath_t sum_of_lanes(const typename LanesOf<opmath_t>::type& lanes) {
-  static_assert(kLanes == 16, "the halving steps below are written out for 16 lanes");
-  const auto eight = __builtin_shufflevector(lanes, lanes, 0, 1, 2, 3, 4, 5, 6, 7) +
-      __builtin_shufflevector(lanes, lanes, 8, 9, 10, 11, 12, 13, 14, 15);
-  const auto four = __builtin_shufflevector(eight, eight, 0, 1, 2, 3) +
-      __builtin_shufflevector(eight, eight, 4, 5, 6, 7);
+  static_assert(kLanes == 8, "the halving steps below are written out for 8 lanes");
+  const auto four = __builtin_shufflevector(lanes, lanes, 0, 1, 2, 3) +
+      __builtin_shufflevector(lanes, lanes, 4, 5, 6, 7);
   const auto two = __builtin_shufflevector(four, four, 0, 1) +
       __builtin_shufflevector(four, four, 2, 3);
   return two[0] + two[1];
