@@ -1,6 +1,8 @@
 import sys
 from pathlib import Path
 
+import pytest
+
 TESTS = Path(__file__).resolve().parent
 REPOSITORY = TESTS.parent
 
@@ -13,3 +15,10 @@ if not any((REPOSITORY / "deformconv").glob("_C.*.so")):
 
 # The tests import the reference implementation as a plain module beside them.
 sys.path.insert(0, str(TESTS))
+
+
+@pytest.fixture
+def im2col_forward(monkeypatch):
+    """The CPU forward as im2col and GEMMs, as it runs for weights too large for the fused
+    forward (Note [Fused forward]), which the tests' small ones would otherwise take."""
+    monkeypatch.setenv("DEFORMCONV_FUSED_FORWARD", "0")

@@ -32,6 +32,39 @@ def test_matches_reference(geometry, with_mask, with_bias):
     check_against_reference(operands, geometry)
 
 
+@pytest.mark.parametrize("geometry", GEOMETRIES, ids=str)
+@pytest.mark.parametrize("with_mask", [False, True], ids=["v1", "v2"])
+def test_im2col_forward_matches_reference(geometry, with_mask, im2col_forward):
+    operands = make_operands(geometry, with_mask=with_mask)
+    check_against_reference(operands, geometry)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16,
+                                   torch.bfloat16], ids=str)
+def test_fused_and_im2col_forwards_agree(dtype, monkeypatch):
+    # Conv groups and deform groups that do not line up; 60 output channels per group, which
+    # the fused forward's multiply-adds take as vectors of two registers' width, of one, and
+    # one by one (float32: 32 + 16 + 12 on AVX-512, 3 x 16 + 8 + 4 on AVX2); and a stretch of
+    # output pixels that does not divide into its blocks of pixels. Both forwards sum each
+    # output over (tap, input channel) in the same order.
+    geometry = Geometry("fused", 3, 12, 120, 11, 13, (3, 2), stride=(1, 2), padding=(1, 1),
+                        dilation=(2, 1), groups=2, offset_groups=3)
+    input, offset, weight, bias, mask = make_operands(geometry, dtype=dtype, offset_scale=3.0)
+    arguments = dict(stride=geometry.stride, padding=geometry.padding,
+                     dilation=geometry.dilation, mask=mask)
+    fused = deformconv.deform_conv2d(input, offset, weight, bias, **arguments)
+    monkeypatch.setenv("DEFORMCONV_FUSED_FORWARD", "0")
+    im2col = deformconv.deform_conv2d(input, offset, weight, bias, **arguments)
+    tolerance = {torch.float64: 1e-10, torch.float32: 1e-5, torch.float16: 2e-2,
+                 torch.bfloat16: 1e-1}[dtype]
+    torch.testing.assert_close(fused, im2col, atol=tolerance, rtol=tolerance)
+    reference = deform_conv2d_reference(input.double(), offset.double(), weight.double(),
+                                        bias.double(), mask=mask.double(),
+                                        stride=geometry.stride, padding=geometry.padding,
+                                        dilation=geometry.dilation)
+    torch.testing.assert_close(fused.double(), reference, atol=tolerance, rtol=tolerance)
+
+
 @pytest.mark.parametrize("geometry", GEOMETRIES[1:3], ids=str)
 def test_offsets_far_outside_the_image(geometry):
     # Scale 25 on images of side < 12: most samples land outside, some partly inside.
@@ -171,7 +204,7 @@ def test_package_metadata():
 
 
 @pytest.mark.parametrize("im2col_step", [0, 3])
-def test_output_pixels_tiled_into_windows(im2col_step):
+def test_output_pixels_tiled_into_windows(im2col_step, im2col_forward):
     # The CPU launchers aim at 4 MiB of columns and plans per window of output pixels, at least
     # 512 pixels, evened out: in float64, 16 channels and 4 deform groups of 9 taps take 3,456
     # bytes per pixel and image, so with the default step (all 7 images) and with im2col_step 3

@@ -50,7 +50,7 @@ def one_and_two_thread_runs(geometry):
     return runs
 
 
-def test_forward_of_whole_images_per_thread_equals_one_thread():
+def test_forward_of_whole_images_per_thread_equals_one_thread(im2col_forward):
     # Two threads and at least two images each: the CPU forward gives each thread whole images
     # in one parallel region (Note [Whole images per thread]), with the float32 GEMMs on
     # oneDNN run by that thread alone. Each image's output and the gradients through it are
@@ -61,7 +61,7 @@ def test_forward_of_whole_images_per_thread_equals_one_thread():
     assert all(torch.equal(a, b) for a, b in zip(grads_1, grads_2))
 
 
-def test_forward_of_windows_per_thread_equals_one_thread():
+def test_forward_of_windows_per_thread_equals_one_thread(im2col_forward):
     # One image of 5,184 output pixels and 64 channels makes four windows of pixels (the CPU's
     # 4 MiB of columns and plans per window), which two threads share out in one parallel
     # region (Note [Whole images per thread]), each running its windows' GEMMs on oneDNN alone.

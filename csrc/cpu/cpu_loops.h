@@ -24,6 +24,7 @@
 #else
 #define DEFORMCONV_VECTOR_CLONES \
   __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#define DEFORMCONV_AVX512_CLONES
 #endif
 #else
 #define DEFORMCONV_VECTOR_CLONES
@@ -40,6 +41,17 @@
 #endif
 
 namespace deformconv {
+
+// Whether the AVX-512 clones run here: a stage whose vectors are as wide as an AVX-512
+// register (which the AVX2 clone could only keep on the stack) is instantiated apart for them.
+inline bool runs_avx512_clones() {
+#if defined(DEFORMCONV_AVX512_CLONES)
+  static const bool avx512 = __builtin_cpu_supports("x86-64-v4");
+  return avx512;
+#else
+  return false;
+#endif
+}
 
 // Runs run(begin, end) over the tasks [0, tasks) in parallel. The launchers cut their work
 // into tasks that each write outputs of their own, mostly far more tasks than threads, and the

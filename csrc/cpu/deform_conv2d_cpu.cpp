@@ -324,6 +324,207 @@ void im2col_cpu(const DeformConv2dGeometry& g, const PixelWindow& window, int64_
   });
 }
 
+// Note [Fused forward]
+// The forward as im2col and GEMMs writes every sampled value to the columns, and the GEMM then
+// reads them back (a BLAS packing them first), window by window, each stage a parallel region
+// of its own; with conv groups, the GEMMs are many small products that a BLAS runs far below
+// its speed. The fused forward writes no columns: a task samples one tap of a few pixels into
+// a buffer that stays in the L1 cache, and at once adds the products of those values with the
+// tap's weights into the pixels' output sums, which it writes when every tap is summed. The
+// whole forward of a block is one parallel region. Each block of pixels reads the whole
+// weight, so the weight must stay in cache: the driver runs the fused forward only for weights
+// up to fused_forward_weight_bytes (4 MiB here, about a CPU's L2 cache or its share of L3);
+// larger ones (ResNet's 512-channel stage, 9 MiB) run faster as GEMMs. Each output is summed
+// over (tap, input channel) in that order, as the GEMM over a columns row sums it, whichever
+// thread runs it.
+
+// Pixels whose output sums share each load of a weight row: with two vectors of sums per pixel,
+// half the registers of the clone (16 of AVX2's 32-byte ones, 32 of AVX-512's 64-byte ones).
+template <int kVectorBytes>
+constexpr int64_t kFusedPixels = kVectorBytes / 8;
+
+// sums[p * sums_stride + j] += sum over c < count of values[p * values_stride + c] *
+// weights[c * out_per_group + j], for pixels p < `pixels` and j < out_per_group: the products
+// of one tap's values of a conv group with its weights. With a full block of pixels, output
+// channels go a vector of kVectorBytes at a time, with the sums held in registers over the
+// channels; the rest one by one.
+template <int kVectorBytes, typename opmath_t>
+DEFORMCONV_INLINE void multiply_add_block(const opmath_t* __restrict values,
+                                          int64_t values_stride, int64_t pixels, int64_t count,
+                                          const opmath_t* __restrict weights,
+                                          int64_t out_per_group, opmath_t* __restrict sums,
+                                          int64_t sums_stride) {
+  typedef opmath_t Vector __attribute__((vector_size(kVectorBytes)));
+  constexpr int64_t kWidth = kVectorBytes / sizeof(opmath_t);
+  int64_t vectorised = 0;
+  if (pixels == kFusedPixels<kVectorBytes>) {
+    for (; vectorised + 2 * kWidth <= out_per_group; vectorised += 2 * kWidth) {
+      const int64_t j = vectorised;
+      Vector low[kFusedPixels<kVectorBytes>], high[kFusedPixels<kVectorBytes>];
+      for (int64_t p = 0; p < kFusedPixels<kVectorBytes>; ++p) {
+        __builtin_memcpy(&low[p], sums + p * sums_stride + j, sizeof(Vector));
+        __builtin_memcpy(&high[p], sums + p * sums_stride + j + kWidth, sizeof(Vector));
+      }
+      for (int64_t c = 0; c < count; ++c) {
+        Vector weight_low, weight_high;
+        __builtin_memcpy(&weight_low, weights + c * out_per_group + j, sizeof(Vector));
+        __builtin_memcpy(&weight_high, weights + c * out_per_group + j + kWidth, sizeof(Vector));
+        for (int64_t p = 0; p < kFusedPixels<kVectorBytes>; ++p) {
+          const opmath_t value = values[p * values_stride + c];
+          low[p] += value * weight_low;
+          high[p] += value * weight_high;
+        }
+      }
+      for (int64_t p = 0; p < kFusedPixels<kVectorBytes>; ++p) {
+        __builtin_memcpy(sums + p * sums_stride + j, &low[p], sizeof(Vector));
+        __builtin_memcpy(sums + p * sums_stride + j + kWidth, &high[p], sizeof(Vector));
+      }
+    }
+    for (; vectorised + kWidth <= out_per_group; vectorised += kWidth) {
+      const int64_t j = vectorised;
+      Vector lanes[kFusedPixels<kVectorBytes>];
+      for (int64_t p = 0; p < kFusedPixels<kVectorBytes>; ++p) {
+        __builtin_memcpy(&lanes[p], sums + p * sums_stride + j, sizeof(Vector));
+      }
+      for (int64_t c = 0; c < count; ++c) {
+        Vector weight;
+        __builtin_memcpy(&weight, weights + c * out_per_group + j, sizeof(Vector));
+        for (int64_t p = 0; p < kFusedPixels<kVectorBytes>; ++p) {
+          lanes[p] += values[p * values_stride + c] * weight;
+        }
+      }
+      for (int64_t p = 0; p < kFusedPixels<kVectorBytes>; ++p) {
+        __builtin_memcpy(sums + p * sums_stride + j, &lanes[p], sizeof(Vector));
+      }
+    }
+  }
+  for (int64_t p = 0; p < pixels; ++p) {
+    for (int64_t j = vectorised; j < out_per_group; ++j) {
+      opmath_t sum = sums[p * sums_stride + j];
+      for (int64_t c = 0; c < count; ++c) {
+        sum += values[p * values_stride + c] * weights[c * out_per_group + j];
+      }
+      sums[p * sums_stride + j] = sum;
+    }
+  }
+}
+
+template <typename scalar_t>
+struct FusedForwardTask {
+  const DeformConv2dGeometry& g;
+  PixelWindow image;  // every output pixel of an image
+  PixelStretches stretches;
+  const scalar_t* offset;
+  const scalar_t* mask;
+  const scalar_t* input;
+  const at::opmath_type<scalar_t>* weight_taps;
+  const scalar_t* bias;
+  scalar_t* output;
+};
+
+// Tasks [begin, end) of the fused forward, task = a stretch of one image's output pixels, tap
+// by tap: the tap's samples of every deform group are located at once, then taken a few pixels
+// at a time, sampled into `values` (pixel, input channel) and multiplied into the sums, conv
+// group by conv group: Note [Fused forward].
+template <int kVectorBytes, typename scalar_t>
+DEFORMCONV_VECTOR_CLONES void fused_forward_tasks(const FusedForwardTask<scalar_t>& t,
+                                                  int64_t begin, int64_t end) {
+  using opmath_t = at::opmath_type<scalar_t>;
+  const DeformConv2dGeometry& g = t.g;
+  const int64_t in_per_offset_group = g.channels_per_offset_group();
+  const int64_t in_per_group = g.channels_per_group();
+  const int64_t out_per_group = g.out_channels / g.groups;
+  const std::vector<scalar_t> zeros(g.in_channels, scalar_t(0));
+  constexpr int64_t kBlockPixels = kFusedPixels<kVectorBytes>;
+  std::vector<opmath_t> values(kBlockPixels * g.in_channels);
+  // (stretch pixel, output channel)
+  std::vector<opmath_t> sums(t.stretches.pixels * g.out_channels);
+  std::vector<StretchSamples<opmath_t>> samples(g.offset_groups,
+                                                StretchSamples<opmath_t>(g, t.stretches.pixels));
+  for (int64_t task = begin; task < end; ++task) {
+    const auto [n, first_pixel, pixels] = stretch_of(t.image, t.stretches, task);
+    const scalar_t* image = channel_of(g, t.input, n, 0);
+    std::fill_n(sums.begin(), pixels * g.out_channels, opmath_t(0));
+    for (StretchSamples<opmath_t>& group_samples : samples) {
+      group_samples.start(g, first_pixel, pixels);
+    }
+    for (int64_t tap = 0; tap < g.taps(); ++tap) {
+      for (int64_t group = 0; group < g.offset_groups; ++group) {
+        samples[group].locate(g, n, group, tap, t.offset, t.mask);
+      }
+      for (int64_t block_pixel = 0; block_pixel < pixels; block_pixel += kBlockPixels) {
+        const int64_t block = std::min(kBlockPixels, pixels - block_pixel);
+        for (int64_t p = 0; p < block; ++p) {
+          for (int64_t group = 0; group < g.offset_groups; ++group) {
+            const int64_t first = first_channel(g, group);
+            int64_t corner_index[4];
+            samples[group].corner_grid_indices(block_pixel + p, corner_index);
+            opmath_t weight[4];
+            const scalar_t* rows[4];
+            for (int corner = 0; corner < 4; ++corner) {
+              weight[corner] = samples[group].weight(corner, block_pixel + p);
+              rows[corner] = (weight[corner] != opmath_t(0)
+                                  ? image + corner_index[corner] * g.in_channels
+                                  : zeros.data()) +
+                  first;
+            }
+            sum_corner_rows(rows, weight, in_per_offset_group,
+                            values.data() + p * g.in_channels + first);
+          }
+        }
+        for (int64_t conv_group = 0; conv_group < g.groups; ++conv_group) {
+          const opmath_t* weights =
+              t.weight_taps + (conv_group * g.taps() + tap) * in_per_group * out_per_group;
+          multiply_add_block<kVectorBytes>(
+              values.data() + conv_group * in_per_group, g.in_channels, block, in_per_group,
+              weights, out_per_group,
+              sums.data() + block_pixel * g.out_channels + conv_group * out_per_group,
+              g.out_channels);
+        }
+      }
+    }
+    scalar_t* output = t.output + n * g.out_channels * g.out_pixels() + first_pixel;
+    for (int64_t channel = 0; channel < g.out_channels; ++channel) {
+      const opmath_t bias =
+          t.bias != nullptr ? static_cast<opmath_t>(t.bias[channel]) : opmath_t(0);
+      for (int64_t p = 0; p < pixels; ++p) {
+        output[channel * g.out_pixels() + p] =
+            static_cast<scalar_t>(sums[p * g.out_channels + channel] + bias);
+      }
+    }
+  }
+}
+
+void fused_forward_cpu(const DeformConv2dGeometry& g, int64_t batch, const at::Tensor& input,
+                       const at::Tensor& offset, const at::Tensor& mask,
+                       const at::Tensor& weight_taps, const at::Tensor& bias,
+                       at::Tensor& output) {
+  const PixelWindow image{0, g.out_pixels()};
+  const PixelStretches stretches = pixel_stretches(g, image);
+  DEFORMCONV_DISPATCH(input.scalar_type(), "deform_conv2d_fused_forward_cpu", [&] {
+    const FusedForwardTask<scalar_t> t{g,
+                                       image,
+                                       stretches,
+                                       offset.const_data_ptr<scalar_t>(),
+                                       data_or_null<scalar_t>(mask),
+                                       input.const_data_ptr<scalar_t>(),
+                                       weight_taps.const_data_ptr<at::opmath_type<scalar_t>>(),
+                                       data_or_null<scalar_t>(bias),
+                                       output.mutable_data_ptr<scalar_t>()};
+    // Products a register of the clone that runs at a time: an AVX-512 one where the CPU runs
+    // the AVX-512 clones, else an AVX2 one (the compiler splits it for older CPUs).
+    if (runs_avx512_clones()) {
+      parallel_tasks(batch * stretches.per_image, [&](int64_t begin, int64_t end) {
+        fused_forward_tasks<64>(t, begin, end);
+      });
+    } else {
+      parallel_tasks(batch * stretches.per_image, [&](int64_t begin, int64_t end) {
+        fused_forward_tasks<32>(t, begin, end);
+      });
+    }
+  });
+}
+
 template <typename scalar_t>
 struct Col2imTask {
   const DeformConv2dGeometry& g;
@@ -648,6 +849,8 @@ constexpr DeformConv2dLaunchers kCpuLaunchers{
     .offset_mask_grad = offset_mask_grad_cpu,
     .transpose = transpose_cpu,
     .keep_window_results = keep_window_results_cpu,
+    .fused_forward = fused_forward_cpu,
+    .fused_forward_weight_bytes = int64_t(4) << 20,
     .onednn_gemms = true,
     .images_per_thread = true,
 };

@@ -222,6 +222,8 @@ const DeformConv2dLaunchers& cuda_launchers() {
       .offset_mask_grad = offset_mask_grad_cuda,
       .transpose = transpose_cuda,
       .keep_window_results = nullptr,
+      .fused_forward = nullptr,
+      .fused_forward_weight_bytes = 0,
       .onednn_gemms = false,
       .images_per_thread = false,
   };

@@ -7,6 +7,8 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdlib>
+#include <string_view>
 #include <vector>
 
 #include "../common/bilinear_sampling.cuh"
@@ -560,6 +562,51 @@ void forward_block(const DeformConv2dLaunchers& launchers, const DeformConv2dGeo
       });
 }
 
+// Whether the forward runs fused (launchers' fused_forward, Note [Fused forward] in
+// cpu/deform_conv2d_cpu.cpp): where the launchers have it, for a weight of at most their
+// fused_forward_weight_bytes, and unless the environment variable DEFORMCONV_FUSED_FORWARD is
+// 0, read at every call, which leaves every forward to im2col and the GEMMs (to compare the
+// two, or to test the latter).
+bool fused_forward_applies(const DeformConv2dLaunchers& launchers, const DeformConv2dGeometry& g,
+                           at::ScalarType dtype) {
+  if (launchers.fused_forward == nullptr) {
+    return false;
+  }
+  const char* setting = std::getenv("DEFORMCONV_FUSED_FORWARD");
+  if (setting != nullptr && std::string_view(setting) == "0") {
+    return false;
+  }
+  const int64_t weight_bytes = g.out_channels * g.channels_per_group() * g.taps() *
+      c10::elementSize(at::toOpMathType(dtype));
+  return weight_bytes <= launchers.fused_forward_weight_bytes;
+}
+
+// The weight as the fused forward takes it: (G, K, C_in / G, C_out / G), in at::opmath_type.
+at::Tensor weight_taps(const DeformConv2dGeometry& g, const at::Tensor& weight) {
+  return weight.reshape({g.groups, g.out_channels / g.groups, g.channels_per_group(), g.taps()})
+      .permute({0, 3, 2, 1})
+      .to(at::toOpMathType(weight.scalar_type()))
+      .contiguous();
+}
+
+// The fused forward, a block of images at a time.
+void fused_forward(const DeformConv2dLaunchers& launchers, const DeformConv2dGeometry& g,
+                   const WorkSplit& w, const at::Tensor& input, const at::Tensor& offset,
+                   const at::Tensor& mask, const at::Tensor& weight,
+                   const std::optional<at::Tensor>& bias, at::Tensor& output) {
+  const at::Tensor taps = weight_taps(g, weight);
+  const at::Tensor bias_values = bias.has_value() ? bias->contiguous() : at::Tensor();
+  const int64_t batch = input.size(0);
+  for (int64_t first = 0; first < batch; first += w.step) {
+    const int64_t images = std::min(w.step, batch - first);
+    at::Tensor output_block = output.narrow(0, first, images);
+    launchers.fused_forward(g, images, channels_last_block(launchers, input, first, images),
+                            offset.narrow(0, first, images),
+                            mask.defined() ? mask.narrow(0, first, images) : at::Tensor(), taps,
+                            bias_values, output_block);
+  }
+}
+
 }  // namespace
 
 at::Tensor deform_conv2d_forward(
@@ -580,8 +627,12 @@ at::Tensor deform_conv2d_forward(
   if (batch == 0) {
     return output;
   }
-  const bool as_convolution = gemms_as_convolutions(launchers, g, input_arg);
   const WorkSplit w = split_work(g, batch, im2col_step, input_arg.scalar_type(), launchers);
+  if (fused_forward_applies(launchers, g, input_arg.scalar_type())) {
+    fused_forward(launchers, g, w, input_arg, offset, mask, weight_arg, bias, output);
+    return output;
+  }
+  const bool as_convolution = gemms_as_convolutions(launchers, g, input_arg);
   const ForwardParallelism parallelism = forward_parallelism(
       launchers, batch, im2col_step, static_cast<int64_t>(windows_of(w).size()), as_convolution);
   if (parallelism == ForwardParallelism::kImages) {
