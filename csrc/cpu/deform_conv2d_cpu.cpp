@@ -331,15 +331,15 @@ void im2col_cpu(const DeformConv2dGeometry& g, const PixelWindow& window, int64_
 // its speed. The fused forward writes no columns: a task samples one tap of a few pixels into
 // a buffer that stays in the L1 cache, and at once adds the products of those values with the
 // tap's weights into the pixels' output sums, which it writes when every tap is summed. The
-// whole forward of a block is one parallel region. Each block of pixels reads the whole
-// weight, so the weight must stay in cache: the driver runs the fused forward only for weights
-// up to fused_forward_weight_bytes (4 MiB here, about a CPU's L2 cache or its share of L3);
-// larger ones (ResNet's 512-channel stage, 9 MiB) run faster as GEMMs. Each output is summed
-// over (tap, input channel) in that order, as the GEMM over a columns row sums it, whichever
-// thread runs it.
+// whole forward of a block is one parallel region. Each output is summed over (tap, input
+// channel) in that order, as the GEMM over a columns row sums it, whichever thread runs it.
+// Each block of pixels reads the whole weight, which must stay in cache: the fused forward runs
+// for weights up to 4 MiB (fused_forward_pays_cpu; about a core's L2 cache or its share of
+// L3). ResNet's 512-channel stage (9 MiB) runs faster as GEMMs.
 
 // Pixels whose output sums share each load of a weight row: with two vectors of sums per pixel,
 // half the registers of the clone (16 of AVX2's 32-byte ones, 32 of AVX-512's 64-byte ones).
+// More pixels made GCC spill: it loads every pixel's value before the multiply-adds.
 template <int kVectorBytes>
 constexpr int64_t kFusedPixels = kVectorBytes / 8;
 
@@ -355,46 +355,54 @@ DEFORMCONV_INLINE void multiply_add_block(const opmath_t* __restrict values,
                                           int64_t out_per_group, opmath_t* __restrict sums,
                                           int64_t sums_stride) {
   typedef opmath_t Vector __attribute__((vector_size(kVectorBytes)));
+  // The same vector at any address of an opmath_t, which may alias it (as the intrinsics'
+  // unaligned loads are declared): loads and stores through it are plain vector moves, where
+  // a memcpy into an array of vectors made GCC keep the array on the stack.
+  typedef opmath_t Unaligned
+      __attribute__((vector_size(kVectorBytes), aligned(alignof(opmath_t)), may_alias));
   constexpr int64_t kWidth = kVectorBytes / sizeof(opmath_t);
+  constexpr int64_t kPixels = kFusedPixels<kVectorBytes>;
+  const auto at = [](opmath_t* data) { return reinterpret_cast<Unaligned*>(data); };
+  const auto at_const = [](const opmath_t* data) {
+    return reinterpret_cast<const Unaligned*>(data);
+  };
   int64_t vectorised = 0;
-  if (pixels == kFusedPixels<kVectorBytes>) {
+  if (pixels == kPixels) {
     for (; vectorised + 2 * kWidth <= out_per_group; vectorised += 2 * kWidth) {
       const int64_t j = vectorised;
-      Vector low[kFusedPixels<kVectorBytes>], high[kFusedPixels<kVectorBytes>];
-      for (int64_t p = 0; p < kFusedPixels<kVectorBytes>; ++p) {
-        __builtin_memcpy(&low[p], sums + p * sums_stride + j, sizeof(Vector));
-        __builtin_memcpy(&high[p], sums + p * sums_stride + j + kWidth, sizeof(Vector));
+      Vector low[kPixels], high[kPixels];
+      for (int64_t p = 0; p < kPixels; ++p) {
+        low[p] = *at(sums + p * sums_stride + j);
+        high[p] = *at(sums + p * sums_stride + j + kWidth);
       }
       for (int64_t c = 0; c < count; ++c) {
-        Vector weight_low, weight_high;
-        __builtin_memcpy(&weight_low, weights + c * out_per_group + j, sizeof(Vector));
-        __builtin_memcpy(&weight_high, weights + c * out_per_group + j + kWidth, sizeof(Vector));
-        for (int64_t p = 0; p < kFusedPixels<kVectorBytes>; ++p) {
+        const Vector weight_low = *at_const(weights + c * out_per_group + j);
+        const Vector weight_high = *at_const(weights + c * out_per_group + j + kWidth);
+        for (int64_t p = 0; p < kPixels; ++p) {
           const opmath_t value = values[p * values_stride + c];
           low[p] += value * weight_low;
           high[p] += value * weight_high;
         }
       }
-      for (int64_t p = 0; p < kFusedPixels<kVectorBytes>; ++p) {
-        __builtin_memcpy(sums + p * sums_stride + j, &low[p], sizeof(Vector));
-        __builtin_memcpy(sums + p * sums_stride + j + kWidth, &high[p], sizeof(Vector));
+      for (int64_t p = 0; p < kPixels; ++p) {
+        *at(sums + p * sums_stride + j) = low[p];
+        *at(sums + p * sums_stride + j + kWidth) = high[p];
       }
     }
     for (; vectorised + kWidth <= out_per_group; vectorised += kWidth) {
       const int64_t j = vectorised;
-      Vector lanes[kFusedPixels<kVectorBytes>];
-      for (int64_t p = 0; p < kFusedPixels<kVectorBytes>; ++p) {
-        __builtin_memcpy(&lanes[p], sums + p * sums_stride + j, sizeof(Vector));
+      Vector lanes[kPixels];
+      for (int64_t p = 0; p < kPixels; ++p) {
+        lanes[p] = *at(sums + p * sums_stride + j);
       }
       for (int64_t c = 0; c < count; ++c) {
-        Vector weight;
-        __builtin_memcpy(&weight, weights + c * out_per_group + j, sizeof(Vector));
-        for (int64_t p = 0; p < kFusedPixels<kVectorBytes>; ++p) {
+        const Vector weight = *at_const(weights + c * out_per_group + j);
+        for (int64_t p = 0; p < kPixels; ++p) {
           lanes[p] += values[p * values_stride + c] * weight;
         }
       }
-      for (int64_t p = 0; p < kFusedPixels<kVectorBytes>; ++p) {
-        __builtin_memcpy(sums + p * sums_stride + j, &lanes[p], sizeof(Vector));
+      for (int64_t p = 0; p < kPixels; ++p) {
+        *at(sums + p * sums_stride + j) = lanes[p];
       }
     }
   }
@@ -523,6 +531,13 @@ void fused_forward_cpu(const DeformConv2dGeometry& g, int64_t batch, const at::T
       });
     }
   });
+}
+
+bool fused_forward_pays_cpu(const DeformConv2dGeometry& g, at::ScalarType dtype) {
+  constexpr int64_t kCachedWeightBytes = int64_t(4) << 20;
+  const int64_t weight_bytes = g.out_channels * g.channels_per_group() * g.taps() *
+      c10::elementSize(at::toOpMathType(dtype));
+  return weight_bytes <= kCachedWeightBytes;
 }
 
 template <typename scalar_t>
@@ -850,7 +865,7 @@ constexpr DeformConv2dLaunchers kCpuLaunchers{
     .transpose = transpose_cpu,
     .keep_window_results = keep_window_results_cpu,
     .fused_forward = fused_forward_cpu,
-    .fused_forward_weight_bytes = int64_t(4) << 20,
+    .fused_forward_pays = fused_forward_pays_cpu,
     .onednn_gemms = true,
     .images_per_thread = true,
 };

@@ -223,7 +223,7 @@ const DeformConv2dLaunchers& cuda_launchers() {
       .transpose = transpose_cuda,
       .keep_window_results = nullptr,
       .fused_forward = nullptr,
-      .fused_forward_weight_bytes = 0,
+      .fused_forward_pays = nullptr,
       .onednn_gemms = false,
       .images_per_thread = false,
   };

@@ -563,10 +563,9 @@ void forward_block(const DeformConv2dLaunchers& launchers, const DeformConv2dGeo
 }
 
 // Whether the forward runs fused (launchers' fused_forward, Note [Fused forward] in
-// cpu/deform_conv2d_cpu.cpp): where the launchers have it, for a weight of at most their
-// fused_forward_weight_bytes, and unless the environment variable DEFORMCONV_FUSED_FORWARD is
-// 0, read at every call, which leaves every forward to im2col and the GEMMs (to compare the
-// two, or to test the latter).
+// cpu/deform_conv2d_cpu.cpp): where the launchers have it and find it pays, unless the
+// environment variable DEFORMCONV_FUSED_FORWARD is 0, read at every call, which leaves every
+// forward to im2col and the GEMMs (to compare the two, or to test the latter).
 bool fused_forward_applies(const DeformConv2dLaunchers& launchers, const DeformConv2dGeometry& g,
                            at::ScalarType dtype) {
   if (launchers.fused_forward == nullptr) {
@@ -576,9 +575,7 @@ bool fused_forward_applies(const DeformConv2dLaunchers& launchers, const DeformC
   if (setting != nullptr && std::string_view(setting) == "0") {
     return false;
   }
-  const int64_t weight_bytes = g.out_channels * g.channels_per_group() * g.taps() *
-      c10::elementSize(at::toOpMathType(dtype));
-  return weight_bytes <= launchers.fused_forward_weight_bytes;
+  return launchers.fused_forward_pays(g, dtype);
 }
 
 // The weight as the fused forward takes it: (G, K, C_in / G, C_out / G), in at::opmath_type.

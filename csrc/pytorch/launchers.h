@@ -73,16 +73,15 @@ struct DeformConv2dLaunchers {
   // (CUDA's caching allocator).
   void (*keep_window_results)(std::vector<at::Tensor> results);
   // The whole forward of a block of `batch` images without columns (Note [Fused forward],
-  // cpu/deform_conv2d_cpu.cpp): output (batch, C_out, H_out, W_out) = the
-  // convolution of the sampled input with weight_taps, (G, K, C_in / G, C_out / G) in
-  // at::opmath_type, plus bias (undefined: none). Null where the device has none (CUDA); the
-  // driver uses it for weights of at most fused_forward_weight_bytes (in at::opmath_type),
-  // which it reads again for every few pixels and which must stay in cache for that.
+  // cpu/deform_conv2d_cpu.cpp): output (batch, C_out, H_out, W_out) = the convolution of the
+  // sampled input with weight_taps, (G, K, C_in / G, C_out / G) in at::opmath_type, plus bias
+  // (undefined: none). The driver runs it where fused_forward_pays says it is faster than
+  // im2col and the GEMMs. Both null where the device has none (CUDA).
   void (*fused_forward)(const DeformConv2dGeometry& geometry, int64_t batch,
                         const at::Tensor& input, const at::Tensor& offset,
                         const at::Tensor& mask, const at::Tensor& weight_taps,
                         const at::Tensor& bias, at::Tensor& output);
-  int64_t fused_forward_weight_bytes;
+  bool (*fused_forward_pays)(const DeformConv2dGeometry& geometry, at::ScalarType dtype);
   // Whether the driver may run the GEMMs of float32 windows with one conv group as oneDNN 1x1
   // convolutions (Note [GEMMs as 1x1 convolutions]): on the CPU, not on CUDA.
   bool onednn_gemms;
