@@ -20,6 +20,7 @@
 #include <algorithm>
 #include <map>
 #include <mutex>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -417,6 +418,72 @@ DEFORMCONV_INLINE void multiply_add_block(const opmath_t* __restrict values,
   }
 }
 
+// The 8 x 8 block of rows[i][j] as columns: columns[j][i] = rows[i][j], in three rounds of
+// shuffles that interleave ever larger pieces of pairs of rows.
+template <typename Eight>
+DEFORMCONV_INLINE void transpose_eight(const Eight rows[8], Eight columns[8]) {
+  Eight pairs[8], quads[8];
+  for (int i = 0; i < 8; i += 2) {
+    pairs[i] = __builtin_shufflevector(rows[i], rows[i + 1], 0, 8, 1, 9, 4, 12, 5, 13);
+    pairs[i + 1] = __builtin_shufflevector(rows[i], rows[i + 1], 2, 10, 3, 11, 6, 14, 7, 15);
+  }
+  for (int i = 0; i < 8; i += 4) {
+    for (int half = 0; half < 2; ++half) {
+      const Eight& a = pairs[i + half];
+      const Eight& b = pairs[i + half + 2];
+      quads[i + 2 * half] = __builtin_shufflevector(a, b, 0, 1, 8, 9, 4, 5, 12, 13);
+      quads[i + 2 * half + 1] = __builtin_shufflevector(a, b, 2, 3, 10, 11, 6, 7, 14, 15);
+    }
+  }
+  for (int j = 0; j < 4; ++j) {
+    columns[j] = __builtin_shufflevector(quads[j], quads[j + 4], 0, 1, 2, 3, 8, 9, 10, 11);
+    columns[j + 4] = __builtin_shufflevector(quads[j], quads[j + 4], 4, 5, 6, 7, 12, 13, 14, 15);
+  }
+}
+
+// output[c * output_stride + p] = sums[p * channels + c] + bias[c] (bias null: none), for
+// p < pixels and c < channels: a task's sums into the output's channel planes. In float, blocks
+// of 8 x 8 are transposed in registers; the rest goes one by one.
+template <typename scalar_t, typename opmath_t>
+DEFORMCONV_INLINE void store_sums(const opmath_t* sums, int64_t pixels, int64_t channels,
+                                  const scalar_t* bias, scalar_t* output,
+                                  int64_t output_stride) {
+  const auto bias_of = [&](int64_t c) {
+    return bias != nullptr ? static_cast<opmath_t>(bias[c]) : opmath_t(0);
+  };
+  int64_t transposed = 0;
+  if constexpr (std::is_same_v<scalar_t, float> && std::is_same_v<opmath_t, float>) {
+    typedef float Eight __attribute__((vector_size(8 * sizeof(float))));
+    typedef float Unaligned
+        __attribute__((vector_size(8 * sizeof(float)), aligned(alignof(float)), may_alias));
+    for (; transposed + 8 <= pixels; transposed += 8) {
+      const int64_t p = transposed;
+      int64_t c = 0;
+      for (; c + 8 <= channels; c += 8) {
+        Eight rows[8], columns[8];
+        for (int i = 0; i < 8; ++i) {
+          rows[i] = *reinterpret_cast<const Unaligned*>(sums + (p + i) * channels + c);
+        }
+        transpose_eight(rows, columns);
+        for (int j = 0; j < 8; ++j) {
+          *reinterpret_cast<Unaligned*>(output + (c + j) * output_stride + p) =
+              columns[j] + bias_of(c + j);
+        }
+      }
+      for (; c < channels; ++c) {
+        for (int64_t i = p; i < p + 8; ++i) {
+          output[c * output_stride + i] = sums[i * channels + c] + bias_of(c);
+        }
+      }
+    }
+  }
+  for (int64_t c = 0; c < channels; ++c) {
+    for (int64_t p = transposed; p < pixels; ++p) {
+      output[c * output_stride + p] = static_cast<scalar_t>(sums[p * channels + c] + bias_of(c));
+    }
+  }
+}
+
 template <typename scalar_t>
 struct FusedForwardTask {
   const DeformConv2dGeometry& g;
@@ -491,15 +558,8 @@ DEFORMCONV_VECTOR_CLONES void fused_forward_tasks(const FusedForwardTask<scalar_
         }
       }
     }
-    scalar_t* output = t.output + n * g.out_channels * g.out_pixels() + first_pixel;
-    for (int64_t channel = 0; channel < g.out_channels; ++channel) {
-      const opmath_t bias =
-          t.bias != nullptr ? static_cast<opmath_t>(t.bias[channel]) : opmath_t(0);
-      for (int64_t p = 0; p < pixels; ++p) {
-        output[channel * g.out_pixels() + p] =
-            static_cast<scalar_t>(sums[p * g.out_channels + channel] + bias);
-      }
-    }
+    store_sums(sums.data(), pixels, g.out_channels, t.bias,
+               t.output + n * g.out_channels * g.out_pixels() + first_pixel, g.out_pixels());
   }
 }
 
