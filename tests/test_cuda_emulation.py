@@ -176,9 +176,10 @@ def test_half_precision_input_gradient_sums_in_float32(emulated, dtype, launcher
 
 
 def test_several_windows_per_block(emulated, index_arithmetic):
-    # With a window budget of one byte the driver tiles the 1,600 output pixels into windows of
-    # its minimum, 512 pixels, evened out: 3 windows per block, of 534, 534 and 532 pixels.
-    geometry = Geometry("windows", 3, 8, 6, 40, 40, (3, 3), padding=(1, 1), groups=2,
+    # With a window budget of one byte the driver tiles the 2,304 output pixels into windows of
+    # its minimum, evened out: 1,024 pixels in the forward, 2 windows of 1,152 per block; 512
+    # in the backward, 4 windows of 576.
+    geometry = Geometry("windows", 3, 8, 6, 48, 48, (3, 3), padding=(1, 1), groups=2,
                         offset_groups=2)
     operands = make_operands(geometry)
     grad_output = grad_output_for(operands, geometry)

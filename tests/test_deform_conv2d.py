@@ -206,11 +206,12 @@ def test_package_metadata():
 @pytest.mark.parametrize("im2col_step", [0, 3])
 def test_output_pixels_tiled_into_windows(im2col_step, im2col_forward):
     # The CPU launchers aim at 4 MiB of columns and plans per window of output pixels, at least
-    # 512 pixels, evened out: in float64, 16 channels and 4 deform groups of 9 taps take 3,456
-    # bytes per pixel and image, so with the default step (all 7 images) and with im2col_step 3
-    # the 1,600 output pixels are worked in windows of 534, 534 and 532; windows must join up
-    # seamlessly.
-    geometry = Geometry("windows", 7, 16, 8, 40, 40, (3, 3), padding=(1, 1), groups=2,
+    # 1,024 pixels in the forward and 512 in the backward, evened out: in float64, 16 channels
+    # and 4 deform groups of 9 taps take 3,456 bytes per pixel and image. With the default step
+    # (one image per block) the 4,096 output pixels are worked in 3 windows of 1,366 pixels
+    # (1,364 the last); with im2col_step 3, in 4 forward windows of 1,024 and 8 backward ones
+    # of 512. Windows must join up seamlessly.
+    geometry = Geometry("windows", 7, 16, 8, 64, 64, (3, 3), padding=(1, 1), groups=2,
                         offset_groups=4)
     operands = make_operands(geometry)
     check_against_reference(operands, geometry, im2col_step=im2col_step)

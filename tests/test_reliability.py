@@ -62,13 +62,13 @@ def test_forward_of_whole_images_per_thread_equals_one_thread(im2col_forward):
 
 
 def test_forward_of_windows_per_thread_equals_one_thread(im2col_forward):
-    # One image of 5,184 output pixels and 64 channels makes four windows of pixels (the CPU's
+    # One image of 9,216 output pixels and 64 channels makes seven windows of pixels (the CPU's
     # 4 MiB of columns and plans per window), which two threads share out in one parallel
     # region (Note [Whole images per thread]), each running its windows' GEMMs on oneDNN alone.
     # The output is that of a one-thread run, bit for bit, and so are the gradients through it
     # but the weight's: the backward of a one-image batch runs oneDNN's weight-gradient GEMM on
     # every thread, which sums over the pixels in an order that depends on the thread count.
-    geometry = Geometry("windows", 1, 64, 24, 72, 72, (3, 3), padding=(1, 1), offset_groups=2)
+    geometry = Geometry("windows", 1, 64, 24, 96, 96, (3, 3), padding=(1, 1), offset_groups=2)
     (out_1, grads_1), (out_2, grads_2) = one_and_two_thread_runs(geometry)
     assert torch.equal(out_1, out_2)
     input_1, offset_1, weight_1, bias_1, mask_1 = grads_1
