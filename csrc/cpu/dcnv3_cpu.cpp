@@ -78,16 +78,8 @@ DEFORMCONV_VECTOR_CLONES void dcnv3_forward_pixels(const Dcnv3Geometry& g, const
       const scalar_t* channels =
           dcnv3_group_channels(g, input, dcnv3_sample_at(g, pixel, group, 0));
       for (int64_t point = 0; point < P; ++point) {
-        const int64_t k = group * P + point;
-        int64_t corner_index[4];
-        samples.corner_grid_indices(k, corner_index);
-        for (int corner = 0; corner < 4; ++corner) {
-          const opmath_t weight = samples.weight(corner, k);
-          weights[4 * point + corner] = weight;
-          rows[4 * point + corner] = weight != opmath_t(0)
-              ? channels + corner_index[corner] * g.channels()
-              : zeros.data();
-        }
+        samples.corner_rows(group * P + point, channels, g.channels(), zeros.data(),
+                            weights.data() + 4 * point, rows.data() + 4 * point);
       }
       scalar_t* out = output + pixel * g.channels() + group * D;
       int64_t c = 0;

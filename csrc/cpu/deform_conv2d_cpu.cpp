@@ -283,16 +283,9 @@ DEFORMCONV_VECTOR_CLONES void im2col_tasks(const Im2colTask<scalar_t>& t, int64_
       for (int64_t tap = 0; tap < g.taps(); ++tap) {
         samples.locate(g, n, group, tap, t.offset, t.mask);
         for (int64_t i = 0; i < pixels; ++i) {
-          int64_t corner_index[4];
-          samples.corner_grid_indices(i, corner_index);
           opmath_t weight[4];
           const scalar_t* corner_pixel[4];
-          for (int corner = 0; corner < 4; ++corner) {
-            weight[corner] = samples.weight(corner, i);
-            corner_pixel[corner] = weight[corner] != opmath_t(0)
-                ? image + corner_index[corner] * g.in_channels
-                : zeros.data();
-          }
+          samples.corner_rows(i, image, g.in_channels, zeros.data(), weight, corner_pixel);
           const int64_t entries = columns_at(g, t.window, n, first_pixel + i, tap);
           for (const ChannelRun& run : t.runs[group]) {
             const scalar_t* rows[4];
@@ -340,7 +333,7 @@ void im2col_cpu(const DeformConv2dGeometry& g, const PixelWindow& window, int64_
 
 // Pixels whose output sums share each load of a weight row: with two vectors of sums per pixel,
 // half the registers of the clone (16 of AVX2's 32-byte ones, 32 of AVX-512's 64-byte ones).
-// More pixels made GCC spill: it loads every pixel's value before the multiply-adds.
+// With more pixels GCC spilled.
 template <int kVectorBytes>
 constexpr int64_t kFusedPixels = kVectorBytes / 8;
 
@@ -532,17 +525,10 @@ DEFORMCONV_VECTOR_CLONES void fused_forward_tasks(const FusedForwardTask<scalar_
         for (int64_t p = 0; p < block; ++p) {
           for (int64_t group = 0; group < g.offset_groups; ++group) {
             const int64_t first = first_channel(g, group);
-            int64_t corner_index[4];
-            samples[group].corner_grid_indices(block_pixel + p, corner_index);
             opmath_t weight[4];
             const scalar_t* rows[4];
-            for (int corner = 0; corner < 4; ++corner) {
-              weight[corner] = samples[group].weight(corner, block_pixel + p);
-              rows[corner] = (weight[corner] != opmath_t(0)
-                                  ? image + corner_index[corner] * g.in_channels
-                                  : zeros.data()) +
-                  first;
-            }
+            samples[group].corner_rows(block_pixel + p, image + first, g.in_channels,
+                                       zeros.data() + first, weight, rows);
             sum_corner_rows(rows, weight, in_per_offset_group,
                             values.data() + p * g.in_channels + first);
           }
@@ -579,8 +565,8 @@ void fused_forward_cpu(const DeformConv2dGeometry& g, int64_t batch, const at::T
                                        weight_taps.const_data_ptr<at::opmath_type<scalar_t>>(),
                                        data_or_null<scalar_t>(bias),
                                        output.mutable_data_ptr<scalar_t>()};
-    // Products a register of the clone that runs at a time: an AVX-512 one where the CPU runs
-    // the AVX-512 clones, else an AVX2 one (the compiler splits it for older CPUs).
+    // Multiply-adds as wide as a register of the clone that runs: AVX-512's where the CPU runs
+    // the AVX-512 clones, else AVX2's (which the compiler splits for older CPUs).
     if (runs_avx512_clones()) {
       parallel_tasks(batch * stretches.per_image, [&](int64_t begin, int64_t end) {
         fused_forward_tasks<64>(t, begin, end);

@@ -105,6 +105,24 @@ class LocatedSamples {
     index[3] = top_left + width_ + 1;
   }
 
+  // Sample k's corner weights, and the rows of its corners in a channels-last grid whose grid
+  // pixel i starts at image + i * pixel_stride: a corner of weight 0 (outside the image, or
+  // masked out) points at `zeros` instead, a row of zeros, so that every sample is the same
+  // weighted sum of four rows (sum_corner_rows) and an infinite input value at such a corner
+  // cannot make NaN.
+  template <typename scalar_t>
+  DEFORMCONV_INLINE void corner_rows(int64_t k, const scalar_t* image, int64_t pixel_stride,
+                                     const scalar_t* zeros, opmath_t weight[4],
+                                     const scalar_t* rows[4]) const {
+    int64_t corner_index[4];
+    corner_grid_indices(k, corner_index);
+    for (int corner = 0; corner < 4; ++corner) {
+      weight[corner] = weight_[corner][k];
+      rows[corner] =
+          weight[corner] != opmath_t(0) ? image + corner_index[corner] * pixel_stride : zeros;
+    }
+  }
+
   // Sample k's cell, as locate_cell makes it, and its mask value.
   DEFORMCONV_INLINE BilinearCell<opmath_t> cell(int64_t k) const {
     BilinearCell<opmath_t> cell;
