@@ -162,25 +162,51 @@ C10_HOST_DEVICE inline OffsetMaskGrad<at::opmath_type<scalar_t>> dcnv3_start_gra
   return start_position_grad(y, x, m, g.height, g.width);
 }
 
-// Writes the gradients of a sample of mask value m, either pointer null when not asked for. The position moves by
-// s per unit of offset, so d/d(dx) = s * d/dx; the sums carry no factor m yet.
+// Where the offset and mask gradients of a (pixel, group)'s points start, either null when not
+// asked for: its first point's offset x and mask value.
+template <typename scalar_t>
+C10_HOST_DEVICE inline void dcnv3_group_grads(const Dcnv3Fields& f, int64_t pixel, int64_t group,
+                                              scalar_t* grad_offset, scalar_t* grad_mask,
+                                              scalar_t*& group_grad_offset,
+                                              scalar_t*& group_grad_mask) {
+  group_grad_offset = grad_offset == nullptr
+      ? nullptr
+      : grad_offset + pixel * f.offset_pixel_stride + group * f.offset_group_stride;
+  group_grad_mask = grad_mask == nullptr
+      ? nullptr
+      : grad_mask + pixel * f.mask_pixel_stride + group * f.mask_group_stride;
+}
+
+// Writes the gradients of a point of mask value m, from where its (pixel, group)'s start
+// (dcnv3_group_grads). The position moves by s per unit of offset, so d/d(dx) = s * d/dx; the
+// sums carry no factor m yet.
+template <typename scalar_t>
+C10_HOST_DEVICE inline void dcnv3_write_grad(const Dcnv3Geometry& g, int64_t point,
+                                             at::opmath_type<scalar_t> m,
+                                             const OffsetMaskGradSums<at::opmath_type<scalar_t>>& sums,
+                                             scalar_t* group_grad_offset,
+                                             scalar_t* group_grad_mask) {
+  using opmath_t = at::opmath_type<scalar_t>;
+  if (group_grad_offset != nullptr) {
+    const opmath_t factor = static_cast<opmath_t>(g.offset_scale) * m;
+    group_grad_offset[2 * point] = static_cast<scalar_t>(factor * sums.x);
+    group_grad_offset[2 * point + 1] = static_cast<scalar_t>(factor * sums.y);
+  }
+  if (group_grad_mask != nullptr) {
+    group_grad_mask[point] = static_cast<scalar_t>(sums.m);
+  }
+}
+
+// The same for a sample, either pointer null when not asked for.
 template <typename scalar_t>
 C10_HOST_DEVICE inline void dcnv3_finish_grad(const Dcnv3Geometry& g, const Dcnv3Fields& f,
                                               const Dcnv3Sample& s, at::opmath_type<scalar_t> m,
                                               const OffsetMaskGradSums<at::opmath_type<scalar_t>>& sums,
                                               scalar_t* grad_offset, scalar_t* grad_mask) {
-  using opmath_t = at::opmath_type<scalar_t>;
-  if (grad_offset != nullptr) {
-    const opmath_t factor = static_cast<opmath_t>(g.offset_scale) * m;
-    const int64_t at =
-        s.pixel * f.offset_pixel_stride + s.group * f.offset_group_stride + 2 * s.point;
-    grad_offset[at] = static_cast<scalar_t>(factor * sums.x);
-    grad_offset[at + 1] = static_cast<scalar_t>(factor * sums.y);
-  }
-  if (grad_mask != nullptr) {
-    grad_mask[s.pixel * f.mask_pixel_stride + s.group * f.mask_group_stride + s.point] =
-        static_cast<scalar_t>(sums.m);
-  }
+  scalar_t *group_grad_offset, *group_grad_mask;
+  dcnv3_group_grads(f, s.pixel, s.group, grad_offset, grad_mask, group_grad_offset,
+                    group_grad_mask);
+  dcnv3_write_grad(g, s.point, m, sums, group_grad_offset, group_grad_mask);
 }
 
 }  // namespace deformconv

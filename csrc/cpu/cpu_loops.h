@@ -107,13 +107,19 @@ DEFORMCONV_INLINE void sum_corner_rows(const scalar_t* const rows[4], const opma
 inline constexpr int64_t kLanes = 8;
 template <typename opmath_t>
 struct LanesOf;
+// `unaligned` is the same vector at any address of an opmath_t, which may alias it (as the
+// intrinsics' unaligned loads are declared): loads and stores through it are plain vector moves.
 template <>
 struct LanesOf<float> {
   typedef float type __attribute__((vector_size(kLanes * sizeof(float))));
+  typedef float unaligned
+      __attribute__((vector_size(kLanes * sizeof(float)), aligned(alignof(float)), may_alias));
 };
 template <>
 struct LanesOf<double> {
   typedef double type __attribute__((vector_size(kLanes * sizeof(double))));
+  typedef double unaligned
+      __attribute__((vector_size(kLanes * sizeof(double)), aligned(alignof(double)), may_alias));
 };
 
 // kLanes consecutive values from `data` (of any dtype) as opmath_t lanes. (An out-parameter:
@@ -136,6 +142,31 @@ DEFORMCONV_INLINE opmath_t sum_of_lanes(const typename LanesOf<opmath_t>::type& 
   const auto two = __builtin_shufflevector(four, four, 0, 1) +
       __builtin_shufflevector(four, four, 2, 3);
   return two[0] + two[1];
+}
+
+// The sums of the lanes of four vectors, sums[i] of lanes_i, each added up in sum_of_lanes'
+// order, the four in the same steps: each step adds the halves of two vectors' pieces at once.
+// (Four arguments rather than an array, which GCC kept in memory, zeroing it per call.)
+template <typename opmath_t>
+DEFORMCONV_INLINE void sums_of_four_lanes(const typename LanesOf<opmath_t>::type& lanes_0,
+                                          const typename LanesOf<opmath_t>::type& lanes_1,
+                                          const typename LanesOf<opmath_t>::type& lanes_2,
+                                          const typename LanesOf<opmath_t>::type& lanes_3,
+                                          opmath_t sums[4]) {
+  static_assert(kLanes == 8, "the halving steps below are written out for 8 lanes");
+  // [four of 0 | four of 1] and [four of 2 | four of 3]
+  const auto fours_01 = __builtin_shufflevector(lanes_0, lanes_1, 0, 1, 2, 3, 8, 9, 10, 11) +
+      __builtin_shufflevector(lanes_0, lanes_1, 4, 5, 6, 7, 12, 13, 14, 15);
+  const auto fours_23 = __builtin_shufflevector(lanes_2, lanes_3, 0, 1, 2, 3, 8, 9, 10, 11) +
+      __builtin_shufflevector(lanes_2, lanes_3, 4, 5, 6, 7, 12, 13, 14, 15);
+  // [two of 0 | two of 1 | two of 2 | two of 3]
+  const auto twos = __builtin_shufflevector(fours_01, fours_23, 0, 1, 4, 5, 8, 9, 12, 13) +
+      __builtin_shufflevector(fours_01, fours_23, 2, 3, 6, 7, 10, 11, 14, 15);
+  const auto ones = __builtin_shufflevector(twos, twos, 0, 2, 4, 6) +
+      __builtin_shufflevector(twos, twos, 1, 3, 5, 7);
+  for (int i = 0; i < 4; ++i) {
+    sums[i] = ones[i];
+  }
 }
 
 // The offset and mask gradient sums of one sample (bilinear_sampling.cuh), kLanes channels at

@@ -25,11 +25,16 @@ template <typename opmath_t>
 class PixelSamples : public LocatedSamples<opmath_t> {
  public:
   explicit PixelSamples(const Dcnv3Geometry& g)
-      : LocatedSamples<opmath_t>(g.groups * g.points(), g.height, g.width) {
+      : LocatedSamples<opmath_t>(g.groups * g.points(), g.height, g.width),
+        first_channel(g.groups * g.points()) {
     for (int64_t k = 0; k < g.groups * g.points(); ++k) {
       dcnv3_grid_point(g, k % g.points(), this->grid_y[k], this->grid_x[k]);
+      first_channel[k] = k / g.points() * g.group_channels;
     }
   }
+
+  // The first channel of sample k's group.
+  std::vector<int64_t> first_channel;
 
   template <typename scalar_t>
   DEFORMCONV_INLINE void locate(const Dcnv3Geometry& g, const Dcnv3Fields& f, int64_t pixel,
@@ -53,59 +58,109 @@ class PixelSamples : public LocatedSamples<opmath_t> {
   }
 };
 
+// The rows of the four corners of each sample of a pixel, in one image (or its gradient), as
+// LocatedSamples::corner_row_addresses makes them: corner by corner, sample by sample.
+class CornerRows {
+ public:
+  explicit CornerRows(int64_t samples) : addresses_(4 * samples) {
+    for (int corner = 0; corner < 4; ++corner) {
+      rows_[corner] = addresses_.data() + corner * samples;
+    }
+  }
+  CornerRows(const CornerRows&) = delete;
+  CornerRows& operator=(const CornerRows&) = delete;
+
+  template <typename opmath_t, typename element_t,
+            typename LocatedSamples<opmath_t>::Corners kTaken>
+  DEFORMCONV_INLINE void fill(const PixelSamples<opmath_t>& samples, int64_t count,
+                              element_t* image, int64_t pixel_stride, element_t* elsewhere) {
+    samples.template corner_row_addresses<kTaken>(count, image, pixel_stride,
+                                                  samples.first_channel.data(), elsewhere,
+                                                  rows_);
+  }
+
+  template <typename element_t>
+  DEFORMCONV_INLINE element_t* row(int corner, int64_t k) const {
+    return reinterpret_cast<element_t*>(rows_[corner][k]);
+  }
+
+ private:
+  std::vector<uintptr_t> addresses_;
+  uintptr_t* rows_[4];
+};
+
+// out[c] for kVectors * kLanes channels from c on: the sum over the points [first, first +
+// points) of their samples' values, each the weighted sum of its four corner rows, made in the
+// accumulation type with the sums in registers.
+template <int kVectors, typename scalar_t, typename opmath_t>
+DEFORMCONV_INLINE void sum_points(const PixelSamples<opmath_t>& samples, const CornerRows& rows,
+                                  int64_t first, int64_t points, int64_t c, scalar_t* out) {
+  using Lanes = typename LanesOf<opmath_t>::type;
+  Lanes sum[kVectors] = {};
+  for (int64_t k = first; k < first + points; ++k) {
+    const opmath_t w0 = samples.weight(0, k), w1 = samples.weight(1, k),
+                   w2 = samples.weight(2, k), w3 = samples.weight(3, k);
+    const scalar_t* row_0 = rows.row<const scalar_t>(0, k) + c;
+    const scalar_t* row_1 = rows.row<const scalar_t>(1, k) + c;
+    const scalar_t* row_2 = rows.row<const scalar_t>(2, k) + c;
+    const scalar_t* row_3 = rows.row<const scalar_t>(3, k) + c;
+    for (int v = 0; v < kVectors; ++v) {
+      Lanes v0, v1, v2, v3;
+      load_lanes<opmath_t>(row_0 + v * kLanes, v0);
+      load_lanes<opmath_t>(row_1 + v * kLanes, v1);
+      load_lanes<opmath_t>(row_2 + v * kLanes, v2);
+      load_lanes<opmath_t>(row_3 + v * kLanes, v3);
+      sum[v] += w0 * v0 + w1 * v1 + w2 * v2 + w3 * v3;
+    }
+  }
+  for (int v = 0; v < kVectors; ++v) {
+    for (int64_t lane = 0; lane < kLanes; ++lane) {
+      out[v * kLanes + lane] = static_cast<scalar_t>(sum[v][lane]);
+    }
+  }
+}
+
 // Pixels [begin, end) of the batch's output, every group: each channel's sum over the points
 // of its group, made in the accumulation type. The four corners of every point are located
 // first; a corner that takes no part (outside the image, or of zero weight) reads a row of
 // zeros instead, so that each sample is the same weighted sum of four rows, without branches,
-// and an infinite input value at such a corner cannot make NaN. Then, kLanes channels at a
-// time, the sum over the points stays in registers.
+// and an infinite input value at such a corner cannot make NaN. Then, two vectors of channels
+// at a time, the sum over the points stays in registers.
 template <typename scalar_t>
 DEFORMCONV_VECTOR_CLONES void dcnv3_forward_pixels(const Dcnv3Geometry& g, const Dcnv3Fields& f,
                                                    const scalar_t* input, const scalar_t* offset,
                                                    const scalar_t* mask, scalar_t* output,
                                                    int64_t begin, int64_t end) {
   using opmath_t = at::opmath_type<scalar_t>;
-  using Lanes = typename LanesOf<opmath_t>::type;
+  using Corners = typename LocatedSamples<opmath_t>::Corners;
   const int64_t P = g.points();
   const int64_t D = g.group_channels;
+  const int64_t C = g.channels();
   const std::vector<scalar_t> zeros(D, scalar_t(0));
-  std::vector<const scalar_t*> rows(4 * P);
-  std::vector<opmath_t> weights(4 * P);
   PixelSamples<opmath_t> samples(g);
+  CornerRows rows(g.groups * P);
   for (int64_t pixel = begin; pixel < end; ++pixel) {
     samples.locate(g, f, pixel, offset, mask);
+    const scalar_t* image = input + pixel / g.out_pixels() * g.in_pixels() * C;
+    rows.fill<opmath_t, const scalar_t, Corners::kWeighted>(samples, g.groups * P, image, C,
+                                                           zeros.data());
     for (int64_t group = 0; group < g.groups; ++group) {
-      const scalar_t* channels =
-          dcnv3_group_channels(g, input, dcnv3_sample_at(g, pixel, group, 0));
-      for (int64_t point = 0; point < P; ++point) {
-        samples.corner_rows(group * P + point, channels, g.channels(), zeros.data(),
-                            weights.data() + 4 * point, rows.data() + 4 * point);
-      }
-      scalar_t* out = output + pixel * g.channels() + group * D;
+      scalar_t* out = output + pixel * C + group * D;
       int64_t c = 0;
+      for (; c + 2 * kLanes <= D; c += 2 * kLanes) {
+        sum_points<2>(samples, rows, group * P, P, c, out + c);
+      }
       for (; c + kLanes <= D; c += kLanes) {
-        Lanes sum = {};
-        for (int64_t point = 0; point < P; ++point) {
-          const opmath_t* w = weights.data() + 4 * point;
-          const scalar_t* const* row = rows.data() + 4 * point;
-          Lanes v0, v1, v2, v3;
-          load_lanes<opmath_t>(row[0] + c, v0);
-          load_lanes<opmath_t>(row[1] + c, v1);
-          load_lanes<opmath_t>(row[2] + c, v2);
-          load_lanes<opmath_t>(row[3] + c, v3);
-          sum += w[0] * v0 + w[1] * v1 + w[2] * v2 + w[3] * v3;
-        }
-        for (int64_t lane = 0; lane < kLanes; ++lane) {
-          out[c + lane] = static_cast<scalar_t>(sum[lane]);
-        }
+        sum_points<1>(samples, rows, group * P, P, c, out + c);
       }
       for (; c < D; ++c) {
         opmath_t sum = 0;
-        for (int64_t point = 0; point < P; ++point) {
-          const opmath_t* w = weights.data() + 4 * point;
-          const scalar_t* const* row = rows.data() + 4 * point;
-          sum += w[0] * static_cast<opmath_t>(row[0][c]) + w[1] * static_cast<opmath_t>(row[1][c]) +
-              w[2] * static_cast<opmath_t>(row[2][c]) + w[3] * static_cast<opmath_t>(row[3][c]);
+        for (int64_t k = group * P; k < (group + 1) * P; ++k) {
+          const auto value = [&](int corner) {
+            return samples.weight(corner, k) *
+                static_cast<opmath_t>(rows.row<const scalar_t>(corner, k)[c]);
+          };
+          sum += value(0) + value(1) + value(2) + value(3);
         }
         out[c] = static_cast<scalar_t>(sum);
       }
@@ -189,30 +244,115 @@ void dcnv3_input_grad_cpu(const Dcnv3Geometry& g, const Dcnv3Fields& f, int64_t 
   });
 }
 
-// Pixels [begin, end) of the offset and mask gradients: each sample located, summed over its
-// group's channels and written in one go.
+// One sample's share of the gradients, over the D channels of its group: the dot products of
+// the sampled values' gradients `grad` with its four corner rows `values` (a row of zeros for
+// a corner outside the image), for offset_mask_grad_sums_of_dots, kLanes channels at a time
+// in lanes, the last few copied into zero-filled lanes; and, with kScatter, weight[corner] *
+// grad added onto each corner's gradient row (a row that is never read for a corner of weight
+// 0). The products all go through the same vector code, whichever pass runs it: scalar code for
+// the last channels would leave the compiler free to fuse its multiply-adds differently in
+// each pass, and the results would depend on the pass, and so on the number of threads.
+template <bool kScatter, typename scalar_t, typename opmath_t>
+DEFORMCONV_INLINE void sample_gradients(const scalar_t* grad, int64_t D,
+                                        const scalar_t* const values[4],
+                                        opmath_t* const grad_rows[4], const opmath_t weight[4],
+                                        opmath_t dots[4]) {
+  using Lanes = typename LanesOf<opmath_t>::type;
+  using Unaligned = typename LanesOf<opmath_t>::unaligned;
+  Lanes dot_0 = {}, dot_1 = {}, dot_2 = {}, dot_3 = {};
+  const auto add_products = [&](const Lanes& grad_lanes, const Lanes& value_0,
+                                const Lanes& value_1, const Lanes& value_2,
+                                const Lanes& value_3) {
+    dot_0 += grad_lanes * value_0;
+    dot_1 += grad_lanes * value_1;
+    dot_2 += grad_lanes * value_2;
+    dot_3 += grad_lanes * value_3;
+  };
+  int64_t c = 0;
+  for (; c + kLanes <= D; c += kLanes) {
+    Lanes grad_lanes, value_0, value_1, value_2, value_3;
+    load_lanes<opmath_t>(grad + c, grad_lanes);
+    load_lanes<opmath_t>(values[0] + c, value_0);
+    load_lanes<opmath_t>(values[1] + c, value_1);
+    load_lanes<opmath_t>(values[2] + c, value_2);
+    load_lanes<opmath_t>(values[3] + c, value_3);
+    add_products(grad_lanes, value_0, value_1, value_2, value_3);
+    if constexpr (kScatter) {
+      for (int corner = 0; corner < 4; ++corner) {
+        Unaligned* grad_row = reinterpret_cast<Unaligned*>(grad_rows[corner] + c);
+        *grad_row += weight[corner] * grad_lanes;
+      }
+    }
+  }
+  if (c < D) {
+    const auto last_lanes = [&](const scalar_t* data) {
+      opmath_t copied[kLanes] = {};
+      for (int64_t lane = 0; c + lane < D; ++lane) {
+        copied[lane] = static_cast<opmath_t>(data[c + lane]);
+      }
+      return *reinterpret_cast<const Unaligned*>(copied);
+    };
+    const Lanes grad_lanes = last_lanes(grad);
+    add_products(grad_lanes, last_lanes(values[0]), last_lanes(values[1]),
+                 last_lanes(values[2]), last_lanes(values[3]));
+    if constexpr (kScatter) {
+      for (int corner = 0; corner < 4; ++corner) {
+        for (int64_t lane = 0; c + lane < D; ++lane) {
+          grad_rows[corner][c + lane] += weight[corner] * grad_lanes[lane];
+        }
+      }
+    }
+  }
+  sums_of_four_lanes<opmath_t>(dot_0, dot_1, dot_2, dot_3, dots);
+}
+
+// The offset and mask gradients of sample k, point `point` of its (pixel, group), with the
+// dot products of its corners.
+template <typename scalar_t, typename opmath_t>
+DEFORMCONV_INLINE void finish_sample(const Dcnv3Geometry& g, const PixelSamples<opmath_t>& samples,
+                                     int64_t k, int64_t point, const opmath_t dots[4],
+                                     scalar_t* group_grad_offset, scalar_t* group_grad_mask) {
+  const BilinearCell<opmath_t> cell = samples.cell(k);
+  const OffsetMaskGradSums<opmath_t> sums =
+      cell.inside ? offset_mask_grad_sums_of_dots(cell, dots) : OffsetMaskGradSums<opmath_t>{};
+  dcnv3_write_grad(g, point, samples.mask(k), sums, group_grad_offset, group_grad_mask);
+}
+
+// Pixels [begin, end) of the offset and mask gradients: each sample located, its corner dot
+// products summed over its group's channels, its gradients written in one go.
 template <typename scalar_t>
 DEFORMCONV_VECTOR_CLONES void dcnv3_offset_mask_grad_pixels(
     const Dcnv3Geometry& g, const Dcnv3Fields& f, const scalar_t* grad_output,
     const scalar_t* input, const scalar_t* offset, const scalar_t* mask, scalar_t* grad_offset,
     scalar_t* grad_mask, int64_t begin, int64_t end) {
   using opmath_t = at::opmath_type<scalar_t>;
+  using Corners = typename LocatedSamples<opmath_t>::Corners;
+  const int64_t P = g.points();
+  const int64_t D = g.group_channels;
+  const int64_t C = g.channels();
+  const std::vector<scalar_t> zeros(D, scalar_t(0));
   PixelSamples<opmath_t> samples(g);
+  CornerRows values(g.groups * P);
   for (int64_t pixel = begin; pixel < end; ++pixel) {
     samples.locate(g, f, pixel, offset, mask);
+    const scalar_t* image = input + pixel / g.out_pixels() * g.in_pixels() * C;
+    values.fill<opmath_t, const scalar_t, Corners::kInside>(samples, g.groups * P, image, C,
+                                                           zeros.data());
     for (int64_t group = 0; group < g.groups; ++group) {
-      const scalar_t* grad = grad_output + pixel * g.channels() + group * g.group_channels;
-      for (int64_t point = 0; point < g.points(); ++point) {
-        const Dcnv3Sample s = dcnv3_sample_at(g, pixel, group, point);
-        const int64_t k = group * g.points() + point;
-        OffsetMaskGrad<opmath_t> acc{samples.cell(k), {}, samples.mask(k)};
-        corner_indices(acc.cell, g.width, acc.index);
-        LaneSums<opmath_t> sums;
-        if (acc.cell.inside) {
-          add_channels_to_sums(acc, grad, dcnv3_group_channels(g, input, s), g.channels(),
-                               g.group_channels, sums);
-        }
-        dcnv3_finish_grad(g, f, s, acc.mask, sums.total(), grad_offset, grad_mask);
+      const scalar_t* grad = grad_output + pixel * C + group * D;
+      scalar_t *group_grad_offset, *group_grad_mask;
+      dcnv3_group_grads(f, pixel, group, grad_offset, grad_mask, group_grad_offset,
+                        group_grad_mask);
+      for (int64_t point = 0; point < P; ++point) {
+        const int64_t k = group * P + point;
+        const scalar_t* rows[4] = {values.row<const scalar_t>(0, k),
+                                   values.row<const scalar_t>(1, k),
+                                   values.row<const scalar_t>(2, k),
+                                   values.row<const scalar_t>(3, k)};
+        opmath_t dots[4];
+        sample_gradients<false>(grad, D, rows, static_cast<opmath_t* const*>(nullptr),
+                                static_cast<const opmath_t*>(nullptr), dots);
+        finish_sample(g, samples, k, point, dots, group_grad_offset, group_grad_mask);
       }
     }
   }
@@ -239,8 +379,7 @@ void dcnv3_offset_mask_grad_cpu(const Dcnv3Geometry& g, const Dcnv3Fields& f, in
 // Images [begin, end) of the whole backward, each image a task of its own: every sample is
 // located once for its offset and mask gradients and its share of the input gradient, which the
 // task owns for its image, added in the order (pixel, group, point, corner) as the banded pass
-// adds it. A corner outside the image reads a row of zeros, and kLanes channels of the sampled
-// values' gradient serve both sums.
+// adds it.
 template <typename scalar_t>
 DEFORMCONV_VECTOR_CLONES void dcnv3_gradients_images(
     const Dcnv3Geometry& g, const Dcnv3Fields& f, const scalar_t* grad_output,
@@ -248,73 +387,42 @@ DEFORMCONV_VECTOR_CLONES void dcnv3_gradients_images(
     at::opmath_type<scalar_t>* grad_input, scalar_t* grad_offset, scalar_t* grad_mask,
     int64_t begin, int64_t end) {
   using opmath_t = at::opmath_type<scalar_t>;
-  using Lanes = typename LanesOf<opmath_t>::type;
+  using Corners = typename LocatedSamples<opmath_t>::Corners;
+  const int64_t P = g.points();
   const int64_t D = g.group_channels;
   const int64_t C = g.channels();
   const std::vector<scalar_t> zeros(D, scalar_t(0));
+  // Where the gradient of a corner of weight 0 goes: written, never read.
+  std::vector<opmath_t> unread(D);
   PixelSamples<opmath_t> samples(g);
+  CornerRows values(g.groups * P);
+  CornerRows grad_rows(g.groups * P);
   for (int64_t pixel = begin * g.out_pixels(); pixel < end * g.out_pixels(); ++pixel) {
     samples.locate(g, f, pixel, offset, mask);
+    const int64_t image_start = pixel / g.out_pixels() * g.in_pixels() * C;
+    values.fill<opmath_t, const scalar_t, Corners::kInside>(samples, g.groups * P,
+                                                           input + image_start, C, zeros.data());
+    grad_rows.fill<opmath_t, opmath_t, Corners::kWeighted>(samples, g.groups * P,
+                                                          grad_input + image_start, C,
+                                                          unread.data());
     for (int64_t group = 0; group < g.groups; ++group) {
       const scalar_t* grad = grad_output + pixel * C + group * D;
-      const Dcnv3Sample first = dcnv3_sample_at(g, pixel, group, 0);
-      const scalar_t* channels = dcnv3_group_channels(g, input, first);
-      opmath_t* grad_channels = dcnv3_group_channels(g, grad_input, first);
-      for (int64_t point = 0; point < g.points(); ++point) {
-        const int64_t k = group * g.points() + point;
-        const BilinearCell<opmath_t> cell = samples.cell(k);
-        LaneSums<opmath_t> sums;
-        if (cell.inside) {
-          bool inside[4];
-          corners_inside(cell, inside);
-          int64_t corner_index[4];
-          samples.corner_grid_indices(k, corner_index);
-          const scalar_t* rows[4];
-          opmath_t* grad_rows[4];
-          opmath_t weight[4];
-          for (int corner = 0; corner < 4; ++corner) {
-            rows[corner] = inside[corner] ? channels + corner_index[corner] * C : zeros.data();
-            weight[corner] = samples.weight(corner, k);
-            grad_rows[corner] = grad_channels + (inside[corner] ? corner_index[corner] : 0) * C;
-          }
-          int64_t c = 0;
-          for (; c + kLanes <= D; c += kLanes) {
-            Lanes grad_lanes, v00, v01, v10, v11;
-            load_lanes<opmath_t>(grad + c, grad_lanes);
-            load_lanes<opmath_t>(rows[0] + c, v00);
-            load_lanes<opmath_t>(rows[1] + c, v01);
-            load_lanes<opmath_t>(rows[2] + c, v10);
-            load_lanes<opmath_t>(rows[3] + c, v11);
-            add_offset_mask_grad_terms(cell, grad_lanes, v00, v01, v10, v11, sums.y, sums.x,
-                                       sums.m);
-            // scatter_corner's adds, kLanes channels at a time.
-            for (int corner = 0; corner < 4; ++corner) {
-              if (weight[corner] != opmath_t(0)) {
-                Lanes grad_row;
-                load_lanes<opmath_t>(grad_rows[corner] + c, grad_row);
-                grad_row += weight[corner] * grad_lanes;
-                for (int64_t lane = 0; lane < kLanes; ++lane) {
-                  grad_rows[corner][c + lane] = grad_row[lane];
-                }
-              }
-            }
-          }
-          for (; c < D; ++c) {
-            const opmath_t grad_value = static_cast<opmath_t>(grad[c]);
-            add_offset_mask_grad_terms(cell, grad_value, static_cast<opmath_t>(rows[0][c]),
-                                       static_cast<opmath_t>(rows[1][c]),
-                                       static_cast<opmath_t>(rows[2][c]),
-                                       static_cast<opmath_t>(rows[3][c]), sums.rest.y,
-                                       sums.rest.x, sums.rest.m);
-            for (int corner = 0; corner < 4; ++corner) {
-              if (weight[corner] != opmath_t(0)) {
-                grad_rows[corner][c] += weight[corner] * grad_value;
-              }
-            }
-          }
+      scalar_t *group_grad_offset, *group_grad_mask;
+      dcnv3_group_grads(f, pixel, group, grad_offset, grad_mask, group_grad_offset,
+                        group_grad_mask);
+      for (int64_t point = 0; point < P; ++point) {
+        const int64_t k = group * P + point;
+        const scalar_t* rows[4];
+        opmath_t* grad_rows_of_k[4];
+        opmath_t weight[4];
+        for (int corner = 0; corner < 4; ++corner) {
+          rows[corner] = values.row<const scalar_t>(corner, k);
+          grad_rows_of_k[corner] = grad_rows.row<opmath_t>(corner, k);
+          weight[corner] = samples.weight(corner, k);
         }
-        dcnv3_finish_grad(g, f, dcnv3_sample_at(g, pixel, group, point), samples.mask(k),
-                          sums.total(), grad_offset, grad_mask);
+        opmath_t dots[4];
+        sample_gradients<true>(grad, D, rows, grad_rows_of_k, weight, dots);
+        finish_sample(g, samples, k, point, dots, group_grad_offset, group_grad_mask);
       }
     }
   }

@@ -123,6 +123,67 @@ class LocatedSamples {
     }
   }
 
+  // Which corners of a sample corner_row_addresses points into the image: those of nonzero
+  // weight (what the sampled value reads and its gradient's scatter writes), or those inside
+  // the image (what the position's derivative reads, even at a corner of zero weight).
+  enum class Corners { kWeighted, kInside };
+
+  // For samples k < `samples`, rows[corner][k] = the address of element first[k] + (the
+  // corner's grid index) * pixel_stride from `image` for a corner taken, `elsewhere` for the
+  // others: corner_rows for many samples in one loop, which the compiler vectorises. Addresses
+  // are integers (made into pointers where read) so that the selection vectorises, and so that
+  // the address of a corner outside, computed then discarded, is never a pointer.
+  template <Corners kTaken, typename element_t>
+  DEFORMCONV_INLINE void corner_row_addresses(int64_t samples, const element_t* image,
+                                              int64_t pixel_stride,
+                                              const int64_t* __restrict first,
+                                              const element_t* elsewhere,
+                                              uintptr_t* const rows[4]) const {
+    const uintptr_t base = reinterpret_cast<uintptr_t>(image);
+    const uintptr_t other = reinterpret_cast<uintptr_t>(elsewhere);
+    const int64_t element_bytes = sizeof(element_t);
+    const int64_t column_bytes = pixel_stride * element_bytes;
+    const int64_t row_bytes = width_ * column_bytes;
+    const int32_t* __restrict inside = inside_.data();
+    const int32_t* __restrict y0 = y0_.data();
+    const int32_t* __restrict x0 = x0_.data();
+    const opmath_t* __restrict weight_0 = weight_[0].data();
+    const opmath_t* __restrict weight_1 = weight_[1].data();
+    const opmath_t* __restrict weight_2 = weight_[2].data();
+    const opmath_t* __restrict weight_3 = weight_[3].data();
+    uintptr_t* __restrict rows_0 = rows[0];
+    uintptr_t* __restrict rows_1 = rows[1];
+    uintptr_t* __restrict rows_2 = rows[2];
+    uintptr_t* __restrict rows_3 = rows[3];
+    const int32_t rows_in_grid = static_cast<int32_t>(height_);
+    const int32_t columns = static_cast<int32_t>(width_);
+    for (int64_t k = 0; k < samples; ++k) {
+      bool taken[4];
+      if constexpr (kTaken == Corners::kWeighted) {
+        taken[0] = weight_0[k] != opmath_t(0);
+        taken[1] = weight_1[k] != opmath_t(0);
+        taken[2] = weight_2[k] != opmath_t(0);
+        taken[3] = weight_3[k] != opmath_t(0);
+      } else {
+        const int32_t top = inside[k] & int32_t(y0[k] >= 0);
+        const int32_t bottom = inside[k] & int32_t(y0[k] + 1 < rows_in_grid);
+        const int32_t left = int32_t(x0[k] >= 0);
+        const int32_t right = int32_t(x0[k] + 1 < columns);
+        taken[0] = top & left;
+        taken[1] = top & right;
+        taken[2] = bottom & left;
+        taken[3] = bottom & right;
+      }
+      const uintptr_t top_left = base +
+          static_cast<uintptr_t>(first[k] * element_bytes + y0[k] * row_bytes +
+                                 x0[k] * column_bytes);
+      rows_0[k] = taken[0] ? top_left : other;
+      rows_1[k] = taken[1] ? top_left + column_bytes : other;
+      rows_2[k] = taken[2] ? top_left + row_bytes : other;
+      rows_3[k] = taken[3] ? top_left + row_bytes + column_bytes : other;
+    }
+  }
+
   // Sample k's cell, as locate_cell makes it, and its mask value.
   DEFORMCONV_INLINE BilinearCell<opmath_t> cell(int64_t k) const {
     BilinearCell<opmath_t> cell;

@@ -74,9 +74,11 @@ __global__ void dcnv3_offset_mask_grad_kernel(Dcnv3Geometry g, Dcnv3Fields f, in
     if (acc.cell.inside) {
       const scalar_t* grad = grad_output + s.pixel * g.channels() + s.group * g.group_channels;
       const scalar_t* channels = dcnv3_group_channels(g, input, s);
+      opmath_t dots[4] = {0, 0, 0, 0};
       for (int64_t c = 0; c < g.group_channels; ++c) {
-        accumulate_offset_mask_grad(acc, grad[c], channels + c, g.channels(), sums);
+        accumulate_corner_dots(acc, grad[c], channels + c, g.channels(), dots);
       }
+      sums = offset_mask_grad_sums_of_dots(acc.cell, dots);
     }
     dcnv3_finish_grad(g, f, s, acc.mask, sums, grad_offset, grad_mask);
   }
