@@ -240,18 +240,25 @@ def test_samples_of_zero_mask_add_nothing_to_the_input_gradient(geometry, batch)
     torch.testing.assert_close(grads[0], grads[1], rtol=0, atol=0)
 
 
-def test_cpu_backward_is_deterministic_across_threads():
-    geometry = GEOMETRIES[5]
-    operands = random_operands(3, 9, 8, geometry, dtype=torch.float32)
+@pytest.mark.parametrize("geometry,dtype", [(GEOMETRIES[5], torch.float32),
+                                            (GEOMETRIES[3], torch.float64),
+                                            (GEOMETRIES[4], torch.float64)])
+def test_cpu_backward_is_deterministic_across_threads(geometry, dtype):
+    """Batch 3 runs the backward in one pass over each image on one thread and in separate
+    passes on two: the same gradients, to the last bit, with group_channels of one vector (16
+    floats), less than one (4) and more (17 doubles)."""
+    operands = random_operands(3, 9, 8, geometry, dtype=dtype)
     threads = torch.get_num_threads()
     results = []
-    for count in (1, max(2, threads)):
-        torch.set_num_threads(count)
-        leaves = [t.clone().requires_grad_() for t in operands]
-        out = run(deformconv.dcnv3, *leaves, geometry)
-        out.backward(torch.ones_like(out))
-        results.append([out.detach()] + [t.grad for t in leaves])
-    torch.set_num_threads(threads)
+    try:
+        for count in (1, max(2, threads)):
+            torch.set_num_threads(count)
+            leaves = [t.clone().requires_grad_() for t in operands]
+            out = run(deformconv.dcnv3, *leaves, geometry)
+            out.backward(torch.linspace(-1.5, 2, out.numel(), dtype=dtype).view_as(out))
+            results.append([out.detach()] + [t.grad for t in leaves])
+    finally:
+        torch.set_num_threads(threads)
     assert all(torch.equal(a, b) for a, b in zip(*results))
 
 
