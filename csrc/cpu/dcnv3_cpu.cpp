@@ -319,25 +319,36 @@ DEFORMCONV_INLINE void finish_sample(const Dcnv3Geometry& g, const PixelSamples<
 }
 
 // Pixels [begin, end) of the offset and mask gradients: each sample located, its corner dot
-// products summed over its group's channels, its gradients written in one go.
-template <typename scalar_t>
-DEFORMCONV_VECTOR_CLONES void dcnv3_offset_mask_grad_pixels(
+// products summed over its group's channels, its gradients written in one go. With kScatter,
+// also each sample's share of the input gradient, added into grad_input (whose images the
+// task owns) in the order (pixel, group, point, corner), as the banded pass adds it.
+template <bool kScatter, typename scalar_t>
+DEFORMCONV_VECTOR_CLONES void dcnv3_gradient_pixels(
     const Dcnv3Geometry& g, const Dcnv3Fields& f, const scalar_t* grad_output,
-    const scalar_t* input, const scalar_t* offset, const scalar_t* mask, scalar_t* grad_offset,
-    scalar_t* grad_mask, int64_t begin, int64_t end) {
+    const scalar_t* input, const scalar_t* offset, const scalar_t* mask,
+    at::opmath_type<scalar_t>* grad_input, scalar_t* grad_offset, scalar_t* grad_mask,
+    int64_t begin, int64_t end) {
   using opmath_t = at::opmath_type<scalar_t>;
   using Corners = typename LocatedSamples<opmath_t>::Corners;
   const int64_t P = g.points();
   const int64_t D = g.group_channels;
   const int64_t C = g.channels();
   const std::vector<scalar_t> zeros(D, scalar_t(0));
+  // Where the gradient of a corner of weight 0 goes: written, never read.
+  std::vector<opmath_t> unread(D);
   PixelSamples<opmath_t> samples(g);
   CornerRows values(g.groups * P);
+  CornerRows grad_rows(kScatter ? g.groups * P : 0);
   for (int64_t pixel = begin; pixel < end; ++pixel) {
     samples.locate(g, f, pixel, offset, mask);
-    const scalar_t* image = input + pixel / g.out_pixels() * g.in_pixels() * C;
-    values.fill<opmath_t, const scalar_t, Corners::kInside>(samples, g.groups * P, image, C,
-                                                           zeros.data());
+    const int64_t image_start = pixel / g.out_pixels() * g.in_pixels() * C;
+    values.fill<opmath_t, const scalar_t, Corners::kInside>(samples, g.groups * P,
+                                                           input + image_start, C, zeros.data());
+    if constexpr (kScatter) {
+      grad_rows.fill<opmath_t, opmath_t, Corners::kWeighted>(samples, g.groups * P,
+                                                            grad_input + image_start, C,
+                                                            unread.data());
+    }
     for (int64_t group = 0; group < g.groups; ++group) {
       const scalar_t* grad = grad_output + pixel * C + group * D;
       scalar_t *group_grad_offset, *group_grad_mask;
@@ -345,13 +356,18 @@ DEFORMCONV_VECTOR_CLONES void dcnv3_offset_mask_grad_pixels(
                         group_grad_mask);
       for (int64_t point = 0; point < P; ++point) {
         const int64_t k = group * P + point;
-        const scalar_t* rows[4] = {values.row<const scalar_t>(0, k),
-                                   values.row<const scalar_t>(1, k),
-                                   values.row<const scalar_t>(2, k),
-                                   values.row<const scalar_t>(3, k)};
+        const scalar_t* rows[4];
+        opmath_t* grad_rows_of_k[4] = {};
+        opmath_t weight[4] = {};
+        for (int corner = 0; corner < 4; ++corner) {
+          rows[corner] = values.row<const scalar_t>(corner, k);
+          if constexpr (kScatter) {
+            grad_rows_of_k[corner] = grad_rows.row<opmath_t>(corner, k);
+            weight[corner] = samples.weight(corner, k);
+          }
+        }
         opmath_t dots[4];
-        sample_gradients<false>(grad, D, rows, static_cast<opmath_t* const*>(nullptr),
-                                static_cast<const opmath_t*>(nullptr), dots);
+        sample_gradients<kScatter>(grad, D, rows, grad_rows_of_k, weight, dots);
         finish_sample(g, samples, k, point, dots, group_grad_offset, group_grad_mask);
       }
     }
@@ -370,62 +386,10 @@ void dcnv3_offset_mask_grad_cpu(const Dcnv3Geometry& g, const Dcnv3Fields& f, in
     scalar_t* grad_offset_data = mutable_data_or_null<scalar_t>(grad_offset);
     scalar_t* grad_mask_data = mutable_data_or_null<scalar_t>(grad_mask);
     parallel_tasks(batch * g.out_pixels(), [&](int64_t begin, int64_t end) {
-      dcnv3_offset_mask_grad_pixels(g, f, grad_output_data, input_data, offset_data, mask_data,
-                                    grad_offset_data, grad_mask_data, begin, end);
+      dcnv3_gradient_pixels<false>(g, f, grad_output_data, input_data, offset_data, mask_data,
+                                   nullptr, grad_offset_data, grad_mask_data, begin, end);
     });
   });
-}
-
-// Images [begin, end) of the whole backward, each image a task of its own: every sample is
-// located once for its offset and mask gradients and its share of the input gradient, which the
-// task owns for its image, added in the order (pixel, group, point, corner) as the banded pass
-// adds it.
-template <typename scalar_t>
-DEFORMCONV_VECTOR_CLONES void dcnv3_gradients_images(
-    const Dcnv3Geometry& g, const Dcnv3Fields& f, const scalar_t* grad_output,
-    const scalar_t* input, const scalar_t* offset, const scalar_t* mask,
-    at::opmath_type<scalar_t>* grad_input, scalar_t* grad_offset, scalar_t* grad_mask,
-    int64_t begin, int64_t end) {
-  using opmath_t = at::opmath_type<scalar_t>;
-  using Corners = typename LocatedSamples<opmath_t>::Corners;
-  const int64_t P = g.points();
-  const int64_t D = g.group_channels;
-  const int64_t C = g.channels();
-  const std::vector<scalar_t> zeros(D, scalar_t(0));
-  // Where the gradient of a corner of weight 0 goes: written, never read.
-  std::vector<opmath_t> unread(D);
-  PixelSamples<opmath_t> samples(g);
-  CornerRows values(g.groups * P);
-  CornerRows grad_rows(g.groups * P);
-  for (int64_t pixel = begin * g.out_pixels(); pixel < end * g.out_pixels(); ++pixel) {
-    samples.locate(g, f, pixel, offset, mask);
-    const int64_t image_start = pixel / g.out_pixels() * g.in_pixels() * C;
-    values.fill<opmath_t, const scalar_t, Corners::kInside>(samples, g.groups * P,
-                                                           input + image_start, C, zeros.data());
-    grad_rows.fill<opmath_t, opmath_t, Corners::kWeighted>(samples, g.groups * P,
-                                                          grad_input + image_start, C,
-                                                          unread.data());
-    for (int64_t group = 0; group < g.groups; ++group) {
-      const scalar_t* grad = grad_output + pixel * C + group * D;
-      scalar_t *group_grad_offset, *group_grad_mask;
-      dcnv3_group_grads(f, pixel, group, grad_offset, grad_mask, group_grad_offset,
-                        group_grad_mask);
-      for (int64_t point = 0; point < P; ++point) {
-        const int64_t k = group * P + point;
-        const scalar_t* rows[4];
-        opmath_t* grad_rows_of_k[4];
-        opmath_t weight[4];
-        for (int corner = 0; corner < 4; ++corner) {
-          rows[corner] = values.row<const scalar_t>(corner, k);
-          grad_rows_of_k[corner] = grad_rows.row<opmath_t>(corner, k);
-          weight[corner] = samples.weight(corner, k);
-        }
-        opmath_t dots[4];
-        sample_gradients<true>(grad, D, rows, grad_rows_of_k, weight, dots);
-        finish_sample(g, samples, k, point, dots, group_grad_offset, group_grad_mask);
-      }
-    }
-  }
 }
 
 // The gradients asked for: in one pass over each image when all are asked for and the images
@@ -448,9 +412,11 @@ void dcnv3_gradients_cpu(const Dcnv3Geometry& g, const Dcnv3Fields& f, int64_t b
       auto* sums_data = sums.mutable_data_ptr<at::opmath_type<scalar_t>>();
       scalar_t* grad_offset_data = mutable_data_or_null<scalar_t>(grad_offset);
       scalar_t* grad_mask_data = mutable_data_or_null<scalar_t>(grad_mask);
+      // Each task whole images, whose input gradient it owns.
       parallel_tasks(batch, [&](int64_t begin, int64_t end) {
-        dcnv3_gradients_images(g, f, grad_output_data, input_data, offset_data, mask_data,
-                               sums_data, grad_offset_data, grad_mask_data, begin, end);
+        dcnv3_gradient_pixels<true>(g, f, grad_output_data, input_data, offset_data, mask_data,
+                                    sums_data, grad_offset_data, grad_mask_data,
+                                    begin * g.out_pixels(), end * g.out_pixels());
       });
       store_input_gradient_sums(sums, grad_input);
     });
