@@ -73,10 +73,11 @@ class CornerRows {
   template <typename opmath_t, typename element_t,
             typename LocatedSamples<opmath_t>::Corners kTaken>
   DEFORMCONV_INLINE void fill(const PixelSamples<opmath_t>& samples, int64_t count,
-                              element_t* image, int64_t pixel_stride, element_t* elsewhere) {
+                              element_t* image, int64_t pixel_stride, element_t* elsewhere,
+                              int64_t elsewhere_row_bytes = 0) {
     samples.template corner_row_addresses<kTaken>(count, image, pixel_stride,
                                                   samples.first_channel.data(), elsewhere,
-                                                  rows_);
+                                                  elsewhere_row_bytes, rows_);
   }
 
   template <typename element_t>
@@ -334,8 +335,11 @@ DEFORMCONV_VECTOR_CLONES void dcnv3_gradient_pixels(
   const int64_t D = g.group_channels;
   const int64_t C = g.channels();
   const std::vector<scalar_t> zeros(D, scalar_t(0));
-  // Where the gradient of a corner of weight 0 goes: written, never read.
-  std::vector<opmath_t> unread(D);
+  // Where the gradients of corners of weight 0 go: written, never read, spread over rows
+  // (corner_row_addresses).
+  const int64_t unread_row = D;
+  std::vector<opmath_t> unread(
+      kScatter ? 4 * LocatedSamples<opmath_t>::kElsewhereRows * unread_row : 0);
   PixelSamples<opmath_t> samples(g);
   CornerRows values(g.groups * P);
   CornerRows grad_rows(kScatter ? g.groups * P : 0);
@@ -345,9 +349,9 @@ DEFORMCONV_VECTOR_CLONES void dcnv3_gradient_pixels(
     values.fill<opmath_t, const scalar_t, Corners::kInside>(samples, g.groups * P,
                                                            input + image_start, C, zeros.data());
     if constexpr (kScatter) {
-      grad_rows.fill<opmath_t, opmath_t, Corners::kWeighted>(samples, g.groups * P,
-                                                            grad_input + image_start, C,
-                                                            unread.data());
+      grad_rows.fill<opmath_t, opmath_t, Corners::kWeighted>(
+          samples, g.groups * P, grad_input + image_start, C, unread.data(),
+          unread_row * static_cast<int64_t>(sizeof(opmath_t)));
     }
     for (int64_t group = 0; group < g.groups; ++group) {
       const scalar_t* grad = grad_output + pixel * C + group * D;

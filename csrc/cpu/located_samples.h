@@ -128,19 +128,27 @@ class LocatedSamples {
   // the image (what the position's derivative reads, even at a corner of zero weight).
   enum class Corners { kWeighted, kInside };
 
+  // How many rows per corner corner_row_addresses spreads the corners not taken over.
+  static constexpr int64_t kElsewhereRows = 8;
+
   // For samples k < `samples`, rows[corner][k] = the address of element first[k] + (the
-  // corner's grid index) * pixel_stride from `image` for a corner taken, `elsewhere` for the
-  // others: corner_rows for many samples in one loop, which the compiler vectorises. Addresses
-  // are integers (made into pointers where read) so that the selection vectorises, and so that
-  // the address of a corner outside, computed then discarded, is never a pointer.
+  // corner's grid index) * pixel_stride from `image` for a corner taken, and for the others
+  // row (k % kElsewhereRows) * 4 + corner of `elsewhere`, rows elsewhere_row_bytes apart (0: a
+  // single row): corner_rows for many samples in one loop, which the compiler vectorises.
+  // Addresses are integers (made into pointers where read) so that the selection vectorises,
+  // and so that the address of a corner outside, computed then discarded, is never a pointer.
+  // A scatter that adds into the rows of the corners not taken (to be ignored) spreads its
+  // writes so: into a single row, each add would wait for the previous one, where many
+  // samples fall outside the image.
   template <Corners kTaken, typename element_t>
   DEFORMCONV_INLINE void corner_row_addresses(int64_t samples, const element_t* image,
                                               int64_t pixel_stride,
                                               const int64_t* __restrict first,
                                               const element_t* elsewhere,
+                                              int64_t elsewhere_row_bytes,
                                               uintptr_t* const rows[4]) const {
     const uintptr_t base = reinterpret_cast<uintptr_t>(image);
-    const uintptr_t other = reinterpret_cast<uintptr_t>(elsewhere);
+    const uintptr_t elsewhere_base = reinterpret_cast<uintptr_t>(elsewhere);
     const int64_t element_bytes = sizeof(element_t);
     const int64_t column_bytes = pixel_stride * element_bytes;
     const int64_t row_bytes = width_ * column_bytes;
@@ -177,10 +185,12 @@ class LocatedSamples {
       const uintptr_t top_left = base +
           static_cast<uintptr_t>(first[k] * element_bytes + y0[k] * row_bytes +
                                  x0[k] * column_bytes);
+      const uintptr_t other = elsewhere_base +
+          static_cast<uintptr_t>(k % kElsewhereRows * 4 * elsewhere_row_bytes);
       rows_0[k] = taken[0] ? top_left : other;
-      rows_1[k] = taken[1] ? top_left + column_bytes : other;
-      rows_2[k] = taken[2] ? top_left + row_bytes : other;
-      rows_3[k] = taken[3] ? top_left + row_bytes + column_bytes : other;
+      rows_1[k] = taken[1] ? top_left + column_bytes : other + elsewhere_row_bytes;
+      rows_2[k] = taken[2] ? top_left + row_bytes : other + 2 * elsewhere_row_bytes;
+      rows_3[k] = taken[3] ? top_left + row_bytes + column_bytes : other + 3 * elsewhere_row_bytes;
     }
   }
 
