@@ -131,6 +131,18 @@ DEFORMCONV_INLINE void load_lanes(const scalar_t* data, typename LanesOf<opmath_
   }
 }
 
+// The first `count` (fewer than kLanes) values from `data` in the first lanes, the others 0:
+// copied into a zero-filled array and loaded from there, so that the vector stays in a register.
+template <typename opmath_t, typename scalar_t>
+DEFORMCONV_INLINE void load_last_lanes(const scalar_t* data, int64_t count,
+                                       typename LanesOf<opmath_t>::type& lanes) {
+  opmath_t copied[kLanes] = {};
+  for (int64_t lane = 0; lane < count; ++lane) {
+    copied[lane] = static_cast<opmath_t>(data[lane]);
+  }
+  lanes = *reinterpret_cast<const typename LanesOf<opmath_t>::unaligned*>(copied);
+}
+
 // The sum of the lanes: the upper half added onto the lower half, and again, down to one lane,
 // in log2(kLanes) dependent steps rather than kLanes and in an order fixed by the code, not by
 // the machine. Each step is one vector add of the halves, which stay in registers.

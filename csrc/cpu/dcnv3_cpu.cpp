@@ -157,11 +157,12 @@ DEFORMCONV_VECTOR_CLONES void dcnv3_forward_pixels(const Dcnv3Geometry& g, const
       for (; c < D; ++c) {
         opmath_t sum = 0;
         for (int64_t k = group * P; k < (group + 1) * P; ++k) {
-          const auto value = [&](int corner) {
-            return samples.weight(corner, k) *
-                static_cast<opmath_t>(rows.row<const scalar_t>(corner, k)[c]);
-          };
-          sum += value(0) + value(1) + value(2) + value(3);
+          opmath_t value[4];
+          for (int corner = 0; corner < 4; ++corner) {
+            value[corner] = static_cast<opmath_t>(rows.row<const scalar_t>(corner, k)[c]);
+          }
+          sum += samples.weight(0, k) * value[0] + samples.weight(1, k) * value[1] +
+              samples.weight(2, k) * value[2] + samples.weight(3, k) * value[3];
         }
         out[c] = static_cast<scalar_t>(sum);
       }
@@ -245,6 +246,18 @@ void dcnv3_input_grad_cpu(const Dcnv3Geometry& g, const Dcnv3Fields& f, int64_t 
   });
 }
 
+// dot_i += grad * value_i, lane by lane, for the four corners.
+template <typename Lanes>
+DEFORMCONV_INLINE void add_corner_products(const Lanes& grad, const Lanes& value_0,
+                                           const Lanes& value_1, const Lanes& value_2,
+                                           const Lanes& value_3, Lanes& dot_0, Lanes& dot_1,
+                                           Lanes& dot_2, Lanes& dot_3) {
+  dot_0 += grad * value_0;
+  dot_1 += grad * value_1;
+  dot_2 += grad * value_2;
+  dot_3 += grad * value_3;
+}
+
 // One sample's share of the gradients, over the D channels of its group: the dot products of
 // the sampled values' gradients `grad` with its four corner rows `values` (a row of zeros for
 // a corner outside the image), for offset_mask_grad_sums_of_dots, kLanes channels at a time
@@ -261,14 +274,6 @@ DEFORMCONV_INLINE void sample_gradients(const scalar_t* grad, int64_t D,
   using Lanes = typename LanesOf<opmath_t>::type;
   using Unaligned = typename LanesOf<opmath_t>::unaligned;
   Lanes dot_0 = {}, dot_1 = {}, dot_2 = {}, dot_3 = {};
-  const auto add_products = [&](const Lanes& grad_lanes, const Lanes& value_0,
-                                const Lanes& value_1, const Lanes& value_2,
-                                const Lanes& value_3) {
-    dot_0 += grad_lanes * value_0;
-    dot_1 += grad_lanes * value_1;
-    dot_2 += grad_lanes * value_2;
-    dot_3 += grad_lanes * value_3;
-  };
   int64_t c = 0;
   for (; c + kLanes <= D; c += kLanes) {
     Lanes grad_lanes, value_0, value_1, value_2, value_3;
@@ -277,7 +282,8 @@ DEFORMCONV_INLINE void sample_gradients(const scalar_t* grad, int64_t D,
     load_lanes<opmath_t>(values[1] + c, value_1);
     load_lanes<opmath_t>(values[2] + c, value_2);
     load_lanes<opmath_t>(values[3] + c, value_3);
-    add_products(grad_lanes, value_0, value_1, value_2, value_3);
+    add_corner_products(grad_lanes, value_0, value_1, value_2, value_3, dot_0, dot_1, dot_2,
+                        dot_3);
     if constexpr (kScatter) {
       for (int corner = 0; corner < 4; ++corner) {
         Unaligned* grad_row = reinterpret_cast<Unaligned*>(grad_rows[corner] + c);
@@ -286,16 +292,14 @@ DEFORMCONV_INLINE void sample_gradients(const scalar_t* grad, int64_t D,
     }
   }
   if (c < D) {
-    const auto last_lanes = [&](const scalar_t* data) {
-      opmath_t copied[kLanes] = {};
-      for (int64_t lane = 0; c + lane < D; ++lane) {
-        copied[lane] = static_cast<opmath_t>(data[c + lane]);
-      }
-      return *reinterpret_cast<const Unaligned*>(copied);
-    };
-    const Lanes grad_lanes = last_lanes(grad);
-    add_products(grad_lanes, last_lanes(values[0]), last_lanes(values[1]),
-                 last_lanes(values[2]), last_lanes(values[3]));
+    Lanes grad_lanes, value_0, value_1, value_2, value_3;
+    load_last_lanes<opmath_t>(grad + c, D - c, grad_lanes);
+    load_last_lanes<opmath_t>(values[0] + c, D - c, value_0);
+    load_last_lanes<opmath_t>(values[1] + c, D - c, value_1);
+    load_last_lanes<opmath_t>(values[2] + c, D - c, value_2);
+    load_last_lanes<opmath_t>(values[3] + c, D - c, value_3);
+    add_corner_products(grad_lanes, value_0, value_1, value_2, value_3, dot_0, dot_1, dot_2,
+                        dot_3);
     if constexpr (kScatter) {
       for (int corner = 0; corner < 4; ++corner) {
         for (int64_t lane = 0; c + lane < D; ++lane) {
