@@ -131,6 +131,14 @@ DEFORMCONV_INLINE void load_lanes(const scalar_t* data, typename LanesOf<opmath_
   }
 }
 
+// A GCC vector of opmath_t of any width from consecutive values of `data` (of any dtype).
+template <typename opmath_t, typename Vector, typename scalar_t>
+DEFORMCONV_INLINE void load_vector(const scalar_t* data, Vector& vector) {
+  for (int64_t lane = 0; lane < int64_t(sizeof(Vector) / sizeof(opmath_t)); ++lane) {
+    vector[lane] = static_cast<opmath_t>(data[lane]);
+  }
+}
+
 // The first `count` (fewer than kLanes) values from `data` in the first lanes, the others 0:
 // copied into a zero-filled array and loaded from there, so that the vector stays in a register.
 template <typename opmath_t, typename scalar_t>

@@ -90,14 +90,15 @@ class CornerRows {
   uintptr_t* rows_[4];
 };
 
-// out[c] for kVectors * kLanes channels from c on: the sum over the points [first, first +
+// out[c] for kVectors vectors of channels from c on: the sum over the points [first, first +
 // points) of their samples' values, each the weighted sum of its four corner rows, made in the
-// accumulation type with the sums in registers.
-template <int kVectors, typename scalar_t, typename opmath_t>
+// accumulation type (Vector's elements) with the sums in registers. Each channel's arithmetic
+// is the same whatever the vector width.
+template <typename Vector, int kVectors, typename scalar_t, typename opmath_t>
 DEFORMCONV_INLINE void sum_points(const PixelSamples<opmath_t>& samples, const CornerRows& rows,
                                   int64_t first, int64_t points, int64_t c, scalar_t* out) {
-  using Lanes = typename LanesOf<opmath_t>::type;
-  Lanes sum[kVectors] = {};
+  constexpr int64_t kWidth = sizeof(Vector) / sizeof(opmath_t);
+  Vector sum[kVectors] = {};
   for (int64_t k = first; k < first + points; ++k) {
     const opmath_t w0 = samples.weight(0, k), w1 = samples.weight(1, k),
                    w2 = samples.weight(2, k), w3 = samples.weight(3, k);
@@ -106,17 +107,17 @@ DEFORMCONV_INLINE void sum_points(const PixelSamples<opmath_t>& samples, const C
     const scalar_t* row_2 = rows.row<const scalar_t>(2, k) + c;
     const scalar_t* row_3 = rows.row<const scalar_t>(3, k) + c;
     for (int v = 0; v < kVectors; ++v) {
-      Lanes v0, v1, v2, v3;
-      load_lanes<opmath_t>(row_0 + v * kLanes, v0);
-      load_lanes<opmath_t>(row_1 + v * kLanes, v1);
-      load_lanes<opmath_t>(row_2 + v * kLanes, v2);
-      load_lanes<opmath_t>(row_3 + v * kLanes, v3);
+      Vector v0, v1, v2, v3;
+      load_vector<opmath_t>(row_0 + v * kWidth, v0);
+      load_vector<opmath_t>(row_1 + v * kWidth, v1);
+      load_vector<opmath_t>(row_2 + v * kWidth, v2);
+      load_vector<opmath_t>(row_3 + v * kWidth, v3);
       sum[v] += w0 * v0 + w1 * v1 + w2 * v2 + w3 * v3;
     }
   }
   for (int v = 0; v < kVectors; ++v) {
-    for (int64_t lane = 0; lane < kLanes; ++lane) {
-      out[v * kLanes + lane] = static_cast<scalar_t>(sum[v][lane]);
+    for (int64_t lane = 0; lane < kWidth; ++lane) {
+      out[v * kWidth + lane] = static_cast<scalar_t>(sum[v][lane]);
     }
   }
 }
@@ -127,13 +128,16 @@ DEFORMCONV_INLINE void sum_points(const PixelSamples<opmath_t>& samples, const C
 // zeros instead, so that each sample is the same weighted sum of four rows, without branches,
 // and an infinite input value at such a corner cannot make NaN. Then, two vectors of channels
 // at a time, the sum over the points stays in registers.
-template <typename scalar_t>
+template <int kVectorBytes, typename scalar_t>
 DEFORMCONV_VECTOR_CLONES void dcnv3_forward_pixels(const Dcnv3Geometry& g, const Dcnv3Fields& f,
                                                    const scalar_t* input, const scalar_t* offset,
                                                    const scalar_t* mask, scalar_t* output,
                                                    int64_t begin, int64_t end) {
   using opmath_t = at::opmath_type<scalar_t>;
   using Corners = typename LocatedSamples<opmath_t>::Corners;
+  using Lanes = typename LanesOf<opmath_t>::type;
+  typedef opmath_t Vector __attribute__((vector_size(kVectorBytes)));
+  constexpr int64_t kWidth = kVectorBytes / sizeof(opmath_t);
   const int64_t P = g.points();
   const int64_t D = g.group_channels;
   const int64_t C = g.channels();
@@ -148,11 +152,14 @@ DEFORMCONV_VECTOR_CLONES void dcnv3_forward_pixels(const Dcnv3Geometry& g, const
     for (int64_t group = 0; group < g.groups; ++group) {
       scalar_t* out = output + pixel * C + group * D;
       int64_t c = 0;
-      for (; c + 2 * kLanes <= D; c += 2 * kLanes) {
-        sum_points<2>(samples, rows, group * P, P, c, out + c);
+      for (; c + 2 * kWidth <= D; c += 2 * kWidth) {
+        sum_points<Vector, 2>(samples, rows, group * P, P, c, out + c);
+      }
+      for (; c + kWidth <= D; c += kWidth) {
+        sum_points<Vector, 1>(samples, rows, group * P, P, c, out + c);
       }
       for (; c + kLanes <= D; c += kLanes) {
-        sum_points<1>(samples, rows, group * P, P, c, out + c);
+        sum_points<Lanes, 1>(samples, rows, group * P, P, c, out + c);
       }
       for (; c < D; ++c) {
         opmath_t sum = 0;
@@ -178,9 +185,19 @@ void dcnv3_forward_cpu(const Dcnv3Geometry& g, const Dcnv3Fields& f, int64_t bat
     const scalar_t* offset_data = offset.const_data_ptr<scalar_t>();
     const scalar_t* mask_data = mask.const_data_ptr<scalar_t>();
     scalar_t* output_data = output.mutable_data_ptr<scalar_t>();
-    parallel_tasks(batch * g.out_pixels(), [&](int64_t begin, int64_t end) {
-      dcnv3_forward_pixels(g, f, input_data, offset_data, mask_data, output_data, begin, end);
-    });
+    // Vectors as wide as a register of the clone that runs: AVX-512's where the CPU runs the
+    // AVX-512 clones, else AVX2's (which the compiler splits for older CPUs).
+    if (runs_avx512_clones()) {
+      parallel_tasks(batch * g.out_pixels(), [&](int64_t begin, int64_t end) {
+        dcnv3_forward_pixels<64>(g, f, input_data, offset_data, mask_data, output_data, begin,
+                                 end);
+      });
+    } else {
+      parallel_tasks(batch * g.out_pixels(), [&](int64_t begin, int64_t end) {
+        dcnv3_forward_pixels<32>(g, f, input_data, offset_data, mask_data, output_data, begin,
+                                 end);
+      });
+    }
   });
 }
 
