@@ -181,11 +181,10 @@ C10_HOST_DEVICE inline void dcnv3_group_grads(const Dcnv3Fields& f, int64_t pixe
 // (dcnv3_group_grads). The position moves by s per unit of offset, so d/d(dx) = s * d/dx; the
 // sums carry no factor m yet.
 template <typename scalar_t>
-C10_HOST_DEVICE inline void dcnv3_write_grad(const Dcnv3Geometry& g, int64_t point,
-                                             at::opmath_type<scalar_t> m,
-                                             const OffsetMaskGradSums<at::opmath_type<scalar_t>>& sums,
-                                             scalar_t* group_grad_offset,
-                                             scalar_t* group_grad_mask) {
+C10_HOST_DEVICE inline void dcnv3_write_grad(
+    const Dcnv3Geometry& g, int64_t point, at::opmath_type<scalar_t> m,
+    const OffsetMaskGradSums<at::opmath_type<scalar_t>>& sums, scalar_t* group_grad_offset,
+    scalar_t* group_grad_mask) {
   using opmath_t = at::opmath_type<scalar_t>;
   if (group_grad_offset != nullptr) {
     const opmath_t factor = static_cast<opmath_t>(g.offset_scale) * m;
@@ -199,10 +198,10 @@ C10_HOST_DEVICE inline void dcnv3_write_grad(const Dcnv3Geometry& g, int64_t poi
 
 // The same for a sample, either pointer null when not asked for.
 template <typename scalar_t>
-C10_HOST_DEVICE inline void dcnv3_finish_grad(const Dcnv3Geometry& g, const Dcnv3Fields& f,
-                                              const Dcnv3Sample& s, at::opmath_type<scalar_t> m,
-                                              const OffsetMaskGradSums<at::opmath_type<scalar_t>>& sums,
-                                              scalar_t* grad_offset, scalar_t* grad_mask) {
+C10_HOST_DEVICE inline void dcnv3_finish_grad(
+    const Dcnv3Geometry& g, const Dcnv3Fields& f, const Dcnv3Sample& s,
+    at::opmath_type<scalar_t> m, const OffsetMaskGradSums<at::opmath_type<scalar_t>>& sums,
+    scalar_t* grad_offset, scalar_t* grad_mask) {
   scalar_t *group_grad_offset, *group_grad_mask;
   dcnv3_group_grads(f, s.pixel, s.group, grad_offset, grad_mask, group_grad_offset,
                     group_grad_mask);
