@@ -122,21 +122,20 @@ struct LanesOf<double> {
       __attribute__((vector_size(kLanes * sizeof(double)), aligned(alignof(double)), may_alias));
 };
 
-// kLanes consecutive values from `data` (of any dtype) as opmath_t lanes. (An out-parameter:
-// returning a vector by value would give these inline helpers an ABI that differs per clone.)
-template <typename opmath_t, typename scalar_t>
-DEFORMCONV_INLINE void load_lanes(const scalar_t* data, typename LanesOf<opmath_t>::type& lanes) {
-  for (int64_t lane = 0; lane < kLanes; ++lane) {
-    lanes[lane] = static_cast<opmath_t>(data[lane]);
-  }
-}
-
-// A GCC vector of opmath_t of any width from consecutive values of `data` (of any dtype).
+// A GCC vector of opmath_t of any width from consecutive values of `data` (of any dtype). (An
+// out-parameter: returning a vector by value would give these inline helpers an ABI that
+// differs per clone.)
 template <typename opmath_t, typename Vector, typename scalar_t>
 DEFORMCONV_INLINE void load_vector(const scalar_t* data, Vector& vector) {
   for (int64_t lane = 0; lane < int64_t(sizeof(Vector) / sizeof(opmath_t)); ++lane) {
     vector[lane] = static_cast<opmath_t>(data[lane]);
   }
+}
+
+// kLanes consecutive values from `data` (of any dtype) as opmath_t lanes.
+template <typename opmath_t, typename scalar_t>
+DEFORMCONV_INLINE void load_lanes(const scalar_t* data, typename LanesOf<opmath_t>::type& lanes) {
+  load_vector<opmath_t>(data, lanes);
 }
 
 // The first `count` (fewer than kLanes) values from `data` in the first lanes, the others 0:

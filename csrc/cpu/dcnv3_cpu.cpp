@@ -126,8 +126,9 @@ DEFORMCONV_INLINE void sum_points(const PixelSamples<opmath_t>& samples, const C
 // of its group, made in the accumulation type. The four corners of every point are located
 // first; a corner that takes no part (outside the image, or of zero weight) reads a row of
 // zeros instead, so that each sample is the same weighted sum of four rows, without branches,
-// and an infinite input value at such a corner cannot make NaN. Then, two vectors of channels
-// at a time, the sum over the points stays in registers.
+// and an infinite input value at such a corner cannot make NaN. Then, a vector or two of
+// channels at a time, in vectors as wide as the running clone's registers
+// (kVectorBytes), the sum over the points stays in registers.
 template <int kVectorBytes, typename scalar_t>
 DEFORMCONV_VECTOR_CLONES void dcnv3_forward_pixels(const Dcnv3Geometry& g, const Dcnv3Fields& f,
                                                    const scalar_t* input, const scalar_t* offset,
