@@ -257,16 +257,24 @@ C10_HOST_DEVICE inline void add_offset_mask_grad_terms(
 //   sum_y = (1-lx)(D_2 - D_0) + lx (D_3 - D_1)
 //   sum_x = (1-ly)(D_1 - D_0) + ly (D_3 - D_2)
 // Four multiply-adds per channel instead of about a dozen.
+// The cell enters only through (ly, lx), which a CPU launcher passes from arrays over many
+// samples, in a loop the compiler vectorises.
+template <typename opmath_t>
+C10_HOST_DEVICE inline OffsetMaskGradSums<opmath_t> offset_mask_grad_sums_of_dots(
+    opmath_t ly, opmath_t lx, opmath_t dot_0, opmath_t dot_1, opmath_t dot_2, opmath_t dot_3) {
+  const opmath_t hy = opmath_t(1) - ly;
+  const opmath_t hx = opmath_t(1) - lx;
+  OffsetMaskGradSums<opmath_t> sums;
+  sums.y = hx * (dot_2 - dot_0) + lx * (dot_3 - dot_1);
+  sums.x = hy * (dot_1 - dot_0) + ly * (dot_3 - dot_2);
+  sums.m = hy * (hx * dot_0 + lx * dot_1) + ly * (hx * dot_2 + lx * dot_3);
+  return sums;
+}
+
 template <typename opmath_t>
 C10_HOST_DEVICE inline OffsetMaskGradSums<opmath_t> offset_mask_grad_sums_of_dots(
     const BilinearCell<opmath_t>& cell, const opmath_t dot[4]) {
-  const opmath_t hy = opmath_t(1) - cell.ly;
-  const opmath_t hx = opmath_t(1) - cell.lx;
-  OffsetMaskGradSums<opmath_t> sums;
-  sums.y = hx * (dot[2] - dot[0]) + cell.lx * (dot[3] - dot[1]);
-  sums.x = hy * (dot[1] - dot[0]) + cell.ly * (dot[3] - dot[2]);
-  sums.m = hy * (hx * dot[0] + cell.lx * dot[1]) + cell.ly * (hx * dot[2] + cell.lx * dot[3]);
-  return sums;
+  return offset_mask_grad_sums_of_dots(cell.ly, cell.lx, dot[0], dot[1], dot[2], dot[3]);
 }
 
 // Adds one channel's share to the corner dot products above, as accumulate_offset_mask_grad

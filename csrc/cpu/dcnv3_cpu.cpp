@@ -329,22 +329,11 @@ DEFORMCONV_INLINE void sample_gradients(const scalar_t* grad, int64_t D,
   sums_of_four_lanes<opmath_t>(dot_0, dot_1, dot_2, dot_3, dots);
 }
 
-// The offset and mask gradients of sample k, point `point` of its (pixel, group), with the
-// dot products of its corners.
-template <typename scalar_t, typename opmath_t>
-DEFORMCONV_INLINE void finish_sample(const Dcnv3Geometry& g, const PixelSamples<opmath_t>& samples,
-                                     int64_t k, int64_t point, const opmath_t dots[4],
-                                     scalar_t* group_grad_offset, scalar_t* group_grad_mask) {
-  const BilinearCell<opmath_t> cell = samples.cell(k);
-  const OffsetMaskGradSums<opmath_t> sums =
-      cell.inside ? offset_mask_grad_sums_of_dots(cell, dots) : OffsetMaskGradSums<opmath_t>{};
-  dcnv3_write_grad(g, point, samples.mask(k), sums, group_grad_offset, group_grad_mask);
-}
-
-// Pixels [begin, end) of the offset and mask gradients: each sample located, its corner dot
-// products summed over its group's channels, its gradients written in one go. With kScatter,
-// also each sample's share of the input gradient, added into grad_input (whose images the
-// task owns) in the order (pixel, group, point, corner), as the banded pass adds it.
+// Pixels [begin, end) of the offset and mask gradients: the samples of each pixel located,
+// their corner dot products summed over their groups' channels, and then, from those, the
+// gradients of all the pixel's samples at once. With kScatter, also each sample's share of
+// the input gradient, added into grad_input (whose images the task owns) in the order (pixel,
+// group, point, corner), as the banded pass adds it.
 template <bool kScatter, typename scalar_t>
 DEFORMCONV_VECTOR_CLONES void dcnv3_gradient_pixels(
     const Dcnv3Geometry& g, const Dcnv3Fields& f, const scalar_t* grad_output,
@@ -356,6 +345,7 @@ DEFORMCONV_VECTOR_CLONES void dcnv3_gradient_pixels(
   const int64_t P = g.points();
   const int64_t D = g.group_channels;
   const int64_t C = g.channels();
+  const int64_t samples_per_pixel = g.groups * P;
   const std::vector<scalar_t> zeros(D, scalar_t(0));
   // Where the gradients of corners of weight 0 go: written, never read, spread over rows
   // (corner_row_addresses).
@@ -363,38 +353,55 @@ DEFORMCONV_VECTOR_CLONES void dcnv3_gradient_pixels(
   std::vector<opmath_t> unread(
       kScatter ? 4 * LocatedSamples<opmath_t>::kElsewhereRows * unread_row : 0);
   PixelSamples<opmath_t> samples(g);
-  CornerRows values(g.groups * P);
-  CornerRows grad_rows(kScatter ? g.groups * P : 0);
+  CornerRows values(samples_per_pixel);
+  CornerRows grad_rows(kScatter ? samples_per_pixel : 0);
+  // Per sample of the pixel: its four corner dot products, then its three gradient sums.
+  std::vector<opmath_t> dot_products(4 * samples_per_pixel), sums(3 * samples_per_pixel);
+  const opmath_t* const dots[4] = {dot_products.data(),
+                                   dot_products.data() + samples_per_pixel,
+                                   dot_products.data() + 2 * samples_per_pixel,
+                                   dot_products.data() + 3 * samples_per_pixel};
+  opmath_t* const sums_y = sums.data();
+  opmath_t* const sums_x = sums.data() + samples_per_pixel;
+  opmath_t* const sums_m = sums.data() + 2 * samples_per_pixel;
   for (int64_t pixel = begin; pixel < end; ++pixel) {
     samples.locate(g, f, pixel, offset, mask);
     const int64_t image_start = pixel / g.out_pixels() * g.in_pixels() * C;
-    values.fill<opmath_t, const scalar_t, Corners::kInside>(samples, g.groups * P,
+    values.fill<opmath_t, const scalar_t, Corners::kInside>(samples, samples_per_pixel,
                                                            input + image_start, C, zeros.data());
     if constexpr (kScatter) {
       grad_rows.fill<opmath_t, opmath_t, Corners::kWeighted>(
-          samples, g.groups * P, grad_input + image_start, C, unread.data(),
+          samples, samples_per_pixel, grad_input + image_start, C, unread.data(),
           unread_row * static_cast<int64_t>(sizeof(opmath_t)));
     }
+    for (int64_t k = 0; k < samples_per_pixel; ++k) {
+      const scalar_t* grad = grad_output + pixel * C + samples.first_channel[k];
+      const scalar_t* rows[4];
+      opmath_t* grad_rows_of_k[4] = {};
+      opmath_t weight[4] = {};
+      for (int corner = 0; corner < 4; ++corner) {
+        rows[corner] = values.row<const scalar_t>(corner, k);
+        if constexpr (kScatter) {
+          grad_rows_of_k[corner] = grad_rows.row<opmath_t>(corner, k);
+          weight[corner] = samples.weight(corner, k);
+        }
+      }
+      opmath_t dots_of_k[4];
+      sample_gradients<kScatter>(grad, D, rows, grad_rows_of_k, weight, dots_of_k);
+      for (int corner = 0; corner < 4; ++corner) {
+        dot_products[corner * samples_per_pixel + k] = dots_of_k[corner];
+      }
+    }
+    samples.offset_mask_grad_sums(samples_per_pixel, dots, sums_y, sums_x, sums_m);
     for (int64_t group = 0; group < g.groups; ++group) {
-      const scalar_t* grad = grad_output + pixel * C + group * D;
       scalar_t *group_grad_offset, *group_grad_mask;
       dcnv3_group_grads(f, pixel, group, grad_offset, grad_mask, group_grad_offset,
                         group_grad_mask);
       for (int64_t point = 0; point < P; ++point) {
         const int64_t k = group * P + point;
-        const scalar_t* rows[4];
-        opmath_t* grad_rows_of_k[4] = {};
-        opmath_t weight[4] = {};
-        for (int corner = 0; corner < 4; ++corner) {
-          rows[corner] = values.row<const scalar_t>(corner, k);
-          if constexpr (kScatter) {
-            grad_rows_of_k[corner] = grad_rows.row<opmath_t>(corner, k);
-            weight[corner] = samples.weight(corner, k);
-          }
-        }
-        opmath_t dots[4];
-        sample_gradients<kScatter>(grad, D, rows, grad_rows_of_k, weight, dots);
-        finish_sample(g, samples, k, point, dots, group_grad_offset, group_grad_mask);
+        const OffsetMaskGradSums<opmath_t> sums_of_k{sums_y[k], sums_x[k], sums_m[k]};
+        dcnv3_write_grad(g, point, samples.mask(k), sums_of_k, group_grad_offset,
+                         group_grad_mask);
       }
     }
   }

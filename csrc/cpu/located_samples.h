@@ -194,6 +194,36 @@ class LocatedSamples {
     }
   }
 
+  // For samples k < `samples`, the offset and mask gradient sums of offset_mask_grad_sums_of_dots
+  // from the dot products dots[corner][k] of each corner's row with the sampled value's
+  // gradient, in one loop that the compiler vectorises; zero for a sample outside.
+  DEFORMCONV_INLINE void offset_mask_grad_sums(int64_t samples, const opmath_t* const dots[4],
+                                               opmath_t* __restrict sums_y,
+                                               opmath_t* __restrict sums_x,
+                                               opmath_t* __restrict sums_m) const {
+    const int32_t* __restrict inside = inside_.data();
+    const opmath_t* __restrict ly = ly_.data();
+    const opmath_t* __restrict lx = lx_.data();
+    const opmath_t* __restrict dots_0 = dots[0];
+    const opmath_t* __restrict dots_1 = dots[1];
+    const opmath_t* __restrict dots_2 = dots[2];
+    const opmath_t* __restrict dots_3 = dots[3];
+    for (int64_t k = 0; k < samples; ++k) {
+      const OffsetMaskGradSums<opmath_t> sums =
+          offset_mask_grad_sums_of_dots(ly[k], lx[k], dots_0[k], dots_1[k], dots_2[k], dots_3[k]);
+      sums_y[k] = sums.y;
+      sums_x[k] = sums.x;
+      sums_m[k] = sums.m;
+    }
+    // Apart, so that the sums above are made for every sample: selected in the same loop, they
+    // would be made only for the samples inside, a branch the compiler does not vectorise.
+    for (int64_t k = 0; k < samples; ++k) {
+      sums_y[k] = inside[k] ? sums_y[k] : opmath_t(0);
+      sums_x[k] = inside[k] ? sums_x[k] : opmath_t(0);
+      sums_m[k] = inside[k] ? sums_m[k] : opmath_t(0);
+    }
+  }
+
   // Sample k's cell, as locate_cell makes it, and its mask value.
   DEFORMCONV_INLINE BilinearCell<opmath_t> cell(int64_t k) const {
     BilinearCell<opmath_t> cell;
