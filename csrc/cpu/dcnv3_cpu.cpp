@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "../common/dcnv3_kernel.cuh"
@@ -90,6 +91,20 @@ class CornerRows {
   uintptr_t* rows_[4];
 };
 
+// Calls run(std::integral_constant<int64_t, 16>{}) where a group has 16 channels, as in every
+// stage of InternImage and FlashInternImage, else run(std::integral_constant<int64_t, 0>{}):
+// a kernel instantiated with the group's channels known to the compiler (0: read from the
+// geometry) runs its channel loops unrolled, with no loop or tail tests per sample.
+template <typename Function>
+void with_group_channels(const Dcnv3Geometry& g, const Function& run) {
+  constexpr int64_t kCommonGroupChannels = 16;
+  if (g.group_channels == kCommonGroupChannels) {
+    run(std::integral_constant<int64_t, kCommonGroupChannels>{});
+  } else {
+    run(std::integral_constant<int64_t, 0>{});
+  }
+}
+
 // out[c] for kVectors vectors of channels from c on: the sum over the points [first, first +
 // points) of their samples' values, each the weighted sum of its four corner rows, made in the
 // accumulation type (Vector's elements) with the sums in registers. Each channel's arithmetic
@@ -129,7 +144,7 @@ DEFORMCONV_INLINE void sum_points(const PixelSamples<opmath_t>& samples, const C
 // and an infinite input value at such a corner cannot make NaN. Then, a vector or two of
 // channels at a time, in vectors as wide as the running clone's registers
 // (kVectorBytes), the sum over the points stays in registers.
-template <int kVectorBytes, typename scalar_t>
+template <int kVectorBytes, int64_t kGroupChannels, typename scalar_t>
 DEFORMCONV_VECTOR_CLONES void dcnv3_forward_pixels(const Dcnv3Geometry& g, const Dcnv3Fields& f,
                                                    const scalar_t* input, const scalar_t* offset,
                                                    const scalar_t* mask, scalar_t* output,
@@ -140,7 +155,7 @@ DEFORMCONV_VECTOR_CLONES void dcnv3_forward_pixels(const Dcnv3Geometry& g, const
   typedef opmath_t Vector __attribute__((vector_size(kVectorBytes)));
   constexpr int64_t kWidth = kVectorBytes / sizeof(opmath_t);
   const int64_t P = g.points();
-  const int64_t D = g.group_channels;
+  const int64_t D = kGroupChannels > 0 ? kGroupChannels : g.group_channels;
   const int64_t C = g.channels();
   const std::vector<scalar_t> zeros(D, scalar_t(0));
   PixelSamples<opmath_t> samples(g);
@@ -190,13 +205,17 @@ void dcnv3_forward_cpu(const Dcnv3Geometry& g, const Dcnv3Fields& f, int64_t bat
     // AVX-512 clones, else AVX2's (which the compiler splits for older CPUs).
     if (runs_avx512_clones()) {
       parallel_tasks(batch * g.out_pixels(), [&](int64_t begin, int64_t end) {
-        dcnv3_forward_pixels<64>(g, f, input_data, offset_data, mask_data, output_data, begin,
-                                 end);
+        with_group_channels(g, [&](auto group_channels) {
+          dcnv3_forward_pixels<64, group_channels>(g, f, input_data, offset_data, mask_data,
+                                                   output_data, begin, end);
+        });
       });
     } else {
       parallel_tasks(batch * g.out_pixels(), [&](int64_t begin, int64_t end) {
-        dcnv3_forward_pixels<32>(g, f, input_data, offset_data, mask_data, output_data, begin,
-                                 end);
+        with_group_channels(g, [&](auto group_channels) {
+          dcnv3_forward_pixels<32, group_channels>(g, f, input_data, offset_data, mask_data,
+                                                   output_data, begin, end);
+        });
       });
     }
   });
@@ -407,26 +426,6 @@ DEFORMCONV_VECTOR_CLONES void dcnv3_gradient_pixels(
   }
 }
 
-// dcnv3_gradient_pixels with the group's channels known to the compiler where they are 16, as
-// in every stage of InternImage and FlashInternImage: the channel loops then unroll into two
-// steps of kLanes, with no loop or tail tests per sample.
-template <bool kScatter, typename scalar_t>
-void dcnv3_gradient_pixels_of(const Dcnv3Geometry& g, const Dcnv3Fields& f,
-                              const scalar_t* grad_output, const scalar_t* input,
-                              const scalar_t* offset, const scalar_t* mask,
-                              at::opmath_type<scalar_t>* grad_input, scalar_t* grad_offset,
-                              scalar_t* grad_mask, int64_t begin, int64_t end) {
-  constexpr int64_t kCommonGroupChannels = 16;
-  if (g.group_channels == kCommonGroupChannels) {
-    dcnv3_gradient_pixels<kScatter, kCommonGroupChannels>(g, f, grad_output, input, offset, mask,
-                                                          grad_input, grad_offset, grad_mask,
-                                                          begin, end);
-  } else {
-    dcnv3_gradient_pixels<kScatter, 0>(g, f, grad_output, input, offset, mask, grad_input,
-                                       grad_offset, grad_mask, begin, end);
-  }
-}
-
 void dcnv3_offset_mask_grad_cpu(const Dcnv3Geometry& g, const Dcnv3Fields& f, int64_t batch,
                                 const at::Tensor& grad_output, const at::Tensor& input,
                                 const at::Tensor& offset, const at::Tensor& mask,
@@ -439,8 +438,12 @@ void dcnv3_offset_mask_grad_cpu(const Dcnv3Geometry& g, const Dcnv3Fields& f, in
     scalar_t* grad_offset_data = mutable_data_or_null<scalar_t>(grad_offset);
     scalar_t* grad_mask_data = mutable_data_or_null<scalar_t>(grad_mask);
     parallel_tasks(batch * g.out_pixels(), [&](int64_t begin, int64_t end) {
-      dcnv3_gradient_pixels_of<false>(g, f, grad_output_data, input_data, offset_data, mask_data,
-                                      nullptr, grad_offset_data, grad_mask_data, begin, end);
+      with_group_channels(g, [&](auto group_channels) {
+        dcnv3_gradient_pixels<false, group_channels>(g, f, grad_output_data, input_data,
+                                                     offset_data, mask_data, nullptr,
+                                                     grad_offset_data, grad_mask_data, begin,
+                                                     end);
+      });
     });
   });
 }
@@ -467,9 +470,11 @@ void dcnv3_gradients_cpu(const Dcnv3Geometry& g, const Dcnv3Fields& f, int64_t b
       scalar_t* grad_mask_data = mutable_data_or_null<scalar_t>(grad_mask);
       // Each task whole images, whose input gradient it owns.
       parallel_tasks(batch, [&](int64_t begin, int64_t end) {
-        dcnv3_gradient_pixels_of<true>(g, f, grad_output_data, input_data, offset_data,
-                                       mask_data, sums_data, grad_offset_data, grad_mask_data,
-                                       begin * g.out_pixels(), end * g.out_pixels());
+        with_group_channels(g, [&](auto group_channels) {
+          dcnv3_gradient_pixels<true, group_channels>(
+              g, f, grad_output_data, input_data, offset_data, mask_data, sums_data,
+              grad_offset_data, grad_mask_data, begin * g.out_pixels(), end * g.out_pixels());
+        });
       });
       store_input_gradient_sums(sums, grad_input);
     });
