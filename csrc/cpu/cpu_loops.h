@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <type_traits>
 
 #include "../common/bilinear_sampling.cuh"
 
@@ -51,6 +52,18 @@ inline bool runs_avx512_clones() {
 #else
   return false;
 #endif
+}
+
+// Calls run(std::integral_constant<int, kVectorBytes>{}) with the width in bytes of a vector
+// register of the clone that runs: AVX-512's where the CPU runs the AVX-512 clones, else
+// AVX2's (which the compiler splits for older CPUs), for a stage whose vectors are that wide.
+template <typename Function>
+void with_register_bytes(const Function& run) {
+  if (runs_avx512_clones()) {
+    run(std::integral_constant<int, 64>{});
+  } else {
+    run(std::integral_constant<int, 32>{});
+  }
 }
 
 // Runs run(begin, end) over the tasks [0, tasks) in parallel. The launchers cut their work

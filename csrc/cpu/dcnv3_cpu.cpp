@@ -201,23 +201,15 @@ void dcnv3_forward_cpu(const Dcnv3Geometry& g, const Dcnv3Fields& f, int64_t bat
     const scalar_t* offset_data = offset.const_data_ptr<scalar_t>();
     const scalar_t* mask_data = mask.const_data_ptr<scalar_t>();
     scalar_t* output_data = output.mutable_data_ptr<scalar_t>();
-    // Vectors as wide as a register of the clone that runs: AVX-512's where the CPU runs the
-    // AVX-512 clones, else AVX2's (which the compiler splits for older CPUs).
-    if (runs_avx512_clones()) {
-      parallel_tasks(batch * g.out_pixels(), [&](int64_t begin, int64_t end) {
-        with_group_channels(g, [&](auto group_channels) {
-          dcnv3_forward_pixels<64, group_channels>(g, f, input_data, offset_data, mask_data,
-                                                   output_data, begin, end);
+    // Vectors as wide as a register of the clone that runs.
+    with_register_bytes([&](auto register_bytes) {
+      with_group_channels(g, [&](auto group_channels) {
+        parallel_tasks(batch * g.out_pixels(), [&](int64_t begin, int64_t end) {
+          dcnv3_forward_pixels<register_bytes, group_channels>(
+              g, f, input_data, offset_data, mask_data, output_data, begin, end);
         });
       });
-    } else {
-      parallel_tasks(batch * g.out_pixels(), [&](int64_t begin, int64_t end) {
-        with_group_channels(g, [&](auto group_channels) {
-          dcnv3_forward_pixels<32, group_channels>(g, f, input_data, offset_data, mask_data,
-                                                   output_data, begin, end);
-        });
-      });
-    }
+    });
   });
 }
 
@@ -437,8 +429,8 @@ void dcnv3_offset_mask_grad_cpu(const Dcnv3Geometry& g, const Dcnv3Fields& f, in
     const scalar_t* mask_data = mask.const_data_ptr<scalar_t>();
     scalar_t* grad_offset_data = mutable_data_or_null<scalar_t>(grad_offset);
     scalar_t* grad_mask_data = mutable_data_or_null<scalar_t>(grad_mask);
-    parallel_tasks(batch * g.out_pixels(), [&](int64_t begin, int64_t end) {
-      with_group_channels(g, [&](auto group_channels) {
+    with_group_channels(g, [&](auto group_channels) {
+      parallel_tasks(batch * g.out_pixels(), [&](int64_t begin, int64_t end) {
         dcnv3_gradient_pixels<false, group_channels>(g, f, grad_output_data, input_data,
                                                      offset_data, mask_data, nullptr,
                                                      grad_offset_data, grad_mask_data, begin,
@@ -469,8 +461,8 @@ void dcnv3_gradients_cpu(const Dcnv3Geometry& g, const Dcnv3Fields& f, int64_t b
       scalar_t* grad_offset_data = mutable_data_or_null<scalar_t>(grad_offset);
       scalar_t* grad_mask_data = mutable_data_or_null<scalar_t>(grad_mask);
       // Each task whole images, whose input gradient it owns.
-      parallel_tasks(batch, [&](int64_t begin, int64_t end) {
-        with_group_channels(g, [&](auto group_channels) {
+      with_group_channels(g, [&](auto group_channels) {
+        parallel_tasks(batch, [&](int64_t begin, int64_t end) {
           dcnv3_gradient_pixels<true, group_channels>(
               g, f, grad_output_data, input_data, offset_data, mask_data, sums_data,
               grad_offset_data, grad_mask_data, begin * g.out_pixels(), end * g.out_pixels());

@@ -565,17 +565,12 @@ void fused_forward_cpu(const DeformConv2dGeometry& g, int64_t batch, const at::T
                                        weight_taps.const_data_ptr<at::opmath_type<scalar_t>>(),
                                        data_or_null<scalar_t>(bias),
                                        output.mutable_data_ptr<scalar_t>()};
-    // Multiply-adds as wide as a register of the clone that runs: AVX-512's where the CPU runs
-    // the AVX-512 clones, else AVX2's (which the compiler splits for older CPUs).
-    if (runs_avx512_clones()) {
+    // Multiply-adds as wide as a register of the clone that runs.
+    with_register_bytes([&](auto register_bytes) {
       parallel_tasks(batch * stretches.per_image, [&](int64_t begin, int64_t end) {
-        fused_forward_tasks<64>(t, begin, end);
+        fused_forward_tasks<register_bytes>(t, begin, end);
       });
-    } else {
-      parallel_tasks(batch * stretches.per_image, [&](int64_t begin, int64_t end) {
-        fused_forward_tasks<32>(t, begin, end);
-      });
-    }
+    });
   });
 }
 
