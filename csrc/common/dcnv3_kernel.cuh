@@ -92,16 +92,23 @@ C10_HOST_DEVICE inline void dcnv3_tap(const Dcnv3Geometry& g, int64_t point, int
 // the originals' order. The reference point depends on the pixel only and the grid term on the
 // point only: dcnv3_reference_point and dcnv3_grid_point, which a CPU launcher computes once
 // each, give the terms of this sum.
+// Where the kernel's centre tap of output pixel (ho, wo) falls in the input, before offsets.
+C10_HOST_DEVICE inline void dcnv3_centre_tap(const Dcnv3Geometry& g, int64_t ho, int64_t wo,
+                                             int64_t& y, int64_t& x) {
+  y = ho * g.stride_h - g.pad_h + g.dilation_h * (g.kernel_h - 1) / 2;
+  x = wo * g.stride_w - g.pad_w + g.dilation_w * (g.kernel_w - 1) / 2;
+}
+
 template <typename opmath_t>
 C10_HOST_DEVICE inline void dcnv3_reference_point(const Dcnv3Geometry& g, int64_t ho, int64_t wo,
                                                   opmath_t& base_y, opmath_t& base_x) {
   const opmath_t scale = static_cast<opmath_t>(g.offset_scale);
-  const int64_t centre_w = g.dilation_w * (g.kernel_w - 1) / 2;
-  const int64_t centre_h = g.dilation_h * (g.kernel_h - 1) / 2;
-  base_x = static_cast<opmath_t>(wo * g.stride_w - g.pad_w + centre_w) -
-      static_cast<opmath_t>(centre_w) * scale;
-  base_y = static_cast<opmath_t>(ho * g.stride_h - g.pad_h + centre_h) -
-      static_cast<opmath_t>(centre_h) * scale;
+  int64_t centre_y, centre_x;
+  dcnv3_centre_tap(g, ho, wo, centre_y, centre_x);
+  base_x = static_cast<opmath_t>(centre_x) -
+      static_cast<opmath_t>(g.dilation_w * (g.kernel_w - 1) / 2) * scale;
+  base_y = static_cast<opmath_t>(centre_y) -
+      static_cast<opmath_t>(g.dilation_h * (g.kernel_h - 1) / 2) * scale;
 }
 
 // The dilation grid's displacement (i * dilation_w, j * dilation_h) of a point, unscaled.

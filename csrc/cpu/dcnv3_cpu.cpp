@@ -36,6 +36,8 @@ class PixelSamples : public LocatedSamples<opmath_t> {
 
   // The first channel of sample k's group.
   std::vector<int64_t> first_channel;
+  // Where the kernel's centre tap of the located pixel falls in the image, before offsets.
+  int64_t centre_y = 0, centre_x = 0;
 
   template <typename scalar_t>
   DEFORMCONV_INLINE void locate(const Dcnv3Geometry& g, const Dcnv3Fields& f, int64_t pixel,
@@ -51,9 +53,10 @@ class PixelSamples : public LocatedSamples<opmath_t> {
         this->m[group * P + point] = static_cast<opmath_t>(group_mask[point]);
       }
     }
+    const int64_t ho = pixel / g.out_width % g.out_height, wo = pixel % g.out_width;
+    dcnv3_centre_tap(g, ho, wo, centre_y, centre_x);
     opmath_t base_y, base_x;
-    dcnv3_reference_point(g, pixel / g.out_width % g.out_height, pixel % g.out_width, base_y,
-                          base_x);
+    dcnv3_reference_point(g, ho, wo, base_y, base_x);
     LocatedSamples<opmath_t>::locate(g.groups * P, base_y, base_x,
                                      static_cast<opmath_t>(g.offset_scale));
   }
@@ -102,6 +105,55 @@ void with_group_channels(const Dcnv3Geometry& g, const Function& run) {
     run(std::integral_constant<int64_t, kCommonGroupChannels>{});
   } else {
     run(std::integral_constant<int64_t, 0>{});
+  }
+}
+
+// Note [Prefetching the rows ahead]
+// A pixel's samples lie about its kernel's centre, within a few rows of it for the offsets a
+// trained model makes, so from pixel to pixel the input rows they read slide down the image at
+// the output's pace. Where the image is not in the caches, as when the layer before has
+// streamed other data through them, the hardware prefetcher does not foresee reads scattered
+// over a dozen rows, and the samples wait on memory. So each pixel asks for the block of the
+// image kRowsAhead rows below its kernel's centre (stride_h rows of stride_w pixels, every
+// channel: over the output, the blocks cover the image) to be brought into the L2 cache, and
+// the first pixel of a task or of an image asks for the rows from kRowsAhead above its centre
+// to kRowsAhead below. Eight rows cover offsets of a few pixels and leave the memory several
+// rows of work to answer in. The backward's input gradient has just been zeroed, so it is in
+// the caches already.
+constexpr int64_t kRowsAhead = 8;
+constexpr int64_t kCacheLineBytes = 64;
+
+// Asks for the cache lines of pixels [x_begin, x_end) of row y of a channels-last image, the
+// parts inside the image, to be brought into the L2 cache.
+template <typename element_t>
+DEFORMCONV_INLINE void prefetch_pixels(const Dcnv3Geometry& g, const element_t* image,
+                                       int64_t y, int64_t x_begin, int64_t x_end) {
+  x_begin = std::max<int64_t>(x_begin, 0);
+  x_end = std::min<int64_t>(x_end, g.width);
+  if (y < 0 || y >= g.height || x_begin >= x_end) {
+    return;
+  }
+  const char* line = reinterpret_cast<const char*>(image + (y * g.width + x_begin) * g.channels());
+  const char* end = reinterpret_cast<const char*>(image + (y * g.width + x_end) * g.channels());
+  for (; line < end; line += kCacheLineBytes) {
+    __builtin_prefetch(line, 0, 2);
+  }
+}
+
+// The prefetches of Note [Prefetching the rows ahead] for the pixel `samples` was located at,
+// in `image`, the image that the pixel's samples read.
+template <typename opmath_t, typename element_t>
+DEFORMCONV_INLINE void prefetch_rows_ahead(const Dcnv3Geometry& g,
+                                           const PixelSamples<opmath_t>& samples,
+                                           const element_t* image, bool first_of_run) {
+  const int64_t y = samples.centre_y, x = samples.centre_x;
+  if (first_of_run) {
+    for (int64_t row = y - kRowsAhead; row < y + kRowsAhead; ++row) {
+      prefetch_pixels(g, image, row, 0, g.width);
+    }
+  }
+  for (int64_t row = y + kRowsAhead; row < y + kRowsAhead + g.stride_h; ++row) {
+    prefetch_pixels(g, image, row, x, x + g.stride_w);
   }
 }
 
@@ -163,6 +215,7 @@ DEFORMCONV_VECTOR_CLONES void dcnv3_forward_pixels(const Dcnv3Geometry& g, const
   for (int64_t pixel = begin; pixel < end; ++pixel) {
     samples.locate(g, f, pixel, offset, mask);
     const scalar_t* image = input + pixel / g.out_pixels() * g.in_pixels() * C;
+    prefetch_rows_ahead(g, samples, image, pixel == begin || pixel % g.out_pixels() == 0);
     rows.fill<opmath_t, const scalar_t, Corners::kWeighted>(samples, g.groups * P, image, C,
                                                            zeros.data());
     for (int64_t group = 0; group < g.groups; ++group) {
@@ -378,6 +431,8 @@ DEFORMCONV_VECTOR_CLONES void dcnv3_gradient_pixels(
   for (int64_t pixel = begin; pixel < end; ++pixel) {
     samples.locate(g, f, pixel, offset, mask);
     const int64_t image_start = pixel / g.out_pixels() * g.in_pixels() * C;
+    prefetch_rows_ahead(g, samples, input + image_start,
+                        pixel == begin || pixel % g.out_pixels() == 0);
     values.fill<opmath_t, const scalar_t, Corners::kInside>(samples, samples_per_pixel,
                                                            input + image_start, C, zeros.data());
     if constexpr (kScatter) {
