@@ -84,6 +84,13 @@ C10_HOST_DEVICE inline void dcnv3_tap(const Dcnv3Geometry& g, int64_t point, int
   j = tap % g.kernel_h;
 }
 
+// Where the kernel's centre tap of output pixel (ho, wo) falls in the input, before offsets.
+C10_HOST_DEVICE inline void dcnv3_centre_tap(const Dcnv3Geometry& g, int64_t ho, int64_t wo,
+                                             int64_t& y, int64_t& x) {
+  y = ho * g.stride_h - g.pad_h + g.dilation_h * (g.kernel_h - 1) / 2;
+  x = wo * g.stride_w - g.pad_w + g.dilation_w * (g.kernel_w - 1) / 2;
+}
+
 // The sampled position (y, x) of a sample and its mask value m. With the footprint's integer
 // centre c = dilation * (k - 1) / 2 and scale s:
 //   x = (wo * stride_w - pad_w + c_w) - c_w * s + (i * dilation_w + dx) * s
@@ -92,13 +99,6 @@ C10_HOST_DEVICE inline void dcnv3_tap(const Dcnv3Geometry& g, int64_t point, int
 // the originals' order. The reference point depends on the pixel only and the grid term on the
 // point only: dcnv3_reference_point and dcnv3_grid_point, which a CPU launcher computes once
 // each, give the terms of this sum.
-// Where the kernel's centre tap of output pixel (ho, wo) falls in the input, before offsets.
-C10_HOST_DEVICE inline void dcnv3_centre_tap(const Dcnv3Geometry& g, int64_t ho, int64_t wo,
-                                             int64_t& y, int64_t& x) {
-  y = ho * g.stride_h - g.pad_h + g.dilation_h * (g.kernel_h - 1) / 2;
-  x = wo * g.stride_w - g.pad_w + g.dilation_w * (g.kernel_w - 1) / 2;
-}
-
 template <typename opmath_t>
 C10_HOST_DEVICE inline void dcnv3_reference_point(const Dcnv3Geometry& g, int64_t ho, int64_t wo,
                                                   opmath_t& base_y, opmath_t& base_x) {

@@ -110,6 +110,10 @@ DEFORMCONV_INLINE void sum_corner_rows(const scalar_t* const rows[4], const opma
   }
 }
 
+// The cache line of x86-64 and of most ARM cores, the stride of software prefetches. Where
+// lines are longer, some lines are asked for twice, which is harmless.
+inline constexpr int64_t kCacheLineBytes = 64;
+
 // kLanes values of opmath_t in one GCC/Clang vector. Arithmetic on it is lane by lane, so the
 // offset/mask gradient sums run kLanes channels at a time through the shared
 // add_offset_mask_grad_terms; reductions are written with explicit lanes because the compiler

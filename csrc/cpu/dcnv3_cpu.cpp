@@ -121,7 +121,6 @@ void with_group_channels(const Dcnv3Geometry& g, const Function& run) {
 // rows of work to answer in. The backward's input gradient has just been zeroed, so it is in
 // the caches already.
 constexpr int64_t kRowsAhead = 8;
-constexpr int64_t kCacheLineBytes = 64;
 
 // Asks for the cache lines of pixels [x_begin, x_end) of row y of a channels-last image, the
 // parts inside the image, to be brought into the L2 cache.
@@ -140,14 +139,15 @@ DEFORMCONV_INLINE void prefetch_pixels(const Dcnv3Geometry& g, const element_t* 
   }
 }
 
-// The prefetches of Note [Prefetching the rows ahead] for the pixel `samples` was located at,
-// in `image`, the image that the pixel's samples read.
+// The prefetches of Note [Prefetching the rows ahead] for `pixel`, where `samples` was located
+// last, in `image`, the image that the pixel's samples read; `begin` is the task's first pixel.
 template <typename opmath_t, typename element_t>
 DEFORMCONV_INLINE void prefetch_rows_ahead(const Dcnv3Geometry& g,
                                            const PixelSamples<opmath_t>& samples,
-                                           const element_t* image, bool first_of_run) {
+                                           const element_t* image, int64_t pixel,
+                                           int64_t begin) {
   const int64_t y = samples.centre_y, x = samples.centre_x;
-  if (first_of_run) {
+  if (pixel == begin || pixel % g.out_pixels() == 0) {
     for (int64_t row = y - kRowsAhead; row < y + kRowsAhead; ++row) {
       prefetch_pixels(g, image, row, 0, g.width);
     }
@@ -215,7 +215,7 @@ DEFORMCONV_VECTOR_CLONES void dcnv3_forward_pixels(const Dcnv3Geometry& g, const
   for (int64_t pixel = begin; pixel < end; ++pixel) {
     samples.locate(g, f, pixel, offset, mask);
     const scalar_t* image = input + pixel / g.out_pixels() * g.in_pixels() * C;
-    prefetch_rows_ahead(g, samples, image, pixel == begin || pixel % g.out_pixels() == 0);
+    prefetch_rows_ahead(g, samples, image, pixel, begin);
     rows.fill<opmath_t, const scalar_t, Corners::kWeighted>(samples, g.groups * P, image, C,
                                                            zeros.data());
     for (int64_t group = 0; group < g.groups; ++group) {
@@ -431,8 +431,7 @@ DEFORMCONV_VECTOR_CLONES void dcnv3_gradient_pixels(
   for (int64_t pixel = begin; pixel < end; ++pixel) {
     samples.locate(g, f, pixel, offset, mask);
     const int64_t image_start = pixel / g.out_pixels() * g.in_pixels() * C;
-    prefetch_rows_ahead(g, samples, input + image_start,
-                        pixel == begin || pixel % g.out_pixels() == 0);
+    prefetch_rows_ahead(g, samples, input + image_start, pixel, begin);
     values.fill<opmath_t, const scalar_t, Corners::kInside>(samples, samples_per_pixel,
                                                            input + image_start, C, zeros.data());
     if constexpr (kScatter) {

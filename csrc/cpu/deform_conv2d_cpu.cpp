@@ -177,10 +177,9 @@ class StretchSamples : public LocatedSamples<opmath_t> {
   // where a prefetch is harmless but pointer arithmetic would not be defined.
   template <typename scalar_t>
   DEFORMCONV_INLINE void prefetch_next(const scalar_t* row) const {
-    constexpr uintptr_t kCacheLine = 64;
     const uintptr_t bytes = static_cast<uintptr_t>(pixels_) * sizeof(scalar_t);
     const uintptr_t next = reinterpret_cast<uintptr_t>(row) + bytes;
-    for (uintptr_t byte = 0; byte < bytes; byte += kCacheLine) {
+    for (uintptr_t byte = 0; byte < bytes; byte += kCacheLineBytes) {
       __builtin_prefetch(reinterpret_cast<const void*>(next + byte));
     }
   }
