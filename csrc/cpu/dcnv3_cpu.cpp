@@ -43,14 +43,17 @@ class PixelSamples : public LocatedSamples<opmath_t> {
   DEFORMCONV_INLINE void locate(const Dcnv3Geometry& g, const Dcnv3Fields& f, int64_t pixel,
                                 const scalar_t* offset, const scalar_t* mask) {
     const int64_t P = g.points();
-    for (int64_t group = 0; group < g.groups; ++group) {
-      const scalar_t* group_offset =
-          offset + pixel * f.offset_pixel_stride + group * f.offset_group_stride;
-      const scalar_t* group_mask = mask + pixel * f.mask_pixel_stride + group * f.mask_group_stride;
-      for (int64_t point = 0; point < P; ++point) {
-        this->dx[group * P + point] = static_cast<opmath_t>(group_offset[2 * point]);
-        this->dy[group * P + point] = static_cast<opmath_t>(group_offset[2 * point + 1]);
-        this->m[group * P + point] = static_cast<opmath_t>(group_mask[point]);
+    if (f.offset_group_stride == 2 * P && f.mask_group_stride == P) {
+      // DCNv3's layout: one run of (x, y) pairs and one of masks over all the pixel's samples,
+      // read in a single loop, which the compiler vectorises (the loop below is over runs of
+      // only P).
+      unpack_samples(g.groups * P, offset + pixel * f.offset_pixel_stride,
+                     mask + pixel * f.mask_pixel_stride, 0);
+    } else {
+      for (int64_t group = 0; group < g.groups; ++group) {
+        unpack_samples(P, offset + pixel * f.offset_pixel_stride + group * f.offset_group_stride,
+                       mask + pixel * f.mask_pixel_stride + group * f.mask_group_stride,
+                       group * P);
       }
     }
     const int64_t ho = pixel / g.out_width % g.out_height, wo = pixel % g.out_width;
@@ -60,38 +63,70 @@ class PixelSamples : public LocatedSamples<opmath_t> {
     LocatedSamples<opmath_t>::locate(g.groups * P, base_y, base_x,
                                      static_cast<opmath_t>(g.offset_scale));
   }
+
+ private:
+  // The offsets and masks of `count` samples from sample `first` on: offset holds their (x, y)
+  // pairs, mask their masks.
+  template <typename scalar_t>
+  DEFORMCONV_INLINE void unpack_samples(int64_t count, const scalar_t* __restrict offset,
+                                        const scalar_t* __restrict mask, int64_t first) {
+    opmath_t* __restrict dx = this->dx.data() + first;
+    opmath_t* __restrict dy = this->dy.data() + first;
+    opmath_t* __restrict m = this->m.data() + first;
+    for (int64_t k = 0; k < count; ++k) {
+      dx[k] = static_cast<opmath_t>(offset[2 * k]);
+      dy[k] = static_cast<opmath_t>(offset[2 * k + 1]);
+      m[k] = static_cast<opmath_t>(mask[k]);
+    }
+  }
 };
 
 // The rows of the four corners of each sample of a pixel, in one image (or its gradient), as
 // LocatedSamples::corner_row_addresses makes them: corner by corner, sample by sample.
 class CornerRows {
  public:
-  explicit CornerRows(int64_t samples) : addresses_(4 * samples) {
-    for (int corner = 0; corner < 4; ++corner) {
-      rows_[corner] = addresses_.data() + corner * samples;
-    }
-  }
-  CornerRows(const CornerRows&) = delete;
-  CornerRows& operator=(const CornerRows&) = delete;
+  explicit CornerRows(int64_t samples) : samples_(samples), addresses_(4 * samples) {}
 
   template <typename opmath_t, typename element_t,
             typename LocatedSamples<opmath_t>::Corners kTaken>
   DEFORMCONV_INLINE void fill(const PixelSamples<opmath_t>& samples, int64_t count,
                               element_t* image, int64_t pixel_stride, element_t* elsewhere,
                               int64_t elsewhere_row_bytes = 0) {
+    uintptr_t* const rows[4] = {addresses_.data(), addresses_.data() + samples_,
+                                addresses_.data() + 2 * samples_,
+                                addresses_.data() + 3 * samples_};
     samples.template corner_row_addresses<kTaken>(count, image, pixel_stride,
                                                   samples.first_channel.data(), elsewhere,
-                                                  elsewhere_row_bytes, rows_);
+                                                  elsewhere_row_bytes, rows);
+  }
+
+  // Sample k's four corner rows, reached through one pointer and the distance between the
+  // corners' arrays: a loop over the samples then keeps two registers for them, not four
+  // pointers that it would reload from the stack per sample.
+  class OfSample {
+   public:
+    OfSample(const uintptr_t* first, int64_t stride) : first_(first), stride_(stride) {}
+    template <typename element_t>
+    DEFORMCONV_INLINE element_t* row(int corner) const {
+      return reinterpret_cast<element_t*>(first_[corner * stride_]);
+    }
+
+   private:
+    const uintptr_t* first_;
+    int64_t stride_;
+  };
+  DEFORMCONV_INLINE OfSample of_sample(int64_t k) const {
+    return OfSample(addresses_.data() + k, samples_);
   }
 
   template <typename element_t>
   DEFORMCONV_INLINE element_t* row(int corner, int64_t k) const {
-    return reinterpret_cast<element_t*>(rows_[corner][k]);
+    return of_sample(k).row<element_t>(corner);
   }
 
  private:
+  int64_t samples_;
   std::vector<uintptr_t> addresses_;
-  uintptr_t* rows_[4];
 };
 
 // Calls run(std::integral_constant<int64_t, 16>{}) where a group has 16 channels, as in every
@@ -162,17 +197,19 @@ DEFORMCONV_INLINE void prefetch_rows_ahead(const Dcnv3Geometry& g,
 // accumulation type (Vector's elements) with the sums in registers. Each channel's arithmetic
 // is the same whatever the vector width.
 template <typename Vector, int kVectors, typename scalar_t, typename opmath_t>
-DEFORMCONV_INLINE void sum_points(const PixelSamples<opmath_t>& samples, const CornerRows& rows,
+DEFORMCONV_INLINE void sum_points(const PixelSamples<opmath_t>& samples,
+                                  const CornerRows& rows,
                                   int64_t first, int64_t points, int64_t c, scalar_t* out) {
   constexpr int64_t kWidth = sizeof(Vector) / sizeof(opmath_t);
   Vector sum[kVectors] = {};
   for (int64_t k = first; k < first + points; ++k) {
     const opmath_t w0 = samples.weight(0, k), w1 = samples.weight(1, k),
                    w2 = samples.weight(2, k), w3 = samples.weight(3, k);
-    const scalar_t* row_0 = rows.row<const scalar_t>(0, k) + c;
-    const scalar_t* row_1 = rows.row<const scalar_t>(1, k) + c;
-    const scalar_t* row_2 = rows.row<const scalar_t>(2, k) + c;
-    const scalar_t* row_3 = rows.row<const scalar_t>(3, k) + c;
+    const auto corners = rows.of_sample(k);
+    const scalar_t* row_0 = corners.row<const scalar_t>(0) + c;
+    const scalar_t* row_1 = corners.row<const scalar_t>(1) + c;
+    const scalar_t* row_2 = corners.row<const scalar_t>(2) + c;
+    const scalar_t* row_3 = corners.row<const scalar_t>(3) + c;
     for (int v = 0; v < kVectors; ++v) {
       Vector v0, v1, v2, v3;
       load_vector<opmath_t>(row_0 + v * kWidth, v0);
@@ -341,51 +378,58 @@ DEFORMCONV_INLINE void add_corner_products(const Lanes& grad, const Lanes& value
 }
 
 // One sample's share of the gradients, over the D channels of its group: the dot products of
-// the sampled values' gradients `grad` with its four corner rows `values` (a row of zeros for
-// a corner outside the image), for offset_mask_grad_sums_of_dots, kLanes channels at a time
-// in lanes, the last few copied into zero-filled lanes; and, with kScatter, weight[corner] *
-// grad added onto each corner's gradient row (a row that is never read for a corner of weight
-// 0). The products all go through the same vector code, whichever pass runs it: scalar code for
-// the last channels would leave the compiler free to fuse its multiply-adds differently in
-// each pass, and the results would depend on the pass, and so on the number of threads.
+// the sampled values' gradients `grad` (in the accumulation type, zero-filled to whole lanes)
+// with its four corner rows values.row(corner) (a row of zeros for a corner outside the image),
+// for offset_mask_grad_sums_of_dots, kLanes channels at a time in lanes, the last few copied
+// into zero-filled lanes; and, with kScatter, weight[corner] * grad added onto each corner's
+// gradient row grad_rows.row(corner) (a row that is never read for a corner of weight 0). The
+// products all go through the same vector code, whichever pass runs it: scalar code for the
+// last channels would leave the compiler free to fuse its multiply-adds differently in each
+// pass, and the results would depend on the pass, and so on the number of threads.
 template <bool kScatter, typename scalar_t, typename opmath_t>
-DEFORMCONV_INLINE void sample_gradients(const scalar_t* grad, int64_t D,
-                                        const scalar_t* const values[4],
-                                        opmath_t* const grad_rows[4], const opmath_t weight[4],
-                                        opmath_t dots[4]) {
+DEFORMCONV_INLINE void sample_gradients(const opmath_t* grad, int64_t D,
+                                        const CornerRows::OfSample& values,
+                                        const CornerRows::OfSample& grad_rows,
+                                        const opmath_t weight[4], opmath_t dots[4]) {
   using Lanes = typename LanesOf<opmath_t>::type;
   using Unaligned = typename LanesOf<opmath_t>::unaligned;
+  const scalar_t* value_0 = values.row<const scalar_t>(0);
+  const scalar_t* value_1 = values.row<const scalar_t>(1);
+  const scalar_t* value_2 = values.row<const scalar_t>(2);
+  const scalar_t* value_3 = values.row<const scalar_t>(3);
   Lanes dot_0 = {}, dot_1 = {}, dot_2 = {}, dot_3 = {};
   int64_t c = 0;
+  // Unrolled, so that where D is known (16 channels) its two passes run without a loop.
+#pragma GCC unroll 2
   for (; c + kLanes <= D; c += kLanes) {
-    Lanes grad_lanes, value_0, value_1, value_2, value_3;
+    Lanes grad_lanes, v0, v1, v2, v3;
     load_lanes<opmath_t>(grad + c, grad_lanes);
-    load_lanes<opmath_t>(values[0] + c, value_0);
-    load_lanes<opmath_t>(values[1] + c, value_1);
-    load_lanes<opmath_t>(values[2] + c, value_2);
-    load_lanes<opmath_t>(values[3] + c, value_3);
-    add_corner_products(grad_lanes, value_0, value_1, value_2, value_3, dot_0, dot_1, dot_2,
-                        dot_3);
+    load_lanes<opmath_t>(value_0 + c, v0);
+    load_lanes<opmath_t>(value_1 + c, v1);
+    load_lanes<opmath_t>(value_2 + c, v2);
+    load_lanes<opmath_t>(value_3 + c, v3);
+    add_corner_products(grad_lanes, v0, v1, v2, v3, dot_0, dot_1, dot_2, dot_3);
     if constexpr (kScatter) {
       for (int corner = 0; corner < 4; ++corner) {
-        Unaligned* grad_row = reinterpret_cast<Unaligned*>(grad_rows[corner] + c);
+        Unaligned* grad_row =
+            reinterpret_cast<Unaligned*>(grad_rows.row<opmath_t>(corner) + c);
         *grad_row += weight[corner] * grad_lanes;
       }
     }
   }
   if (c < D) {
-    Lanes grad_lanes, value_0, value_1, value_2, value_3;
-    load_last_lanes<opmath_t>(grad + c, D - c, grad_lanes);
-    load_last_lanes<opmath_t>(values[0] + c, D - c, value_0);
-    load_last_lanes<opmath_t>(values[1] + c, D - c, value_1);
-    load_last_lanes<opmath_t>(values[2] + c, D - c, value_2);
-    load_last_lanes<opmath_t>(values[3] + c, D - c, value_3);
-    add_corner_products(grad_lanes, value_0, value_1, value_2, value_3, dot_0, dot_1, dot_2,
-                        dot_3);
+    Lanes grad_lanes, v0, v1, v2, v3;
+    load_lanes<opmath_t>(grad + c, grad_lanes);
+    load_last_lanes<opmath_t>(value_0 + c, D - c, v0);
+    load_last_lanes<opmath_t>(value_1 + c, D - c, v1);
+    load_last_lanes<opmath_t>(value_2 + c, D - c, v2);
+    load_last_lanes<opmath_t>(value_3 + c, D - c, v3);
+    add_corner_products(grad_lanes, v0, v1, v2, v3, dot_0, dot_1, dot_2, dot_3);
     if constexpr (kScatter) {
       for (int corner = 0; corner < 4; ++corner) {
+        opmath_t* grad_row = grad_rows.row<opmath_t>(corner);
         for (int64_t lane = 0; c + lane < D; ++lane) {
-          grad_rows[corner][c + lane] += weight[corner] * grad_lanes[lane];
+          grad_row[c + lane] += weight[corner] * grad_lanes[lane];
         }
       }
     }
@@ -418,13 +462,13 @@ DEFORMCONV_VECTOR_CLONES void dcnv3_gradient_pixels(
       kScatter ? 4 * LocatedSamples<opmath_t>::kElsewhereRows * unread_row : 0);
   PixelSamples<opmath_t> samples(g);
   CornerRows values(samples_per_pixel);
-  CornerRows grad_rows(kScatter ? samples_per_pixel : 0);
-  // Per sample of the pixel: its four corner dot products, then its three gradient sums.
-  std::vector<opmath_t> dot_products(4 * samples_per_pixel), sums(3 * samples_per_pixel);
-  const opmath_t* const dots[4] = {dot_products.data(),
-                                   dot_products.data() + samples_per_pixel,
-                                   dot_products.data() + 2 * samples_per_pixel,
-                                   dot_products.data() + 3 * samples_per_pixel};
+  CornerRows grad_rows(samples_per_pixel);
+  // The sampled values' gradients of one group, in the accumulation type, zero-filled to whole
+  // lanes.
+  std::vector<opmath_t> group_grad((D + kLanes - 1) / kLanes * kLanes, opmath_t(0));
+  // Per sample of the pixel: its four corner dot products, side by side, then its three
+  // gradient sums.
+  std::vector<opmath_t> dots(4 * samples_per_pixel), sums(3 * samples_per_pixel);
   opmath_t* const sums_y = sums.data();
   opmath_t* const sums_x = sums.data() + samples_per_pixel;
   opmath_t* const sums_m = sums.data() + 2 * samples_per_pixel;
@@ -439,25 +483,24 @@ DEFORMCONV_VECTOR_CLONES void dcnv3_gradient_pixels(
           samples, samples_per_pixel, grad_input + image_start, C, unread.data(),
           unread_row * static_cast<int64_t>(sizeof(opmath_t)));
     }
-    for (int64_t k = 0; k < samples_per_pixel; ++k) {
-      const scalar_t* grad = grad_output + pixel * C + samples.first_channel[k];
-      const scalar_t* rows[4];
-      opmath_t* grad_rows_of_k[4] = {};
-      opmath_t weight[4] = {};
-      for (int corner = 0; corner < 4; ++corner) {
-        rows[corner] = values.row<const scalar_t>(corner, k);
-        if constexpr (kScatter) {
-          grad_rows_of_k[corner] = grad_rows.row<opmath_t>(corner, k);
-          weight[corner] = samples.weight(corner, k);
-        }
+    for (int64_t group = 0; group < g.groups; ++group) {
+      const scalar_t* grad = grad_output + pixel * C + group * D;
+      for (int64_t c = 0; c < D; ++c) {
+        group_grad[c] = static_cast<opmath_t>(grad[c]);
       }
-      opmath_t dots_of_k[4];
-      sample_gradients<kScatter>(grad, D, rows, grad_rows_of_k, weight, dots_of_k);
-      for (int corner = 0; corner < 4; ++corner) {
-        dot_products[corner * samples_per_pixel + k] = dots_of_k[corner];
+      for (int64_t k = group * P; k < (group + 1) * P; ++k) {
+        opmath_t weight[4] = {};
+        if constexpr (kScatter) {
+          for (int corner = 0; corner < 4; ++corner) {
+            weight[corner] = samples.weight(corner, k);
+          }
+        }
+        sample_gradients<kScatter, scalar_t>(group_grad.data(), D, values.of_sample(k),
+                                             grad_rows.of_sample(k), weight,
+                                             dots.data() + 4 * k);
       }
     }
-    samples.offset_mask_grad_sums(samples_per_pixel, dots, sums_y, sums_x, sums_m);
+    samples.offset_mask_grad_sums(samples_per_pixel, dots.data(), sums_y, sums_x, sums_m);
     for (int64_t group = 0; group < g.groups; ++group) {
       scalar_t *group_grad_offset, *group_grad_mask;
       dcnv3_group_grads(f, pixel, group, grad_offset, grad_mask, group_grad_offset,

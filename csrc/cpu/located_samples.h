@@ -195,22 +195,18 @@ class LocatedSamples {
   }
 
   // For samples k < `samples`, the offset and mask gradient sums of offset_mask_grad_sums_of_dots
-  // from the dot products dots[corner][k] of each corner's row with the sampled value's
+  // from the dot products dots[4 * k + corner] of each corner's row with the sampled value's
   // gradient, in one loop that the compiler vectorises; zero for a sample outside.
-  DEFORMCONV_INLINE void offset_mask_grad_sums(int64_t samples, const opmath_t* const dots[4],
+  DEFORMCONV_INLINE void offset_mask_grad_sums(int64_t samples, const opmath_t* __restrict dots,
                                                opmath_t* __restrict sums_y,
                                                opmath_t* __restrict sums_x,
                                                opmath_t* __restrict sums_m) const {
     const int32_t* __restrict inside = inside_.data();
     const opmath_t* __restrict ly = ly_.data();
     const opmath_t* __restrict lx = lx_.data();
-    const opmath_t* __restrict dots_0 = dots[0];
-    const opmath_t* __restrict dots_1 = dots[1];
-    const opmath_t* __restrict dots_2 = dots[2];
-    const opmath_t* __restrict dots_3 = dots[3];
     for (int64_t k = 0; k < samples; ++k) {
-      const OffsetMaskGradSums<opmath_t> sums =
-          offset_mask_grad_sums_of_dots(ly[k], lx[k], dots_0[k], dots_1[k], dots_2[k], dots_3[k]);
+      const OffsetMaskGradSums<opmath_t> sums = offset_mask_grad_sums_of_dots(
+          ly[k], lx[k], dots[4 * k], dots[4 * k + 1], dots[4 * k + 2], dots[4 * k + 3]);
       sums_y[k] = sums.y;
       sums_x[k] = sums.x;
       sums_m[k] = sums.m;
