@@ -19,6 +19,24 @@
 namespace deformconv {
 namespace {
 
+// Calls run(group, count) for the runs of a pixel's samples whose offsets and masks lie in
+// runs too, the run of `count` samples from `group`'s first point on: one run of all the
+// pixel's samples in DCNv3's layout, one per group in DCNv4's packed layout. A loop over a run
+// reads or writes the offsets as (x, y) pairs and the masks one by one, which the compiler
+// vectorises when the run is long.
+template <typename Function>
+DEFORMCONV_INLINE void for_each_sample_run(const Dcnv3Geometry& g, const Dcnv3Fields& f,
+                                           const Function& run) {
+  const int64_t P = g.points();
+  if (f.offset_group_stride == 2 * P && f.mask_group_stride == P) {
+    run(int64_t(0), g.groups * P);
+  } else {
+    for (int64_t group = 0; group < g.groups; ++group) {
+      run(group, P);
+    }
+  }
+}
+
 // Every sample of one output pixel, k = group * P + point, located at once (LocatedSamples):
 // dcnv3_position's sum with its terms computed once, the reference point per pixel and the
 // grid points per task. A task keeps one and moves it from pixel to pixel.
@@ -43,19 +61,10 @@ class PixelSamples : public LocatedSamples<opmath_t> {
   DEFORMCONV_INLINE void locate(const Dcnv3Geometry& g, const Dcnv3Fields& f, int64_t pixel,
                                 const scalar_t* offset, const scalar_t* mask) {
     const int64_t P = g.points();
-    if (f.offset_group_stride == 2 * P && f.mask_group_stride == P) {
-      // DCNv3's layout: one run of (x, y) pairs and one of masks over all the pixel's samples,
-      // read in a single loop, which the compiler vectorises (the loop below is over runs of
-      // only P).
-      unpack_samples(g.groups * P, offset + pixel * f.offset_pixel_stride,
-                     mask + pixel * f.mask_pixel_stride, 0);
-    } else {
-      for (int64_t group = 0; group < g.groups; ++group) {
-        unpack_samples(P, offset + pixel * f.offset_pixel_stride + group * f.offset_group_stride,
-                       mask + pixel * f.mask_pixel_stride + group * f.mask_group_stride,
-                       group * P);
-      }
-    }
+    for_each_sample_run(g, f, [&](int64_t group, int64_t count) {
+      unpack_samples(count, offset + pixel * f.offset_pixel_stride + group * f.offset_group_stride,
+                     mask + pixel * f.mask_pixel_stride + group * f.mask_group_stride, group * P);
+    });
     const int64_t ho = pixel / g.out_width % g.out_height, wo = pixel % g.out_width;
     dcnv3_centre_tap(g, ho, wo, centre_y, centre_x);
     opmath_t base_y, base_x;
@@ -501,17 +510,16 @@ DEFORMCONV_VECTOR_CLONES void dcnv3_gradient_pixels(
       }
     }
     samples.offset_mask_grad_sums(samples_per_pixel, dots.data(), sums_y, sums_x, sums_m);
-    for (int64_t group = 0; group < g.groups; ++group) {
-      scalar_t *group_grad_offset, *group_grad_mask;
-      dcnv3_group_grads(f, pixel, group, grad_offset, grad_mask, group_grad_offset,
-                        group_grad_mask);
-      for (int64_t point = 0; point < P; ++point) {
+    // A run's gradients are laid out as one group's, of `count` points.
+    for_each_sample_run(g, f, [&](int64_t group, int64_t count) {
+      scalar_t *run_grad_offset, *run_grad_mask;
+      dcnv3_group_grads(f, pixel, group, grad_offset, grad_mask, run_grad_offset, run_grad_mask);
+      for (int64_t point = 0; point < count; ++point) {
         const int64_t k = group * P + point;
         const OffsetMaskGradSums<opmath_t> sums_of_k{sums_y[k], sums_x[k], sums_m[k]};
-        dcnv3_write_grad(g, point, samples.mask(k), sums_of_k, group_grad_offset,
-                         group_grad_mask);
+        dcnv3_write_grad(g, point, samples.mask(k), sums_of_k, run_grad_offset, run_grad_mask);
       }
-    }
+    });
   }
 }
 
