@@ -96,17 +96,16 @@ class CornerRows {
  public:
   explicit CornerRows(int64_t samples) : samples_(samples), addresses_(4 * samples) {}
 
-  template <typename opmath_t, typename element_t,
-            typename LocatedSamples<opmath_t>::Corners kTaken>
-  DEFORMCONV_INLINE void fill(const PixelSamples<opmath_t>& samples, int64_t count,
-                              element_t* image, int64_t pixel_stride, element_t* elsewhere,
-                              int64_t elsewhere_row_bytes = 0) {
-    uintptr_t* const rows[4] = {addresses_.data(), addresses_.data() + samples_,
-                                addresses_.data() + 2 * samples_,
-                                addresses_.data() + 3 * samples_};
-    samples.template corner_row_addresses<kTaken>(count, image, pixel_stride,
-                                                  samples.first_channel.data(), elsewhere,
-                                                  elsewhere_row_bytes, rows);
+  // Where LocatedSamples::corner_row_addresses is to put the rows of `image`: here.
+  template <TakenCorners kTaken, typename element_t>
+  DEFORMCONV_INLINE CornerRowTarget<kTaken, element_t> target(element_t* image,
+                                                              element_t* elsewhere,
+                                                              int64_t elsewhere_row_bytes = 0) {
+    return {image,
+            elsewhere,
+            elsewhere_row_bytes,
+            {addresses_.data(), addresses_.data() + samples_, addresses_.data() + 2 * samples_,
+             addresses_.data() + 3 * samples_}};
   }
 
   // Sample k's four corner rows, reached through one pointer and the distance between the
@@ -248,7 +247,6 @@ DEFORMCONV_VECTOR_CLONES void dcnv3_forward_pixels(const Dcnv3Geometry& g, const
                                                    const scalar_t* mask, scalar_t* output,
                                                    int64_t begin, int64_t end) {
   using opmath_t = at::opmath_type<scalar_t>;
-  using Corners = typename LocatedSamples<opmath_t>::Corners;
   using Lanes = typename LanesOf<opmath_t>::type;
   typedef opmath_t Vector __attribute__((vector_size(kVectorBytes)));
   constexpr int64_t kWidth = kVectorBytes / sizeof(opmath_t);
@@ -262,8 +260,9 @@ DEFORMCONV_VECTOR_CLONES void dcnv3_forward_pixels(const Dcnv3Geometry& g, const
     samples.locate(g, f, pixel, offset, mask);
     const scalar_t* image = input + pixel / g.out_pixels() * g.in_pixels() * C;
     prefetch_rows_ahead(g, samples, image, pixel, begin);
-    rows.fill<opmath_t, const scalar_t, Corners::kWeighted>(samples, g.groups * P, image, C,
-                                                           zeros.data());
+    samples.corner_row_addresses(
+        g.groups * P, C, samples.first_channel.data(),
+        rows.target<TakenCorners::kWeighted>(image, zeros.data()));
     for (int64_t group = 0; group < g.groups; ++group) {
       scalar_t* out = output + pixel * C + group * D;
       int64_t c = 0;
@@ -406,6 +405,11 @@ DEFORMCONV_INLINE void sample_gradients(const opmath_t* grad, int64_t D,
   const scalar_t* value_1 = values.row<const scalar_t>(1);
   const scalar_t* value_2 = values.row<const scalar_t>(2);
   const scalar_t* value_3 = values.row<const scalar_t>(3);
+  // Read once, before the scatter's stores: the compiler cannot tell that those stores leave
+  // the rows' addresses and the weights as they were, and would read them again after each.
+  opmath_t* const grad_row[4] = {grad_rows.row<opmath_t>(0), grad_rows.row<opmath_t>(1),
+                                 grad_rows.row<opmath_t>(2), grad_rows.row<opmath_t>(3)};
+  const opmath_t weight_of[4] = {weight[0], weight[1], weight[2], weight[3]};
   Lanes dot_0 = {}, dot_1 = {}, dot_2 = {}, dot_3 = {};
   int64_t c = 0;
   // Unrolled, so that where D is known (16 channels) its two passes run without a loop.
@@ -420,9 +424,7 @@ DEFORMCONV_INLINE void sample_gradients(const opmath_t* grad, int64_t D,
     add_corner_products(grad_lanes, v0, v1, v2, v3, dot_0, dot_1, dot_2, dot_3);
     if constexpr (kScatter) {
       for (int corner = 0; corner < 4; ++corner) {
-        Unaligned* grad_row =
-            reinterpret_cast<Unaligned*>(grad_rows.row<opmath_t>(corner) + c);
-        *grad_row += weight[corner] * grad_lanes;
+        *reinterpret_cast<Unaligned*>(grad_row[corner] + c) += weight_of[corner] * grad_lanes;
       }
     }
   }
@@ -436,9 +438,8 @@ DEFORMCONV_INLINE void sample_gradients(const opmath_t* grad, int64_t D,
     add_corner_products(grad_lanes, v0, v1, v2, v3, dot_0, dot_1, dot_2, dot_3);
     if constexpr (kScatter) {
       for (int corner = 0; corner < 4; ++corner) {
-        opmath_t* grad_row = grad_rows.row<opmath_t>(corner);
         for (int64_t lane = 0; c + lane < D; ++lane) {
-          grad_row[c + lane] += weight[corner] * grad_lanes[lane];
+          grad_row[corner][c + lane] += weight_of[corner] * grad_lanes[lane];
         }
       }
     }
@@ -458,7 +459,6 @@ DEFORMCONV_VECTOR_CLONES void dcnv3_gradient_pixels(
     at::opmath_type<scalar_t>* grad_input, scalar_t* grad_offset, scalar_t* grad_mask,
     int64_t begin, int64_t end) {
   using opmath_t = at::opmath_type<scalar_t>;
-  using Corners = typename LocatedSamples<opmath_t>::Corners;
   const int64_t P = g.points();
   const int64_t D = kGroupChannels > 0 ? kGroupChannels : g.group_channels;
   const int64_t C = g.channels();
@@ -468,7 +468,7 @@ DEFORMCONV_VECTOR_CLONES void dcnv3_gradient_pixels(
   // (corner_row_addresses).
   const int64_t unread_row = D;
   std::vector<opmath_t> unread(
-      kScatter ? 4 * LocatedSamples<opmath_t>::kElsewhereRows * unread_row : 0);
+      kScatter ? 4 * kElsewhereRows * unread_row : 0);
   PixelSamples<opmath_t> samples(g);
   CornerRows values(samples_per_pixel);
   CornerRows grad_rows(samples_per_pixel);
@@ -485,12 +485,17 @@ DEFORMCONV_VECTOR_CLONES void dcnv3_gradient_pixels(
     samples.locate(g, f, pixel, offset, mask);
     const int64_t image_start = pixel / g.out_pixels() * g.in_pixels() * C;
     prefetch_rows_ahead(g, samples, input + image_start, pixel, begin);
-    values.fill<opmath_t, const scalar_t, Corners::kInside>(samples, samples_per_pixel,
-                                                           input + image_start, C, zeros.data());
+    const auto value_rows =
+        values.target<TakenCorners::kInside>(input + image_start, zeros.data());
     if constexpr (kScatter) {
-      grad_rows.fill<opmath_t, opmath_t, Corners::kWeighted>(
-          samples, samples_per_pixel, grad_input + image_start, C, unread.data(),
-          unread_row * static_cast<int64_t>(sizeof(opmath_t)));
+      samples.corner_row_addresses(
+          samples_per_pixel, C, samples.first_channel.data(), value_rows,
+          grad_rows.target<TakenCorners::kWeighted>(
+              grad_input + image_start, unread.data(),
+              unread_row * static_cast<int64_t>(sizeof(opmath_t))));
+    } else {
+      samples.corner_row_addresses(samples_per_pixel, C, samples.first_channel.data(),
+                                   value_rows);
     }
     for (int64_t group = 0; group < g.groups; ++group) {
       const scalar_t* grad = grad_output + pixel * C + group * D;

@@ -68,6 +68,39 @@ DEFORMCONV_INLINE void locate_cells(
   }
 }
 
+// Which corners of a sample LocatedSamples::corner_row_addresses points into the image: those
+// of nonzero weight (what the sampled value reads and its gradient's scatter writes), or those
+// inside the image (what the position's derivative reads, even at a corner of zero weight).
+enum class TakenCorners { kWeighted, kInside };
+
+// How many rows per corner LocatedSamples::corner_row_addresses spreads the corners not taken
+// over.
+constexpr int64_t kElsewhereRows = 8;
+
+// Where LocatedSamples::corner_row_addresses puts the corner rows of one channels-last image
+// (or its gradient) of element_t: rows[corner][k] for sample k, the address of the corner's
+// row in `image` where kTaken takes the corner, else a row of `elsewhere`.
+template <TakenCorners kTaken, typename element_t>
+struct CornerRowTarget {
+  element_t* image;
+  element_t* elsewhere;
+  int64_t elsewhere_row_bytes;
+  uintptr_t* rows[4];
+
+  DEFORMCONV_INLINE void select(int64_t k, const int64_t corner_elements[4],
+                                const bool weighted[4], const bool in_image[4]) const {
+    const bool* taken = kTaken == TakenCorners::kWeighted ? weighted : in_image;
+    const uintptr_t base = reinterpret_cast<uintptr_t>(image);
+    const uintptr_t other = reinterpret_cast<uintptr_t>(elsewhere) +
+        static_cast<uintptr_t>(k % kElsewhereRows * 4 * elsewhere_row_bytes);
+    for (int corner = 0; corner < 4; ++corner) {
+      rows[corner][k] = taken[corner]
+          ? base + static_cast<uintptr_t>(corner_elements[corner] * int64_t(sizeof(element_t)))
+          : other + static_cast<uintptr_t>(corner * elsewhere_row_bytes);
+    }
+  }
+};
+
 // Up to `capacity` samples in a height x width grid. Sample k lies at
 //   y = base_y + (grid_y[k] + dy[k]) * scale,   x = base_x + (grid_x[k] + dx[k]) * scale,
 // modulated by m[k]: the op fills those five arrays (DCNv3's grid points and offsets, or DCN
@@ -123,74 +156,28 @@ class LocatedSamples {
     }
   }
 
-  // Which corners of a sample corner_row_addresses points into the image: those of nonzero
-  // weight (what the sampled value reads and its gradient's scatter writes), or those inside
-  // the image (what the position's derivative reads, even at a corner of zero weight).
-  enum class Corners { kWeighted, kInside };
-
-  // How many rows per corner corner_row_addresses spreads the corners not taken over.
-  static constexpr int64_t kElsewhereRows = 8;
-
-  // For samples k < `samples`, rows[corner][k] = the address of element first[k] + (the
-  // corner's grid index) * pixel_stride from `image` for a corner taken, and for the others
-  // row (k % kElsewhereRows) * 4 + corner of `elsewhere`, rows elsewhere_row_bytes apart (0: a
-  // single row): corner_rows for many samples in one loop, which the compiler vectorises.
-  // Addresses are integers (made into pointers where read) so that the selection vectorises,
-  // and so that the address of a corner outside, computed then discarded, is never a pointer.
-  // A scatter that adds into the rows of the corners not taken (to be ignored) spreads its
-  // writes so: into a single row, each add would wait for the previous one, where many
-  // samples fall outside the image.
-  template <Corners kTaken, typename element_t>
-  DEFORMCONV_INLINE void corner_row_addresses(int64_t samples, const element_t* image,
-                                              int64_t pixel_stride,
-                                              const int64_t* __restrict first,
-                                              const element_t* elsewhere,
-                                              int64_t elsewhere_row_bytes,
-                                              uintptr_t* const rows[4]) const {
-    const uintptr_t base = reinterpret_cast<uintptr_t>(image);
-    const uintptr_t elsewhere_base = reinterpret_cast<uintptr_t>(elsewhere);
-    const int64_t element_bytes = sizeof(element_t);
-    const int64_t column_bytes = pixel_stride * element_bytes;
-    const int64_t row_bytes = width_ * column_bytes;
-    const int32_t* __restrict inside = inside_.data();
-    const int32_t* __restrict y0 = y0_.data();
-    const int32_t* __restrict x0 = x0_.data();
-    const opmath_t* __restrict weight_0 = weight_[0].data();
-    const opmath_t* __restrict weight_1 = weight_[1].data();
-    const opmath_t* __restrict weight_2 = weight_[2].data();
-    const opmath_t* __restrict weight_3 = weight_[3].data();
-    uintptr_t* __restrict rows_0 = rows[0];
-    uintptr_t* __restrict rows_1 = rows[1];
-    uintptr_t* __restrict rows_2 = rows[2];
-    uintptr_t* __restrict rows_3 = rows[3];
-    const int32_t rows_in_grid = static_cast<int32_t>(height_);
-    const int32_t columns = static_cast<int32_t>(width_);
-    for (int64_t k = 0; k < samples; ++k) {
-      bool taken[4];
-      if constexpr (kTaken == Corners::kWeighted) {
-        taken[0] = weight_0[k] != opmath_t(0);
-        taken[1] = weight_1[k] != opmath_t(0);
-        taken[2] = weight_2[k] != opmath_t(0);
-        taken[3] = weight_3[k] != opmath_t(0);
-      } else {
-        const int32_t top = inside[k] & int32_t(y0[k] >= 0);
-        const int32_t bottom = inside[k] & int32_t(y0[k] + 1 < rows_in_grid);
-        const int32_t left = int32_t(x0[k] >= 0);
-        const int32_t right = int32_t(x0[k] + 1 < columns);
-        taken[0] = top & left;
-        taken[1] = top & right;
-        taken[2] = bottom & left;
-        taken[3] = bottom & right;
-      }
-      const uintptr_t top_left = base +
-          static_cast<uintptr_t>(first[k] * element_bytes + y0[k] * row_bytes +
-                                 x0[k] * column_bytes);
-      const uintptr_t other = elsewhere_base +
-          static_cast<uintptr_t>(k % kElsewhereRows * 4 * elsewhere_row_bytes);
-      rows_0[k] = taken[0] ? top_left : other;
-      rows_1[k] = taken[1] ? top_left + column_bytes : other + elsewhere_row_bytes;
-      rows_2[k] = taken[2] ? top_left + row_bytes : other + 2 * elsewhere_row_bytes;
-      rows_3[k] = taken[3] ? top_left + row_bytes + column_bytes : other + 3 * elsewhere_row_bytes;
+  // For samples k < `samples`, the rows of their corners in each target's channels-last image
+  // (CornerRowTarget): target.rows[corner][k] = the address of element first[k] + (the
+  // corner's grid index) * pixel_stride from target.image for a corner taken, and for the
+  // others row (k % kElsewhereRows) * 4 + corner of target.elsewhere, rows
+  // target.elsewhere_row_bytes apart (0: a single row): corner_rows for many samples in one
+  // loop, which the compiler vectorises, the corners' element offset made once for all the
+  // targets. Addresses are integers (made into pointers where read) so that the selection
+  // vectorises, and so that the address of a corner outside, computed then discarded, is never
+  // a pointer. A scatter that adds into the rows of the corners not taken (to be ignored)
+  // spreads its writes so: into a single row, each add would wait for the previous one, where
+  // many samples fall outside the image.
+  template <typename... Targets>
+  DEFORMCONV_INLINE void corner_row_addresses(int64_t samples, int64_t pixel_stride,
+                                              const int64_t* first,
+                                              const Targets&... targets) const {
+    // With strides that fit in 32 bits, as they do for any image that is not gigantic, the
+    // offsets are 32-bit products widened to 64 bits, one instruction per vector where AVX2
+    // has no 64-bit multiply.
+    if (width_ * pixel_stride <= INT32_MAX) {
+      corner_row_address_loop<int32_t>(samples, pixel_stride, first, targets...);
+    } else {
+      corner_row_address_loop<int64_t>(samples, pixel_stride, first, targets...);
     }
   }
 
@@ -250,6 +237,41 @@ class LocatedSamples {
   }
 
  private:
+  template <typename stride_t, typename... Targets>
+  DEFORMCONV_INLINE void corner_row_address_loop(int64_t samples, int64_t pixel_stride,
+                                                 const int64_t* __restrict first,
+                                                 const Targets&... targets) const {
+    const stride_t column_elements = static_cast<stride_t>(pixel_stride);
+    const stride_t row_elements = static_cast<stride_t>(width_ * pixel_stride);
+    const int32_t* __restrict inside = inside_.data();
+    const int32_t* __restrict y0 = y0_.data();
+    const int32_t* __restrict x0 = x0_.data();
+    const opmath_t* __restrict weight_0 = weight_[0].data();
+    const opmath_t* __restrict weight_1 = weight_[1].data();
+    const opmath_t* __restrict weight_2 = weight_[2].data();
+    const opmath_t* __restrict weight_3 = weight_[3].data();
+    const int32_t rows_in_grid = static_cast<int32_t>(height_);
+    const int32_t columns = static_cast<int32_t>(width_);
+    // The targets' rows are written and nothing else: no iteration reads what another writes.
+#pragma GCC ivdep
+    for (int64_t k = 0; k < samples; ++k) {
+      const bool weighted[4] = {weight_0[k] != opmath_t(0), weight_1[k] != opmath_t(0),
+                                weight_2[k] != opmath_t(0), weight_3[k] != opmath_t(0)};
+      const int32_t top = inside[k] & int32_t(y0[k] >= 0);
+      const int32_t bottom = inside[k] & int32_t(y0[k] + 1 < rows_in_grid);
+      const int32_t left = int32_t(x0[k] >= 0);
+      const int32_t right = int32_t(x0[k] + 1 < columns);
+      const bool in_image[4] = {bool(top & left), bool(top & right), bool(bottom & left),
+                                bool(bottom & right)};
+      const int64_t top_left = first[k] + static_cast<int64_t>(y0[k]) * row_elements +
+          static_cast<int64_t>(x0[k]) * column_elements;
+      const int64_t corner_elements[4] = {top_left, top_left + column_elements,
+                                          top_left + row_elements,
+                                          top_left + row_elements + column_elements};
+      (targets.select(k, corner_elements, weighted, in_image), ...);
+    }
+  }
+
   int64_t height_, width_;
   std::vector<int32_t> inside_, y0_, x0_;
   std::vector<opmath_t> ly_, lx_;
