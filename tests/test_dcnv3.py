@@ -184,12 +184,12 @@ def test_non_finite_positions_sample_nothing():
     assert torch.isfinite(out).all()
 
 
-@pytest.mark.parametrize("batch", [1, 4])
-def test_cpu_backward_passes_match_reference(batch):
-    """The CPU backward makes the gradients in one pass over each image when the images are
-    enough to occupy the threads (batch 4 on one thread), in separate passes otherwise (batch
-    1: the input gradient in bands of rows); and separately too when only some gradients are
-    asked for."""
+@pytest.mark.parametrize("batch,threads", [(4, 1), (1, 2)])
+def test_cpu_backward_passes_match_reference(batch, threads):
+    """The CPU backward makes all the gradients in one pass over each image unless the images
+    are at most half the threads (batch 4 on one thread: one pass; batch 1 on two: the input
+    gradient by images and the offset and mask gradients apart); and separately too when only
+    some gradients are asked for."""
     geometry = GEOMETRIES[3]
     operands = random_operands(batch, 5, 6, geometry, seed=5)
     (kh, kw), (sh, sw), (ph, pw), (dh, dw), G, D = geometry
@@ -197,8 +197,8 @@ def test_cpu_backward_passes_match_reference(batch):
     expected = dcnv3_reference(*leaves, kh, kw, sh, sw, ph, pw, dh, dw, G, D, 0.5)
     grad_output = torch.randn_like(expected)
     expected_grads = torch.autograd.grad(expected, leaves, grad_output)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
     try:
         for output_mask in ([True, True, True], [True, False, False], [False, True, False],
                             [False, False, True]):
@@ -211,15 +211,15 @@ def test_cpu_backward_passes_match_reference(batch):
                 else:
                     assert grad is None
     finally:
-        torch.set_num_threads(threads)
+        torch.set_num_threads(previous)
 
 
-@pytest.mark.parametrize("batch", [1, 4])
+@pytest.mark.parametrize("batch,threads", [(4, 1), (1, 2)])
 @pytest.mark.parametrize("geometry", [GEOMETRIES[1], GEOMETRIES[5]])
-def test_samples_of_zero_mask_add_nothing_to_the_input_gradient(geometry, batch):
+def test_samples_of_zero_mask_add_nothing_to_the_input_gradient(geometry, batch, threads):
     """A sample of mask 0 weighs 0 at every corner and adds nothing to the input gradient, not
     even 0 * an infinite output gradient: NaN there would spread to every pixel it samples.
-    Both CPU backward passes (one thread: batch 4 in one pass, batch 1 in bands)."""
+    Both CPU backward passes (batch 4 on one thread in one pass, batch 1 on two in two)."""
     (kh, kw), (sh, sw), (ph, pw), (dh, dw), G, D = geometry
     input, offset, mask = random_operands(batch, 6, 7, geometry, seed=3, spread=0.5)
     P = kh * kw
@@ -228,14 +228,14 @@ def test_samples_of_zero_mask_add_nothing_to_the_input_gradient(geometry, batch)
     finite_grad_output = grad_output.clone()
     grad_output[0, 1, 1, :D] = math.inf
     finite_grad_output[0, 1, 1, :D] = 0
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
     try:
         grads = [torch.ops.deformconv.dcnv3_backward(
             grad, input, offset, mask, kh, kw, sh, sw, ph, pw, dh, dw, G, D, 1.0, 0, False,
             [True, True, True])[0] for grad in (grad_output, finite_grad_output)]
     finally:
-        torch.set_num_threads(threads)
+        torch.set_num_threads(previous)
     assert torch.isfinite(grads[0]).all()
     torch.testing.assert_close(grads[0], grads[1], rtol=0, atol=0)
 
@@ -244,14 +244,14 @@ def test_samples_of_zero_mask_add_nothing_to_the_input_gradient(geometry, batch)
                                             (GEOMETRIES[3], torch.float64),
                                             (GEOMETRIES[4], torch.float64)])
 def test_cpu_backward_is_deterministic_across_threads(geometry, dtype):
-    """Batch 3 runs the backward in one pass over each image on one thread and in separate
-    passes on two: the same gradients, to the last bit, with group_channels of one vector (16
-    floats), less than one (4) and more (17 doubles)."""
+    """Batch 3 runs the backward in one pass over each image on one or two threads and in two
+    passes on eight: the same gradients, to the last bit, with group_channels of one vector
+    (16 floats), less than one (4) and more (17 doubles)."""
     operands = random_operands(3, 9, 8, geometry, dtype=dtype)
     threads = torch.get_num_threads()
     results = []
     try:
-        for count in (1, max(2, threads)):
+        for count in (1, 2, 8):
             torch.set_num_threads(count)
             leaves = [t.clone().requires_grad_() for t in operands]
             out = run(deformconv.dcnv3, *leaves, geometry)
@@ -259,7 +259,8 @@ def test_cpu_backward_is_deterministic_across_threads(geometry, dtype):
             results.append([out.detach()] + [t.grad for t in leaves])
     finally:
         torch.set_num_threads(threads)
-    assert all(torch.equal(a, b) for a, b in zip(*results))
+    for result in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(results[0], result))
 
 
 @pytest.mark.parametrize("change,pattern", [

@@ -311,68 +311,6 @@ void dcnv3_forward_cpu(const Dcnv3Geometry& g, const Dcnv3Fields& f, int64_t bat
   });
 }
 
-// Tasks [begin, end) of the input gradient, task = (image, band of input rows): the task owns
-// the gradient of its rows, every channel, and adds into it the share of every plan corner
-// that falls there, in the order (pixel, group, point, corner) whatever the bands.
-template <typename scalar_t>
-DEFORMCONV_VECTOR_CLONES void dcnv3_input_grad_bands(
-    const Dcnv3Geometry& g, const Dcnv3Fields& f, const scalar_t* grad_output,
-    const scalar_t* offset, const scalar_t* mask, at::opmath_type<scalar_t>* grad_input,
-    int64_t rows_per_band, int64_t bands, int64_t begin, int64_t end) {
-  using opmath_t = at::opmath_type<scalar_t>;
-  PixelSamples<opmath_t> samples(g);
-  for (int64_t task = begin; task < end; ++task) {
-    const int64_t n = task / bands;
-    const int64_t band_begin = task % bands * rows_per_band * g.width;
-    const int64_t band_end = std::min(band_begin + rows_per_band * g.width, g.in_pixels());
-    for (int64_t pixel = n * g.out_pixels(); pixel < (n + 1) * g.out_pixels(); ++pixel) {
-      samples.locate(g, f, pixel, offset, mask);
-      for (int64_t group = 0; group < g.groups; ++group) {
-        const scalar_t* grad = grad_output + pixel * g.channels() + group * g.group_channels;
-        opmath_t* grad_channels =
-            dcnv3_group_channels(g, grad_input, dcnv3_sample_at(g, pixel, group, 0));
-        for (int64_t k = group * g.points(); k < (group + 1) * g.points(); ++k) {
-          const auto plan = samples.plan(k);
-          for (int corner = 0; corner < 4; ++corner) {
-            const int64_t index = plan.index[corner];
-            if (plan.weight[corner] != opmath_t(0) && index >= band_begin && index < band_end) {
-              scatter_corner(plan, corner, grad, g.group_channels, grad_channels, g.channels());
-            }
-          }
-        }
-      }
-    }
-  }
-}
-
-// How many bands of input rows each image's input gradient is split into: about two tasks per
-// thread over the images. Each band's task walks all the samples of its image, so many more
-// bands would multiply that cost.
-int64_t input_grad_rows_per_band(const Dcnv3Geometry& g, int64_t batch) {
-  const int64_t wanted_bands = (2 * at::get_num_threads() + batch - 1) / batch;
-  return (g.height + wanted_bands - 1) / wanted_bands;
-}
-
-void dcnv3_input_grad_cpu(const Dcnv3Geometry& g, const Dcnv3Fields& f, int64_t batch,
-                          const at::Tensor& grad_output, const at::Tensor& offset,
-                          const at::Tensor& mask, at::Tensor& grad_input) {
-  const int64_t rows_per_band = input_grad_rows_per_band(g, batch);
-  const int64_t bands = (g.height + rows_per_band - 1) / rows_per_band;
-  DEFORMCONV_DISPATCH(grad_output.scalar_type(), "dcnv3_input_grad_cpu", [&] {
-    // Note [Input gradient sums in float32]
-    at::Tensor sums = input_gradient_sums<scalar_t>(grad_input);
-    const scalar_t* grad_output_data = grad_output.const_data_ptr<scalar_t>();
-    const scalar_t* offset_data = offset.const_data_ptr<scalar_t>();
-    const scalar_t* mask_data = mask.const_data_ptr<scalar_t>();
-    auto* sums_data = sums.mutable_data_ptr<at::opmath_type<scalar_t>>();
-    parallel_tasks(batch * bands, [&](int64_t begin, int64_t end) {
-      dcnv3_input_grad_bands(g, f, grad_output_data, offset_data, mask_data, sums_data,
-                             rows_per_band, bands, begin, end);
-    });
-    store_input_gradient_sums(sums, grad_input);
-  });
-}
-
 // dot_i += grad * value_i, lane by lane, for the four corners.
 template <typename Lanes>
 DEFORMCONV_INLINE void add_corner_products(const Lanes& grad, const Lanes& value_0,
@@ -385,43 +323,52 @@ DEFORMCONV_INLINE void add_corner_products(const Lanes& grad, const Lanes& value
   dot_3 += grad * value_3;
 }
 
-// One sample's share of the gradients, over the D channels of its group: the dot products of
-// the sampled values' gradients `grad` (in the accumulation type, zero-filled to whole lanes)
-// with its four corner rows values.row(corner) (a row of zeros for a corner outside the image),
-// for offset_mask_grad_sums_of_dots, kLanes channels at a time in lanes, the last few copied
-// into zero-filled lanes; and, with kScatter, weight[corner] * grad added onto each corner's
-// gradient row grad_rows.row(corner) (a row that is never read for a corner of weight 0). The
-// products all go through the same vector code, whichever pass runs it: scalar code for the
-// last channels would leave the compiler free to fuse its multiply-adds differently in each
-// pass, and the results would depend on the pass, and so on the number of threads.
-template <bool kScatter, typename scalar_t, typename opmath_t>
+// One sample's share of the gradients, over the D channels of its group, from the sampled
+// values' gradients `grad` (in the accumulation type, zero-filled to whole lanes), kLanes
+// channels at a time in lanes: with kDots, the dot products of `grad` with the sample's four
+// corner rows values.row(corner) (a row of zeros for a corner outside the image), for
+// offset_mask_grad_sums_of_dots, the last few channels copied into zero-filled lanes; with
+// kScatter, weight[corner] * grad added onto each corner's gradient row grad_rows.row(corner)
+// (a row that is never read for a corner of weight 0). The products all go through the same
+// vector code, whichever pass runs it: scalar code for the last channels would leave the
+// compiler free to fuse its multiply-adds differently in each pass, and the results would
+// depend on the pass, and so on the number of threads.
+template <bool kDots, bool kScatter, typename scalar_t, typename opmath_t>
 DEFORMCONV_INLINE void sample_gradients(const opmath_t* grad, int64_t D,
                                         const CornerRows::OfSample& values,
                                         const CornerRows::OfSample& grad_rows,
                                         const opmath_t weight[4], opmath_t dots[4]) {
   using Lanes = typename LanesOf<opmath_t>::type;
   using Unaligned = typename LanesOf<opmath_t>::unaligned;
-  const scalar_t* value_0 = values.row<const scalar_t>(0);
-  const scalar_t* value_1 = values.row<const scalar_t>(1);
-  const scalar_t* value_2 = values.row<const scalar_t>(2);
-  const scalar_t* value_3 = values.row<const scalar_t>(3);
+  const scalar_t* value_0 = kDots ? values.row<const scalar_t>(0) : nullptr;
+  const scalar_t* value_1 = kDots ? values.row<const scalar_t>(1) : nullptr;
+  const scalar_t* value_2 = kDots ? values.row<const scalar_t>(2) : nullptr;
+  const scalar_t* value_3 = kDots ? values.row<const scalar_t>(3) : nullptr;
   // Read once, before the scatter's stores: the compiler cannot tell that those stores leave
   // the rows' addresses and the weights as they were, and would read them again after each.
-  opmath_t* const grad_row[4] = {grad_rows.row<opmath_t>(0), grad_rows.row<opmath_t>(1),
-                                 grad_rows.row<opmath_t>(2), grad_rows.row<opmath_t>(3)};
-  const opmath_t weight_of[4] = {weight[0], weight[1], weight[2], weight[3]};
+  opmath_t* grad_row[4] = {};
+  opmath_t weight_of[4] = {};
+  if constexpr (kScatter) {
+    for (int corner = 0; corner < 4; ++corner) {
+      grad_row[corner] = grad_rows.row<opmath_t>(corner);
+      weight_of[corner] = weight[corner];
+    }
+  }
   Lanes dot_0 = {}, dot_1 = {}, dot_2 = {}, dot_3 = {};
   int64_t c = 0;
   // Unrolled, so that where D is known (16 channels) its two passes run without a loop.
 #pragma GCC unroll 2
   for (; c + kLanes <= D; c += kLanes) {
-    Lanes grad_lanes, v0, v1, v2, v3;
+    Lanes grad_lanes;
     load_lanes<opmath_t>(grad + c, grad_lanes);
-    load_lanes<opmath_t>(value_0 + c, v0);
-    load_lanes<opmath_t>(value_1 + c, v1);
-    load_lanes<opmath_t>(value_2 + c, v2);
-    load_lanes<opmath_t>(value_3 + c, v3);
-    add_corner_products(grad_lanes, v0, v1, v2, v3, dot_0, dot_1, dot_2, dot_3);
+    if constexpr (kDots) {
+      Lanes v0, v1, v2, v3;
+      load_lanes<opmath_t>(value_0 + c, v0);
+      load_lanes<opmath_t>(value_1 + c, v1);
+      load_lanes<opmath_t>(value_2 + c, v2);
+      load_lanes<opmath_t>(value_3 + c, v3);
+      add_corner_products(grad_lanes, v0, v1, v2, v3, dot_0, dot_1, dot_2, dot_3);
+    }
     if constexpr (kScatter) {
       for (int corner = 0; corner < 4; ++corner) {
         *reinterpret_cast<Unaligned*>(grad_row[corner] + c) += weight_of[corner] * grad_lanes;
@@ -429,13 +376,16 @@ DEFORMCONV_INLINE void sample_gradients(const opmath_t* grad, int64_t D,
     }
   }
   if (c < D) {
-    Lanes grad_lanes, v0, v1, v2, v3;
+    Lanes grad_lanes;
     load_lanes<opmath_t>(grad + c, grad_lanes);
-    load_last_lanes<opmath_t>(value_0 + c, D - c, v0);
-    load_last_lanes<opmath_t>(value_1 + c, D - c, v1);
-    load_last_lanes<opmath_t>(value_2 + c, D - c, v2);
-    load_last_lanes<opmath_t>(value_3 + c, D - c, v3);
-    add_corner_products(grad_lanes, v0, v1, v2, v3, dot_0, dot_1, dot_2, dot_3);
+    if constexpr (kDots) {
+      Lanes v0, v1, v2, v3;
+      load_last_lanes<opmath_t>(value_0 + c, D - c, v0);
+      load_last_lanes<opmath_t>(value_1 + c, D - c, v1);
+      load_last_lanes<opmath_t>(value_2 + c, D - c, v2);
+      load_last_lanes<opmath_t>(value_3 + c, D - c, v3);
+      add_corner_products(grad_lanes, v0, v1, v2, v3, dot_0, dot_1, dot_2, dot_3);
+    }
     if constexpr (kScatter) {
       for (int corner = 0; corner < 4; ++corner) {
         for (int64_t lane = 0; c + lane < D; ++lane) {
@@ -444,21 +394,29 @@ DEFORMCONV_INLINE void sample_gradients(const opmath_t* grad, int64_t D,
       }
     }
   }
-  sums_of_four_lanes<opmath_t>(dot_0, dot_1, dot_2, dot_3, dots);
+  if constexpr (kDots) {
+    sums_of_four_lanes<opmath_t>(dot_0, dot_1, dot_2, dot_3, dots);
+  }
 }
 
-// Pixels [begin, end) of the offset and mask gradients: the samples of each pixel located,
-// their corner dot products summed over their groups' channels, and then, from those, the
-// gradients of all the pixel's samples at once. With kScatter, also each sample's share of
-// the input gradient, added into grad_input (whose images the task owns) in the order (pixel,
-// group, point, corner), as the banded pass adds it.
-template <bool kScatter, int64_t kGroupChannels, typename scalar_t>
+// The gradients that a pass of dcnv3_gradient_pixels makes: all of them, the input gradient
+// alone, or the offset and mask gradients alone.
+enum class GradientPass { kAll, kInput, kOffsetMask };
+
+// Pixels [begin, end) of the gradients that kPass makes. The samples of each pixel are located
+// at once; for the offset and mask gradients, their corner dot products are summed over their
+// groups' channels, and then, from those, the gradients of all the pixel's samples made at
+// once; for the input gradient, each sample's share is added into grad_input, whose images the
+// task owns, in the order (pixel, group, point, corner) whichever pass adds it.
+template <GradientPass kPass, int64_t kGroupChannels, typename scalar_t>
 DEFORMCONV_VECTOR_CLONES void dcnv3_gradient_pixels(
     const Dcnv3Geometry& g, const Dcnv3Fields& f, const scalar_t* grad_output,
     const scalar_t* input, const scalar_t* offset, const scalar_t* mask,
     at::opmath_type<scalar_t>* grad_input, scalar_t* grad_offset, scalar_t* grad_mask,
     int64_t begin, int64_t end) {
   using opmath_t = at::opmath_type<scalar_t>;
+  constexpr bool kDots = kPass != GradientPass::kInput;
+  constexpr bool kScatter = kPass != GradientPass::kOffsetMask;
   const int64_t P = g.points();
   const int64_t D = kGroupChannels > 0 ? kGroupChannels : g.group_channels;
   const int64_t C = g.channels();
@@ -467,8 +425,7 @@ DEFORMCONV_VECTOR_CLONES void dcnv3_gradient_pixels(
   // Where the gradients of corners of weight 0 go: written, never read, spread over rows
   // (corner_row_addresses).
   const int64_t unread_row = D;
-  std::vector<opmath_t> unread(
-      kScatter ? 4 * kElsewhereRows * unread_row : 0);
+  std::vector<opmath_t> unread(kScatter ? 4 * kElsewhereRows * unread_row : 0);
   PixelSamples<opmath_t> samples(g);
   CornerRows values(samples_per_pixel);
   CornerRows grad_rows(samples_per_pixel);
@@ -484,18 +441,28 @@ DEFORMCONV_VECTOR_CLONES void dcnv3_gradient_pixels(
   for (int64_t pixel = begin; pixel < end; ++pixel) {
     samples.locate(g, f, pixel, offset, mask);
     const int64_t image_start = pixel / g.out_pixels() * g.in_pixels() * C;
-    prefetch_rows_ahead(g, samples, input + image_start, pixel, begin);
-    const auto value_rows =
-        values.target<TakenCorners::kInside>(input + image_start, zeros.data());
-    if constexpr (kScatter) {
-      samples.corner_row_addresses(
-          samples_per_pixel, C, samples.first_channel.data(), value_rows,
-          grad_rows.target<TakenCorners::kWeighted>(
-              grad_input + image_start, unread.data(),
-              unread_row * static_cast<int64_t>(sizeof(opmath_t))));
+    if constexpr (kDots) {
+      prefetch_rows_ahead(g, samples, input + image_start, pixel, begin);
+    }
+    // The rows that the dots read and those that the scatter adds into (grad_input is null in
+    // a pass without the scatter).
+    const auto value_rows = [&] {
+      return values.target<TakenCorners::kInside>(input + image_start, zeros.data());
+    };
+    const auto scattered_rows = [&] {
+      return grad_rows.target<TakenCorners::kWeighted>(
+          grad_input + image_start, unread.data(),
+          unread_row * static_cast<int64_t>(sizeof(opmath_t)));
+    };
+    if constexpr (kPass == GradientPass::kAll) {
+      samples.corner_row_addresses(samples_per_pixel, C, samples.first_channel.data(),
+                                   value_rows(), scattered_rows());
+    } else if constexpr (kPass == GradientPass::kInput) {
+      samples.corner_row_addresses(samples_per_pixel, C, samples.first_channel.data(),
+                                   scattered_rows());
     } else {
       samples.corner_row_addresses(samples_per_pixel, C, samples.first_channel.data(),
-                                   value_rows);
+                                   value_rows());
     }
     for (int64_t group = 0; group < g.groups; ++group) {
       const scalar_t* grad = grad_output + pixel * C + group * D;
@@ -509,86 +476,80 @@ DEFORMCONV_VECTOR_CLONES void dcnv3_gradient_pixels(
             weight[corner] = samples.weight(corner, k);
           }
         }
-        sample_gradients<kScatter, scalar_t>(group_grad.data(), D, values.of_sample(k),
-                                             grad_rows.of_sample(k), weight,
-                                             dots.data() + 4 * k);
+        sample_gradients<kDots, kScatter, scalar_t>(group_grad.data(), D, values.of_sample(k),
+                                                    grad_rows.of_sample(k), weight,
+                                                    dots.data() + 4 * k);
       }
     }
-    samples.offset_mask_grad_sums(samples_per_pixel, dots.data(), sums_y, sums_x, sums_m);
-    // A run's gradients are laid out as one group's, of `count` points.
-    for_each_sample_run(g, f, [&](int64_t group, int64_t count) {
-      scalar_t *run_grad_offset, *run_grad_mask;
-      dcnv3_group_grads(f, pixel, group, grad_offset, grad_mask, run_grad_offset, run_grad_mask);
-      for (int64_t point = 0; point < count; ++point) {
-        const int64_t k = group * P + point;
-        const OffsetMaskGradSums<opmath_t> sums_of_k{sums_y[k], sums_x[k], sums_m[k]};
-        dcnv3_write_grad(g, point, samples.mask(k), sums_of_k, run_grad_offset, run_grad_mask);
-      }
-    });
+    if constexpr (kDots) {
+      samples.offset_mask_grad_sums(samples_per_pixel, dots.data(), sums_y, sums_x, sums_m);
+      // A run's gradients are laid out as one group's, of `count` points.
+      for_each_sample_run(g, f, [&](int64_t group, int64_t count) {
+        scalar_t *run_grad_offset, *run_grad_mask;
+        dcnv3_group_grads(f, pixel, group, grad_offset, grad_mask, run_grad_offset,
+                          run_grad_mask);
+        for (int64_t point = 0; point < count; ++point) {
+          const int64_t k = group * P + point;
+          const OffsetMaskGradSums<opmath_t> sums_of_k{sums_y[k], sums_x[k], sums_m[k]};
+          dcnv3_write_grad(g, point, samples.mask(k), sums_of_k, run_grad_offset,
+                           run_grad_mask);
+        }
+      });
+    }
   }
 }
 
-void dcnv3_offset_mask_grad_cpu(const Dcnv3Geometry& g, const Dcnv3Fields& f, int64_t batch,
-                                const at::Tensor& grad_output, const at::Tensor& input,
-                                const at::Tensor& offset, const at::Tensor& mask,
-                                at::Tensor& grad_offset, at::Tensor& grad_mask) {
-  DEFORMCONV_DISPATCH(input.scalar_type(), "dcnv3_offset_mask_grad_cpu", [&] {
-    const scalar_t* grad_output_data = grad_output.const_data_ptr<scalar_t>();
-    const scalar_t* input_data = input.const_data_ptr<scalar_t>();
-    const scalar_t* offset_data = offset.const_data_ptr<scalar_t>();
-    const scalar_t* mask_data = mask.const_data_ptr<scalar_t>();
-    scalar_t* grad_offset_data = mutable_data_or_null<scalar_t>(grad_offset);
-    scalar_t* grad_mask_data = mutable_data_or_null<scalar_t>(grad_mask);
-    with_group_channels(g, [&](auto group_channels) {
-      parallel_tasks(batch * g.out_pixels(), [&](int64_t begin, int64_t end) {
-        dcnv3_gradient_pixels<false, group_channels>(g, f, grad_output_data, input_data,
-                                                     offset_data, mask_data, nullptr,
-                                                     grad_offset_data, grad_mask_data, begin,
-                                                     end);
-      });
-    });
-  });
-}
-
-// The gradients asked for: in one pass over each image when all are asked for and the images
-// are enough to keep the threads busy (one band each), otherwise the input gradient in bands
-// and the offset and mask gradients by pixels.
+// The gradients asked for. The input gradient is made by tasks of whole images, each owning
+// its image's gradient, so that each element's sum is made in the same order whatever the
+// threads. One pass over the images makes all the gradients, cheaper than two passes as it
+// locates each pixel's samples once for both; but it keeps at most `batch` threads busy. So
+// with at most half as many images as threads, the offset and mask gradients are made apart,
+// in tasks of pixels that all the threads share, and the pass by images is only the input
+// gradient's scatter.
 void dcnv3_gradients_cpu(const Dcnv3Geometry& g, const Dcnv3Fields& f, int64_t batch,
                          const at::Tensor& grad_output, const at::Tensor& input,
                          const at::Tensor& offset, const at::Tensor& mask,
                          at::Tensor& grad_input, at::Tensor& grad_offset, at::Tensor& grad_mask) {
+  const bool want_input = grad_input.defined();
   const bool want_offset_or_mask = grad_offset.defined() || grad_mask.defined();
-  if (grad_input.defined() && want_offset_or_mask &&
-      input_grad_rows_per_band(g, batch) >= g.height) {
-    DEFORMCONV_DISPATCH(input.scalar_type(), "dcnv3_gradients_cpu", [&] {
-      // Note [Input gradient sums in float32]
-      at::Tensor sums = input_gradient_sums<scalar_t>(grad_input);
-      const scalar_t* grad_output_data = grad_output.const_data_ptr<scalar_t>();
-      const scalar_t* input_data = input.const_data_ptr<scalar_t>();
-      const scalar_t* offset_data = offset.const_data_ptr<scalar_t>();
-      const scalar_t* mask_data = mask.const_data_ptr<scalar_t>();
-      auto* sums_data = sums.mutable_data_ptr<at::opmath_type<scalar_t>>();
-      scalar_t* grad_offset_data = mutable_data_or_null<scalar_t>(grad_offset);
-      scalar_t* grad_mask_data = mutable_data_or_null<scalar_t>(grad_mask);
-      // Each task whole images, whose input gradient it owns.
-      with_group_channels(g, [&](auto group_channels) {
-        parallel_tasks(batch, [&](int64_t begin, int64_t end) {
-          dcnv3_gradient_pixels<true, group_channels>(
+  DEFORMCONV_DISPATCH(input.scalar_type(), "dcnv3_gradients_cpu", [&] {
+    using opmath_t = at::opmath_type<scalar_t>;
+    // Note [Input gradient sums in float32]
+    at::Tensor sums = want_input ? input_gradient_sums<scalar_t>(grad_input) : at::Tensor();
+    const scalar_t* grad_output_data = grad_output.const_data_ptr<scalar_t>();
+    const scalar_t* input_data = input.const_data_ptr<scalar_t>();
+    const scalar_t* offset_data = offset.const_data_ptr<scalar_t>();
+    const scalar_t* mask_data = mask.const_data_ptr<scalar_t>();
+    opmath_t* sums_data = mutable_data_or_null<opmath_t>(sums);
+    scalar_t* grad_offset_data = mutable_data_or_null<scalar_t>(grad_offset);
+    scalar_t* grad_mask_data = mutable_data_or_null<scalar_t>(grad_mask);
+    with_group_channels(g, [&](auto group_channels) {
+      // The pass over tasks of pixels_per_task pixels each.
+      const auto run = [&](auto pass, int64_t pixels_per_task) {
+        parallel_tasks(batch * g.out_pixels() / pixels_per_task, [&](int64_t begin, int64_t end) {
+          dcnv3_gradient_pixels<decltype(pass)::value, group_channels>(
               g, f, grad_output_data, input_data, offset_data, mask_data, sums_data,
-              grad_offset_data, grad_mask_data, begin * g.out_pixels(), end * g.out_pixels());
+              grad_offset_data, grad_mask_data, begin * pixels_per_task, end * pixels_per_task);
         });
-      });
-      store_input_gradient_sums(sums, grad_input);
+      };
+      using All = std::integral_constant<GradientPass, GradientPass::kAll>;
+      using Input = std::integral_constant<GradientPass, GradientPass::kInput>;
+      using OffsetMask = std::integral_constant<GradientPass, GradientPass::kOffsetMask>;
+      if (want_input && want_offset_or_mask && 2 * batch > at::get_num_threads()) {
+        run(All{}, g.out_pixels());
+        return;
+      }
+      if (want_input) {
+        run(Input{}, g.out_pixels());
+      }
+      if (want_offset_or_mask) {
+        run(OffsetMask{}, 1);
+      }
     });
-    return;
-  }
-  if (grad_input.defined()) {
-    dcnv3_input_grad_cpu(g, f, batch, grad_output, offset, mask, grad_input);
-  }
-  if (want_offset_or_mask) {
-    dcnv3_offset_mask_grad_cpu(g, f, batch, grad_output, input, offset, mask, grad_offset,
-                               grad_mask);
-  }
+    if (want_input) {
+      store_input_gradient_sums(sums, grad_input);
+    }
+  });
 }
 
 constexpr Dcnv3Launchers kCpuDcnv3Launchers{
