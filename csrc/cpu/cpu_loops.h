@@ -180,8 +180,11 @@ DEFORMCONV_INLINE opmath_t sum_of_lanes(const typename LanesOf<opmath_t>::type& 
   return two[0] + two[1];
 }
 
-// The sums of the lanes of four vectors, sums[i] of lanes_i, each added up in sum_of_lanes'
-// order, the four in the same steps: each step adds the halves of two vectors' pieces at once.
+// The sums of the lanes of four vectors, sums[i] of lanes_i, each added up pairwise in a fixed
+// order: neighbouring lanes first, (0 + 1), (2 + 3), ..., then neighbouring pairs, then the
+// two halves. Each step adds two vectors that interleave pieces of the four, so the four sums
+// take three vector adds; the first two steps' interleaving moves values only within each
+// 128-bit half, one instruction per operand (SSE/AVX shufps), and the last is the halves'.
 // (Four arguments rather than an array, which GCC kept in memory, zeroing it per call.)
 template <typename opmath_t>
 DEFORMCONV_INLINE void sums_of_four_lanes(const typename LanesOf<opmath_t>::type& lanes_0,
@@ -189,17 +192,18 @@ DEFORMCONV_INLINE void sums_of_four_lanes(const typename LanesOf<opmath_t>::type
                                           const typename LanesOf<opmath_t>::type& lanes_2,
                                           const typename LanesOf<opmath_t>::type& lanes_3,
                                           opmath_t sums[4]) {
-  static_assert(kLanes == 8, "the halving steps below are written out for 8 lanes");
-  // [four of 0 | four of 1] and [four of 2 | four of 3]
-  const auto fours_01 = __builtin_shufflevector(lanes_0, lanes_1, 0, 1, 2, 3, 8, 9, 10, 11) +
-      __builtin_shufflevector(lanes_0, lanes_1, 4, 5, 6, 7, 12, 13, 14, 15);
-  const auto fours_23 = __builtin_shufflevector(lanes_2, lanes_3, 0, 1, 2, 3, 8, 9, 10, 11) +
-      __builtin_shufflevector(lanes_2, lanes_3, 4, 5, 6, 7, 12, 13, 14, 15);
-  // [two of 0 | two of 1 | two of 2 | two of 3]
-  const auto twos = __builtin_shufflevector(fours_01, fours_23, 0, 1, 4, 5, 8, 9, 12, 13) +
-      __builtin_shufflevector(fours_01, fours_23, 2, 3, 6, 7, 10, 11, 14, 15);
-  const auto ones = __builtin_shufflevector(twos, twos, 0, 2, 4, 6) +
-      __builtin_shufflevector(twos, twos, 1, 3, 5, 7);
+  static_assert(kLanes == 8, "the pairwise steps below are written out for 8 lanes");
+  // Within each half of four lanes: the pairs (0+1, 2+3) of lanes_0, then those of lanes_1;
+  // the same for lanes_2 and lanes_3.
+  const auto pairs_01 = __builtin_shufflevector(lanes_0, lanes_1, 0, 2, 8, 10, 4, 6, 12, 14) +
+      __builtin_shufflevector(lanes_0, lanes_1, 1, 3, 9, 11, 5, 7, 13, 15);
+  const auto pairs_23 = __builtin_shufflevector(lanes_2, lanes_3, 0, 2, 8, 10, 4, 6, 12, 14) +
+      __builtin_shufflevector(lanes_2, lanes_3, 1, 3, 9, 11, 5, 7, 13, 15);
+  // The same step on those: [fours of 0, 1, 2, 3 | the other fours of 0, 1, 2, 3]
+  const auto fours = __builtin_shufflevector(pairs_01, pairs_23, 0, 2, 8, 10, 4, 6, 12, 14) +
+      __builtin_shufflevector(pairs_01, pairs_23, 1, 3, 9, 11, 5, 7, 13, 15);
+  const auto ones = __builtin_shufflevector(fours, fours, 0, 1, 2, 3) +
+      __builtin_shufflevector(fours, fours, 4, 5, 6, 7);
   for (int i = 0; i < 4; ++i) {
     sums[i] = ones[i];
   }
