@@ -234,7 +234,8 @@ DEFORMCONV_INLINE void sum_points(const PixelSamples<opmath_t>& samples,
   }
 }
 
-// Pixels [begin, end) of the batch's output, every group: each channel's sum over the points
+// The runs of pixels of the batch's output that `runs` hands out, every group: each channel's
+// sum over the points
 // of its group, made in the accumulation type. The four corners of every point are located
 // first; a corner that takes no part (outside the image, or of zero weight) reads a row of
 // zeros instead, so that each sample is the same weighted sum of four rows, without branches,
@@ -245,7 +246,7 @@ template <int kVectorBytes, int64_t kGroupChannels, typename scalar_t>
 DEFORMCONV_VECTOR_CLONES void dcnv3_forward_pixels(const Dcnv3Geometry& g, const Dcnv3Fields& f,
                                                    const scalar_t* input, const scalar_t* offset,
                                                    const scalar_t* mask, scalar_t* output,
-                                                   int64_t begin, int64_t end) {
+                                                   TaskRuns& runs) {
   using opmath_t = at::opmath_type<scalar_t>;
   using Lanes = typename LanesOf<opmath_t>::type;
   typedef opmath_t Vector __attribute__((vector_size(kVectorBytes)));
@@ -256,36 +257,39 @@ DEFORMCONV_VECTOR_CLONES void dcnv3_forward_pixels(const Dcnv3Geometry& g, const
   const std::vector<scalar_t> zeros(D, scalar_t(0));
   PixelSamples<opmath_t> samples(g);
   CornerRows rows(g.groups * P);
-  for (int64_t pixel = begin; pixel < end; ++pixel) {
-    samples.locate(g, f, pixel, offset, mask);
-    const scalar_t* image = input + pixel / g.out_pixels() * g.in_pixels() * C;
-    prefetch_rows_ahead(g, samples, image, pixel, begin);
-    samples.corner_row_addresses(
-        g.groups * P, C, samples.first_channel.data(),
-        rows.target<TakenCorners::kWeighted>(image, zeros.data()));
-    for (int64_t group = 0; group < g.groups; ++group) {
-      scalar_t* out = output + pixel * C + group * D;
-      int64_t c = 0;
-      for (; c + 2 * kWidth <= D; c += 2 * kWidth) {
-        sum_points<Vector, 2>(samples, rows, group * P, P, c, out + c);
-      }
-      for (; c + kWidth <= D; c += kWidth) {
-        sum_points<Vector, 1>(samples, rows, group * P, P, c, out + c);
-      }
-      for (; c + kLanes <= D; c += kLanes) {
-        sum_points<Lanes, 1>(samples, rows, group * P, P, c, out + c);
-      }
-      for (; c < D; ++c) {
-        opmath_t sum = 0;
-        for (int64_t k = group * P; k < (group + 1) * P; ++k) {
-          opmath_t value[4];
-          for (int corner = 0; corner < 4; ++corner) {
-            value[corner] = static_cast<opmath_t>(rows.row<const scalar_t>(corner, k)[c]);
-          }
-          sum += samples.weight(0, k) * value[0] + samples.weight(1, k) * value[1] +
-              samples.weight(2, k) * value[2] + samples.weight(3, k) * value[3];
+  int64_t begin, end;
+  while (runs.take(begin, end)) {
+    for (int64_t pixel = begin; pixel < end; ++pixel) {
+      samples.locate(g, f, pixel, offset, mask);
+      const scalar_t* image = input + pixel / g.out_pixels() * g.in_pixels() * C;
+      prefetch_rows_ahead(g, samples, image, pixel, begin);
+      samples.corner_row_addresses(
+          g.groups * P, C, samples.first_channel.data(),
+          rows.target<TakenCorners::kWeighted>(image, zeros.data()));
+      for (int64_t group = 0; group < g.groups; ++group) {
+        scalar_t* out = output + pixel * C + group * D;
+        int64_t c = 0;
+        for (; c + 2 * kWidth <= D; c += 2 * kWidth) {
+          sum_points<Vector, 2>(samples, rows, group * P, P, c, out + c);
         }
-        out[c] = static_cast<scalar_t>(sum);
+        for (; c + kWidth <= D; c += kWidth) {
+          sum_points<Vector, 1>(samples, rows, group * P, P, c, out + c);
+        }
+        for (; c + kLanes <= D; c += kLanes) {
+          sum_points<Lanes, 1>(samples, rows, group * P, P, c, out + c);
+        }
+        for (; c < D; ++c) {
+          opmath_t sum = 0;
+          for (int64_t k = group * P; k < (group + 1) * P; ++k) {
+            opmath_t value[4];
+            for (int corner = 0; corner < 4; ++corner) {
+              value[corner] = static_cast<opmath_t>(rows.row<const scalar_t>(corner, k)[c]);
+            }
+            sum += samples.weight(0, k) * value[0] + samples.weight(1, k) * value[1] +
+                samples.weight(2, k) * value[2] + samples.weight(3, k) * value[3];
+          }
+          out[c] = static_cast<scalar_t>(sum);
+        }
       }
     }
   }
@@ -302,9 +306,9 @@ void dcnv3_forward_cpu(const Dcnv3Geometry& g, const Dcnv3Fields& f, int64_t bat
     // Vectors as wide as a register of the clone that runs.
     with_register_bytes([&](auto register_bytes) {
       with_group_channels(g, [&](auto group_channels) {
-        parallel_tasks(batch * g.out_pixels(), [&](int64_t begin, int64_t end) {
-          dcnv3_forward_pixels<register_bytes, group_channels>(
-              g, f, input_data, offset_data, mask_data, output_data, begin, end);
+        parallel_task_runs(batch * g.out_pixels(), [&](TaskRuns& runs) {
+          dcnv3_forward_pixels<register_bytes, group_channels>(g, f, input_data, offset_data,
+                                                               mask_data, output_data, runs);
         });
       });
     });
@@ -403,7 +407,8 @@ DEFORMCONV_INLINE void sample_gradients(const opmath_t* grad, int64_t D,
 // alone, or the offset and mask gradients alone.
 enum class GradientPass { kAll, kInput, kOffsetMask };
 
-// Pixels [begin, end) of the gradients that kPass makes. The samples of each pixel are located
+// The gradients that kPass makes, of the runs of tasks that `runs` hands out, each task
+// pixels_per_task pixels of the batch's output. The samples of each pixel are located
 // at once; for the offset and mask gradients, their corner dot products are summed over their
 // groups' channels, and then, from those, the gradients of all the pixel's samples made at
 // once; for the input gradient, each sample's share is added into grad_input, whose images the
@@ -413,7 +418,7 @@ DEFORMCONV_VECTOR_CLONES void dcnv3_gradient_pixels(
     const Dcnv3Geometry& g, const Dcnv3Fields& f, const scalar_t* grad_output,
     const scalar_t* input, const scalar_t* offset, const scalar_t* mask,
     at::opmath_type<scalar_t>* grad_input, scalar_t* grad_offset, scalar_t* grad_mask,
-    int64_t begin, int64_t end) {
+    TaskRuns& runs, int64_t pixels_per_task) {
   using opmath_t = at::opmath_type<scalar_t>;
   constexpr bool kDots = kPass != GradientPass::kInput;
   constexpr bool kScatter = kPass != GradientPass::kOffsetMask;
@@ -438,63 +443,67 @@ DEFORMCONV_VECTOR_CLONES void dcnv3_gradient_pixels(
   opmath_t* const sums_y = sums.data();
   opmath_t* const sums_x = sums.data() + samples_per_pixel;
   opmath_t* const sums_m = sums.data() + 2 * samples_per_pixel;
-  for (int64_t pixel = begin; pixel < end; ++pixel) {
-    samples.locate(g, f, pixel, offset, mask);
-    const int64_t image_start = pixel / g.out_pixels() * g.in_pixels() * C;
-    if constexpr (kDots) {
-      prefetch_rows_ahead(g, samples, input + image_start, pixel, begin);
-    }
-    // The rows that the dots read and those that the scatter adds into (grad_input is null in
-    // a pass without the scatter).
-    const auto value_rows = [&] {
-      return values.target<TakenCorners::kInside>(input + image_start, zeros.data());
-    };
-    const auto scattered_rows = [&] {
-      return grad_rows.target<TakenCorners::kWeighted>(
-          grad_input + image_start, unread.data(),
-          unread_row * static_cast<int64_t>(sizeof(opmath_t)));
-    };
-    if constexpr (kPass == GradientPass::kAll) {
-      samples.corner_row_addresses(samples_per_pixel, C, samples.first_channel.data(),
-                                   value_rows(), scattered_rows());
-    } else if constexpr (kPass == GradientPass::kInput) {
-      samples.corner_row_addresses(samples_per_pixel, C, samples.first_channel.data(),
-                                   scattered_rows());
-    } else {
-      samples.corner_row_addresses(samples_per_pixel, C, samples.first_channel.data(),
-                                   value_rows());
-    }
-    for (int64_t group = 0; group < g.groups; ++group) {
-      const scalar_t* grad = grad_output + pixel * C + group * D;
-      for (int64_t c = 0; c < D; ++c) {
-        group_grad[c] = static_cast<opmath_t>(grad[c]);
+  int64_t first_task, end_task;
+  while (runs.take(first_task, end_task)) {
+    const int64_t begin = first_task * pixels_per_task, end = end_task * pixels_per_task;
+    for (int64_t pixel = begin; pixel < end; ++pixel) {
+      samples.locate(g, f, pixel, offset, mask);
+      const int64_t image_start = pixel / g.out_pixels() * g.in_pixels() * C;
+      if constexpr (kDots) {
+        prefetch_rows_ahead(g, samples, input + image_start, pixel, begin);
       }
-      for (int64_t k = group * P; k < (group + 1) * P; ++k) {
-        opmath_t weight[4] = {};
-        if constexpr (kScatter) {
-          for (int corner = 0; corner < 4; ++corner) {
-            weight[corner] = samples.weight(corner, k);
+      // The rows that the dots read and those that the scatter adds into (grad_input is null in
+      // a pass without the scatter).
+      const auto value_rows = [&] {
+        return values.target<TakenCorners::kInside>(input + image_start, zeros.data());
+      };
+      const auto scattered_rows = [&] {
+        return grad_rows.target<TakenCorners::kWeighted>(
+            grad_input + image_start, unread.data(),
+            unread_row * static_cast<int64_t>(sizeof(opmath_t)));
+      };
+      if constexpr (kPass == GradientPass::kAll) {
+        samples.corner_row_addresses(samples_per_pixel, C, samples.first_channel.data(),
+                                     value_rows(), scattered_rows());
+      } else if constexpr (kPass == GradientPass::kInput) {
+        samples.corner_row_addresses(samples_per_pixel, C, samples.first_channel.data(),
+                                     scattered_rows());
+      } else {
+        samples.corner_row_addresses(samples_per_pixel, C, samples.first_channel.data(),
+                                     value_rows());
+      }
+      for (int64_t group = 0; group < g.groups; ++group) {
+        const scalar_t* grad = grad_output + pixel * C + group * D;
+        for (int64_t c = 0; c < D; ++c) {
+          group_grad[c] = static_cast<opmath_t>(grad[c]);
+        }
+        for (int64_t k = group * P; k < (group + 1) * P; ++k) {
+          opmath_t weight[4] = {};
+          if constexpr (kScatter) {
+            for (int corner = 0; corner < 4; ++corner) {
+              weight[corner] = samples.weight(corner, k);
+            }
           }
+          sample_gradients<kDots, kScatter, scalar_t>(group_grad.data(), D, values.of_sample(k),
+                                                      grad_rows.of_sample(k), weight,
+                                                      dots.data() + 4 * k);
         }
-        sample_gradients<kDots, kScatter, scalar_t>(group_grad.data(), D, values.of_sample(k),
-                                                    grad_rows.of_sample(k), weight,
-                                                    dots.data() + 4 * k);
       }
-    }
-    if constexpr (kDots) {
-      samples.offset_mask_grad_sums(samples_per_pixel, dots.data(), sums_y, sums_x, sums_m);
-      // A run's gradients are laid out as one group's, of `count` points.
-      for_each_sample_run(g, f, [&](int64_t group, int64_t count) {
-        scalar_t *run_grad_offset, *run_grad_mask;
-        dcnv3_group_grads(f, pixel, group, grad_offset, grad_mask, run_grad_offset,
-                          run_grad_mask);
-        for (int64_t point = 0; point < count; ++point) {
-          const int64_t k = group * P + point;
-          const OffsetMaskGradSums<opmath_t> sums_of_k{sums_y[k], sums_x[k], sums_m[k]};
-          dcnv3_write_grad(g, point, samples.mask(k), sums_of_k, run_grad_offset,
-                           run_grad_mask);
-        }
-      });
+      if constexpr (kDots) {
+        samples.offset_mask_grad_sums(samples_per_pixel, dots.data(), sums_y, sums_x, sums_m);
+        // A run's gradients are laid out as one group's, of `count` points.
+        for_each_sample_run(g, f, [&](int64_t group, int64_t count) {
+          scalar_t *run_grad_offset, *run_grad_mask;
+          dcnv3_group_grads(f, pixel, group, grad_offset, grad_mask, run_grad_offset,
+                            run_grad_mask);
+          for (int64_t point = 0; point < count; ++point) {
+            const int64_t k = group * P + point;
+            const OffsetMaskGradSums<opmath_t> sums_of_k{sums_y[k], sums_x[k], sums_m[k]};
+            dcnv3_write_grad(g, point, samples.mask(k), sums_of_k, run_grad_offset,
+                             run_grad_mask);
+          }
+        });
+      }
     }
   }
 }
@@ -526,10 +535,10 @@ void dcnv3_gradients_cpu(const Dcnv3Geometry& g, const Dcnv3Fields& f, int64_t b
     with_group_channels(g, [&](auto group_channels) {
       // The pass over tasks of pixels_per_task pixels each.
       const auto run = [&](auto pass, int64_t pixels_per_task) {
-        parallel_tasks(batch * g.out_pixels() / pixels_per_task, [&](int64_t begin, int64_t end) {
+        parallel_task_runs(batch * g.out_pixels() / pixels_per_task, [&](TaskRuns& runs) {
           dcnv3_gradient_pixels<decltype(pass)::value, group_channels>(
               g, f, grad_output_data, input_data, offset_data, mask_data, sums_data,
-              grad_offset_data, grad_mask_data, begin * pixels_per_task, end * pixels_per_task);
+              grad_offset_data, grad_mask_data, runs, pixels_per_task);
         });
       };
       using All = std::integral_constant<GradientPass, GradientPass::kAll>;
