@@ -159,10 +159,10 @@ void with_group_channels(const Dcnv3Geometry& g, const Function& run) {
 // over a dozen rows, and the samples wait on memory. So each pixel asks for the block of the
 // image kRowsAhead rows below its kernel's centre (stride_h rows of stride_w pixels, every
 // channel: over the output, the blocks cover the image) to be brought into the L2 cache, and
-// the first pixel of a task or of an image asks for the rows from kRowsAhead above its centre
-// to kRowsAhead below. Eight rows cover offsets of a few pixels and leave the memory several
-// rows of work to answer in. The backward's input gradient has just been zeroed, so it is in
-// the caches already.
+// the first pixel of a run of pixels (TaskRuns) or of an image asks for the rows from
+// kRowsAhead above its centre to kRowsAhead below. Eight rows cover offsets of a few pixels
+// and leave the memory several rows of work to answer in. The backward's input gradient has
+// just been zeroed, so it is in the caches already.
 constexpr int64_t kRowsAhead = 8;
 
 // Asks for the cache lines of pixels [x_begin, x_end) of row y of a channels-last image, the
@@ -183,7 +183,7 @@ DEFORMCONV_INLINE void prefetch_pixels(const Dcnv3Geometry& g, const element_t* 
 }
 
 // The prefetches of Note [Prefetching the rows ahead] for `pixel`, where `samples` was located
-// last, in `image`, the image that the pixel's samples read; `begin` is the task's first pixel.
+// last, in `image`, the image that the pixel's samples read; `begin` is the run's first pixel.
 template <typename opmath_t, typename element_t>
 DEFORMCONV_INLINE void prefetch_rows_ahead(const Dcnv3Geometry& g,
                                            const PixelSamples<opmath_t>& samples,
@@ -235,12 +235,11 @@ DEFORMCONV_INLINE void sum_points(const PixelSamples<opmath_t>& samples,
 }
 
 // The runs of pixels of the batch's output that `runs` hands out, every group: each channel's
-// sum over the points
-// of its group, made in the accumulation type. The four corners of every point are located
-// first; a corner that takes no part (outside the image, or of zero weight) reads a row of
-// zeros instead, so that each sample is the same weighted sum of four rows, without branches,
-// and an infinite input value at such a corner cannot make NaN. Then, a vector or two of
-// channels at a time, in vectors as wide as the running clone's registers
+// sum over the points of its group, made in the accumulation type. The four corners of every
+// point are located first; a corner that takes no part (outside the image, or of zero weight)
+// reads a row of zeros instead, so that each sample is the same weighted sum of four rows,
+// without branches, and an infinite input value at such a corner cannot make NaN. Then, a
+// vector or two of channels at a time, in vectors as wide as the running clone's registers
 // (kVectorBytes), the sum over the points stays in registers.
 template <int kVectorBytes, int64_t kGroupChannels, typename scalar_t>
 DEFORMCONV_VECTOR_CLONES void dcnv3_forward_pixels(const Dcnv3Geometry& g, const Dcnv3Fields& f,
@@ -408,8 +407,8 @@ DEFORMCONV_INLINE void sample_gradients(const opmath_t* grad, int64_t D,
 enum class GradientPass { kAll, kInput, kOffsetMask };
 
 // The gradients that kPass makes, of the runs of tasks that `runs` hands out, each task
-// pixels_per_task pixels of the batch's output. The samples of each pixel are located
-// at once; for the offset and mask gradients, their corner dot products are summed over their
+// pixels_per_task pixels of the batch's output. The samples of each pixel are located at
+// once; for the offset and mask gradients, their corner dot products are summed over their
 // groups' channels, and then, from those, the gradients of all the pixel's samples made at
 // once; for the input gradient, each sample's share is added into grad_input, whose images the
 // task owns, in the order (pixel, group, point, corner) whichever pass adds it.
