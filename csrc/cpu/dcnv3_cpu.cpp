@@ -326,79 +326,98 @@ DEFORMCONV_INLINE void add_corner_products(const Lanes& grad, const Lanes& value
   dot_3 += grad * value_3;
 }
 
+// weight[corner] * grad added onto each corner's row grad_row[corner], over the D channels of
+// a group: in vectors as wide as the running clone's registers (kVectorBytes: one AVX-512
+// register for a group of 16 float channels, where kLanes would take two), then kLanes at a
+// time, then one by one. Each channel's sum is the same multiply-add whatever the width.
+template <int kVectorBytes, typename opmath_t>
+DEFORMCONV_INLINE void scatter_sample_gradient(const opmath_t* grad, int64_t D,
+                                               opmath_t* const grad_row[4],
+                                               const opmath_t weight[4]) {
+  using Lanes = typename LanesOf<opmath_t>::type;
+  using UnalignedLanes = typename LanesOf<opmath_t>::unaligned;
+  typedef opmath_t Vector __attribute__((vector_size(kVectorBytes)));
+  typedef opmath_t UnalignedVector
+      __attribute__((vector_size(kVectorBytes), aligned(alignof(opmath_t)), may_alias));
+  constexpr int64_t kWidth = kVectorBytes / sizeof(opmath_t);
+  int64_t c = 0;
+  for (; kWidth > kLanes && c + kWidth <= D; c += kWidth) {
+    Vector grad_vector;
+    load_vector<opmath_t>(grad + c, grad_vector);
+    for (int corner = 0; corner < 4; ++corner) {
+      *reinterpret_cast<UnalignedVector*>(grad_row[corner] + c) += weight[corner] * grad_vector;
+    }
+  }
+#pragma GCC unroll 2
+  for (; c + kLanes <= D; c += kLanes) {
+    Lanes grad_lanes;
+    load_lanes<opmath_t>(grad + c, grad_lanes);
+    for (int corner = 0; corner < 4; ++corner) {
+      *reinterpret_cast<UnalignedLanes*>(grad_row[corner] + c) += weight[corner] * grad_lanes;
+    }
+  }
+  for (; c < D; ++c) {
+    for (int corner = 0; corner < 4; ++corner) {
+      grad_row[corner][c] += weight[corner] * grad[c];
+    }
+  }
+}
+
 // One sample's share of the gradients, over the D channels of its group, from the sampled
-// values' gradients `grad` (in the accumulation type, zero-filled to whole lanes), kLanes
-// channels at a time in lanes: with kDots, the dot products of `grad` with the sample's four
-// corner rows values.row(corner) (a row of zeros for a corner outside the image), for
-// offset_mask_grad_sums_of_dots, the last few channels copied into zero-filled lanes; with
-// kScatter, weight[corner] * grad added onto each corner's gradient row grad_rows.row(corner)
-// (a row that is never read for a corner of weight 0). The products all go through the same
+// values' gradients `grad` (in the accumulation type, zero-filled to whole lanes): with kDots,
+// the dot products of `grad` with the sample's four corner rows values.row(corner) (a row of
+// zeros for a corner outside the image), for offset_mask_grad_sums_of_dots, kLanes channels at
+// a time, the last few channels copied into zero-filled lanes; with kScatter, weight[corner] *
+// grad added onto each corner's gradient row grad_rows.row(corner) (a row that is never read
+// for a corner of weight 0; scatter_sample_gradient). The dot products all go through the same
 // vector code, whichever pass runs it: scalar code for the last channels would leave the
 // compiler free to fuse its multiply-adds differently in each pass, and the results would
 // depend on the pass, and so on the number of threads.
-template <bool kDots, bool kScatter, typename scalar_t, typename opmath_t>
+template <bool kDots, bool kScatter, int kVectorBytes, typename scalar_t, typename opmath_t>
 DEFORMCONV_INLINE void sample_gradients(const opmath_t* grad, int64_t D,
                                         const CornerRows::OfSample& values,
                                         const CornerRows::OfSample& grad_rows,
                                         const opmath_t weight[4], opmath_t dots[4]) {
   using Lanes = typename LanesOf<opmath_t>::type;
-  using Unaligned = typename LanesOf<opmath_t>::unaligned;
-  const scalar_t* value_0 = kDots ? values.row<const scalar_t>(0) : nullptr;
-  const scalar_t* value_1 = kDots ? values.row<const scalar_t>(1) : nullptr;
-  const scalar_t* value_2 = kDots ? values.row<const scalar_t>(2) : nullptr;
-  const scalar_t* value_3 = kDots ? values.row<const scalar_t>(3) : nullptr;
-  // Read once, before the scatter's stores: the compiler cannot tell that those stores leave
-  // the rows' addresses and the weights as they were, and would read them again after each.
-  opmath_t* grad_row[4] = {};
-  opmath_t weight_of[4] = {};
-  if constexpr (kScatter) {
-    for (int corner = 0; corner < 4; ++corner) {
-      grad_row[corner] = grad_rows.row<opmath_t>(corner);
-      weight_of[corner] = weight[corner];
-    }
-  }
-  Lanes dot_0 = {}, dot_1 = {}, dot_2 = {}, dot_3 = {};
-  int64_t c = 0;
-  // Unrolled, so that where D is known (16 channels) its two passes run without a loop.
+  if constexpr (kDots) {
+    const scalar_t* value_0 = values.row<const scalar_t>(0);
+    const scalar_t* value_1 = values.row<const scalar_t>(1);
+    const scalar_t* value_2 = values.row<const scalar_t>(2);
+    const scalar_t* value_3 = values.row<const scalar_t>(3);
+    Lanes dot_0 = {}, dot_1 = {}, dot_2 = {}, dot_3 = {};
+    int64_t c = 0;
+    // Unrolled, so that where D is known (16 channels) its two passes run without a loop.
 #pragma GCC unroll 2
-  for (; c + kLanes <= D; c += kLanes) {
-    Lanes grad_lanes;
-    load_lanes<opmath_t>(grad + c, grad_lanes);
-    if constexpr (kDots) {
-      Lanes v0, v1, v2, v3;
+    for (; c + kLanes <= D; c += kLanes) {
+      Lanes grad_lanes, v0, v1, v2, v3;
+      load_lanes<opmath_t>(grad + c, grad_lanes);
       load_lanes<opmath_t>(value_0 + c, v0);
       load_lanes<opmath_t>(value_1 + c, v1);
       load_lanes<opmath_t>(value_2 + c, v2);
       load_lanes<opmath_t>(value_3 + c, v3);
       add_corner_products(grad_lanes, v0, v1, v2, v3, dot_0, dot_1, dot_2, dot_3);
     }
-    if constexpr (kScatter) {
-      for (int corner = 0; corner < 4; ++corner) {
-        *reinterpret_cast<Unaligned*>(grad_row[corner] + c) += weight_of[corner] * grad_lanes;
-      }
-    }
-  }
-  if (c < D) {
-    Lanes grad_lanes;
-    load_lanes<opmath_t>(grad + c, grad_lanes);
-    if constexpr (kDots) {
-      Lanes v0, v1, v2, v3;
+    if (c < D) {
+      Lanes grad_lanes, v0, v1, v2, v3;
+      load_lanes<opmath_t>(grad + c, grad_lanes);
       load_last_lanes<opmath_t>(value_0 + c, D - c, v0);
       load_last_lanes<opmath_t>(value_1 + c, D - c, v1);
       load_last_lanes<opmath_t>(value_2 + c, D - c, v2);
       load_last_lanes<opmath_t>(value_3 + c, D - c, v3);
       add_corner_products(grad_lanes, v0, v1, v2, v3, dot_0, dot_1, dot_2, dot_3);
     }
-    if constexpr (kScatter) {
-      for (int corner = 0; corner < 4; ++corner) {
-        for (int64_t lane = 0; c + lane < D; ++lane) {
-          grad_row[corner][c + lane] += weight_of[corner] * grad_lanes[lane];
-        }
-      }
-    }
-  }
-  if constexpr (kDots) {
     sums_of_four_lanes<opmath_t>(dot_0, dot_1, dot_2, dot_3, dots);
+  }
+  if constexpr (kScatter) {
+    // Read once, before the scatter's stores: the compiler cannot tell that those stores leave
+    // the rows' addresses and the weights as they were, and would read them again after each.
+    opmath_t* grad_row[4];
+    opmath_t weight_of[4];
+    for (int corner = 0; corner < 4; ++corner) {
+      grad_row[corner] = grad_rows.row<opmath_t>(corner);
+      weight_of[corner] = weight[corner];
+    }
+    scatter_sample_gradient<kVectorBytes>(grad, D, grad_row, weight_of);
   }
 }
 
@@ -412,7 +431,7 @@ enum class GradientPass { kAll, kInput, kOffsetMask };
 // groups' channels, and then, from those, the gradients of all the pixel's samples made at
 // once; for the input gradient, each sample's share is added into grad_input, whose images the
 // task owns, in the order (pixel, group, point, corner) whichever pass adds it.
-template <GradientPass kPass, int64_t kGroupChannels, typename scalar_t>
+template <GradientPass kPass, int kVectorBytes, int64_t kGroupChannels, typename scalar_t>
 DEFORMCONV_VECTOR_CLONES void dcnv3_gradient_pixels(
     const Dcnv3Geometry& g, const Dcnv3Fields& f, const scalar_t* grad_output,
     const scalar_t* input, const scalar_t* offset, const scalar_t* mask,
@@ -483,9 +502,9 @@ DEFORMCONV_VECTOR_CLONES void dcnv3_gradient_pixels(
               weight[corner] = samples.weight(corner, k);
             }
           }
-          sample_gradients<kDots, kScatter, scalar_t>(group_grad.data(), D, values.of_sample(k),
-                                                      grad_rows.of_sample(k), weight,
-                                                      dots.data() + 4 * k);
+          sample_gradients<kDots, kScatter, kVectorBytes, scalar_t>(
+              group_grad.data(), D, values.of_sample(k), grad_rows.of_sample(k), weight,
+              dots.data() + 4 * k);
         }
       }
       if constexpr (kDots) {
@@ -531,28 +550,31 @@ void dcnv3_gradients_cpu(const Dcnv3Geometry& g, const Dcnv3Fields& f, int64_t b
     opmath_t* sums_data = mutable_data_or_null<opmath_t>(sums);
     scalar_t* grad_offset_data = mutable_data_or_null<scalar_t>(grad_offset);
     scalar_t* grad_mask_data = mutable_data_or_null<scalar_t>(grad_mask);
-    with_group_channels(g, [&](auto group_channels) {
-      // The pass over tasks of pixels_per_task pixels each.
-      const auto run = [&](auto pass, int64_t pixels_per_task) {
-        parallel_task_runs(batch * g.out_pixels() / pixels_per_task, [&](TaskRuns& runs) {
-          dcnv3_gradient_pixels<decltype(pass)::value, group_channels>(
-              g, f, grad_output_data, input_data, offset_data, mask_data, sums_data,
-              grad_offset_data, grad_mask_data, runs, pixels_per_task);
-        });
-      };
-      using All = std::integral_constant<GradientPass, GradientPass::kAll>;
-      using Input = std::integral_constant<GradientPass, GradientPass::kInput>;
-      using OffsetMask = std::integral_constant<GradientPass, GradientPass::kOffsetMask>;
-      if (want_input && want_offset_or_mask && 2 * batch > at::get_num_threads()) {
-        run(All{}, g.out_pixels());
-        return;
-      }
-      if (want_input) {
-        run(Input{}, g.out_pixels());
-      }
-      if (want_offset_or_mask) {
-        run(OffsetMask{}, 1);
-      }
+    // The scatter's vectors as wide as a register of the clone that runs.
+    with_register_bytes([&](auto register_bytes) {
+      with_group_channels(g, [&](auto group_channels) {
+        // The pass over tasks of pixels_per_task pixels each.
+        const auto run = [&](auto pass, int64_t pixels_per_task) {
+          parallel_task_runs(batch * g.out_pixels() / pixels_per_task, [&](TaskRuns& runs) {
+            dcnv3_gradient_pixels<decltype(pass)::value, register_bytes, group_channels>(
+                g, f, grad_output_data, input_data, offset_data, mask_data, sums_data,
+                grad_offset_data, grad_mask_data, runs, pixels_per_task);
+          });
+        };
+        using All = std::integral_constant<GradientPass, GradientPass::kAll>;
+        using Input = std::integral_constant<GradientPass, GradientPass::kInput>;
+        using OffsetMask = std::integral_constant<GradientPass, GradientPass::kOffsetMask>;
+        if (want_input && want_offset_or_mask && 2 * batch > at::get_num_threads()) {
+          run(All{}, g.out_pixels());
+          return;
+        }
+        if (want_input) {
+          run(Input{}, g.out_pixels());
+        }
+        if (want_offset_or_mask) {
+          run(OffsetMask{}, 1);
+        }
+      });
     });
     if (want_input) {
       store_input_gradient_sums(sums, grad_input);
