@@ -40,18 +40,29 @@ DEFORMCONV_INLINE void for_each_sample_run(const Dcnv3Geometry& g, const Dcnv3Fi
 // Every sample of one output pixel, k = group * P + point, located at once (LocatedSamples):
 // dcnv3_position's sum with its terms computed once, the reference point per pixel and the
 // grid points per task. A task keeps one and moves it from pixel to pixel.
+//
+// The vectorised loops over the samples (locating them, their corner rows, their offset and
+// mask gradient sums) run over `located` samples: the pixel's, padded to a multiple of
+// `vector_lanes`, the lanes of the clone's vectors, so that none is left to the loops'
+// remainders, which cost about as much per sample as the vector iterations per vector (a group
+// of 4 has 36 samples: with AVX-512, two vector iterations and four scalar ones). The padding
+// samples have offset 0, mask 0 and so weight 0 at every corner: they are located and given
+// rows, never read.
 template <typename opmath_t>
 class PixelSamples : public LocatedSamples<opmath_t> {
  public:
-  explicit PixelSamples(const Dcnv3Geometry& g)
-      : LocatedSamples<opmath_t>(g.groups * g.points(), g.height, g.width),
-        first_channel(g.groups * g.points()) {
+  PixelSamples(const Dcnv3Geometry& g, int64_t vector_lanes)
+      : LocatedSamples<opmath_t>(padded(g, vector_lanes), g.height, g.width),
+        located(padded(g, vector_lanes)),
+        first_channel(padded(g, vector_lanes)) {
     for (int64_t k = 0; k < g.groups * g.points(); ++k) {
       dcnv3_grid_point(g, k % g.points(), this->grid_y[k], this->grid_x[k]);
       first_channel[k] = k / g.points() * g.group_channels;
     }
   }
 
+  // How many samples the loops over samples run over, the pixel's and the padding.
+  const int64_t located;
   // The first channel of sample k's group.
   std::vector<int64_t> first_channel;
   // Where the kernel's centre tap of the located pixel falls in the image, before offsets.
@@ -69,11 +80,15 @@ class PixelSamples : public LocatedSamples<opmath_t> {
     dcnv3_centre_tap(g, ho, wo, centre_y, centre_x);
     opmath_t base_y, base_x;
     dcnv3_reference_point(g, ho, wo, base_y, base_x);
-    LocatedSamples<opmath_t>::locate(g.groups * P, base_y, base_x,
+    LocatedSamples<opmath_t>::locate(located, base_y, base_x,
                                      static_cast<opmath_t>(g.offset_scale));
   }
 
  private:
+  static int64_t padded(const Dcnv3Geometry& g, int64_t vector_lanes) {
+    return (g.groups * g.points() + vector_lanes - 1) / vector_lanes * vector_lanes;
+  }
+
   // The offsets and masks of `count` samples from sample `first` on: offset holds their (x, y)
   // pairs, mask their masks.
   template <typename scalar_t>
@@ -254,8 +269,8 @@ DEFORMCONV_VECTOR_CLONES void dcnv3_forward_pixels(const Dcnv3Geometry& g, const
   const int64_t D = kGroupChannels > 0 ? kGroupChannels : g.group_channels;
   const int64_t C = g.channels();
   const std::vector<scalar_t> zeros(D, scalar_t(0));
-  PixelSamples<opmath_t> samples(g);
-  CornerRows rows(g.groups * P);
+  PixelSamples<opmath_t> samples(g, kVectorBytes / sizeof(opmath_t));
+  CornerRows rows(samples.located);
   int64_t begin, end;
   while (runs.take(begin, end)) {
     for (int64_t pixel = begin; pixel < end; ++pixel) {
@@ -263,7 +278,7 @@ DEFORMCONV_VECTOR_CLONES void dcnv3_forward_pixels(const Dcnv3Geometry& g, const
       const scalar_t* image = input + pixel / g.out_pixels() * g.in_pixels() * C;
       prefetch_rows_ahead(g, samples, image, pixel, begin);
       samples.corner_row_addresses(
-          g.groups * P, C, samples.first_channel.data(),
+          samples.located, C, samples.first_channel.data(),
           rows.target<TakenCorners::kWeighted>(image, zeros.data()));
       for (int64_t group = 0; group < g.groups; ++group) {
         scalar_t* out = output + pixel * C + group * D;
@@ -443,24 +458,24 @@ DEFORMCONV_VECTOR_CLONES void dcnv3_gradient_pixels(
   const int64_t P = g.points();
   const int64_t D = kGroupChannels > 0 ? kGroupChannels : g.group_channels;
   const int64_t C = g.channels();
-  const int64_t samples_per_pixel = g.groups * P;
   const std::vector<scalar_t> zeros(D, scalar_t(0));
   // Where the gradients of corners of weight 0 go: written, never read, spread over rows
   // (corner_row_addresses).
   const int64_t unread_row = D;
   std::vector<opmath_t> unread(kScatter ? 4 * kElsewhereRows * unread_row : 0);
-  PixelSamples<opmath_t> samples(g);
-  CornerRows values(samples_per_pixel);
-  CornerRows grad_rows(samples_per_pixel);
+  PixelSamples<opmath_t> samples(g, kVectorBytes / sizeof(opmath_t));
+  const int64_t located = samples.located;
+  CornerRows values(located);
+  CornerRows grad_rows(located);
   // The sampled values' gradients of one group, in the accumulation type, zero-filled to whole
   // lanes.
   std::vector<opmath_t> group_grad((D + kLanes - 1) / kLanes * kLanes, opmath_t(0));
   // Per sample of the pixel: its four corner dot products, side by side, then its three
   // gradient sums.
-  std::vector<opmath_t> dots(4 * samples_per_pixel), sums(3 * samples_per_pixel);
+  std::vector<opmath_t> dots(4 * located), sums(3 * located);
   opmath_t* const sums_y = sums.data();
-  opmath_t* const sums_x = sums.data() + samples_per_pixel;
-  opmath_t* const sums_m = sums.data() + 2 * samples_per_pixel;
+  opmath_t* const sums_x = sums.data() + located;
+  opmath_t* const sums_m = sums.data() + 2 * located;
   int64_t first_task, end_task;
   while (runs.take(first_task, end_task)) {
     const int64_t begin = first_task * pixels_per_task, end = end_task * pixels_per_task;
@@ -481,13 +496,13 @@ DEFORMCONV_VECTOR_CLONES void dcnv3_gradient_pixels(
             unread_row * static_cast<int64_t>(sizeof(opmath_t)));
       };
       if constexpr (kPass == GradientPass::kAll) {
-        samples.corner_row_addresses(samples_per_pixel, C, samples.first_channel.data(),
+        samples.corner_row_addresses(located, C, samples.first_channel.data(),
                                      value_rows(), scattered_rows());
       } else if constexpr (kPass == GradientPass::kInput) {
-        samples.corner_row_addresses(samples_per_pixel, C, samples.first_channel.data(),
+        samples.corner_row_addresses(located, C, samples.first_channel.data(),
                                      scattered_rows());
       } else {
-        samples.corner_row_addresses(samples_per_pixel, C, samples.first_channel.data(),
+        samples.corner_row_addresses(located, C, samples.first_channel.data(),
                                      value_rows());
       }
       for (int64_t group = 0; group < g.groups; ++group) {
@@ -508,7 +523,7 @@ DEFORMCONV_VECTOR_CLONES void dcnv3_gradient_pixels(
         }
       }
       if constexpr (kDots) {
-        samples.offset_mask_grad_sums(samples_per_pixel, dots.data(), sums_y, sums_x, sums_m);
+        samples.offset_mask_grad_sums(located, dots.data(), sums_y, sums_x, sums_m);
         // A run's gradients are laid out as one group's, of `count` points.
         for_each_sample_run(g, f, [&](int64_t group, int64_t count) {
           scalar_t *run_grad_offset, *run_grad_mask;
