@@ -425,14 +425,13 @@ DEFORMCONV_INLINE void sample_gradients(const opmath_t* grad, int64_t D,
   }
   if constexpr (kScatter) {
     // Read once, before the scatter's stores: the compiler cannot tell that those stores leave
-    // the rows' addresses and the weights as they were, and would read them again after each.
+    // the rows' addresses as they were, and would read them again after each. (`weight` is the
+    // caller's local copy already.)
     opmath_t* grad_row[4];
-    opmath_t weight_of[4];
     for (int corner = 0; corner < 4; ++corner) {
       grad_row[corner] = grad_rows.row<opmath_t>(corner);
-      weight_of[corner] = weight[corner];
     }
-    scatter_sample_gradient<kVectorBytes>(grad, D, grad_row, weight_of);
+    scatter_sample_gradient<kVectorBytes>(grad, D, grad_row, weight);
   }
 }
 
