@@ -3,6 +3,7 @@ a readable pure-PyTorch reference written from §1, gradcheck, the CUDA launcher
 emulator (tests/cuda_emulation), the four dtypes, argument errors, TorchScript and opcheck."""
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -238,6 +239,41 @@ def test_samples_of_zero_mask_add_nothing_to_the_input_gradient(geometry, batch,
         torch.set_num_threads(previous)
     assert torch.isfinite(grads[0]).all()
     torch.testing.assert_close(grads[0], grads[1], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("backend,batch,threads", [("cpu", 4, 1), ("cpu", 1, 2),
+                                                   ("emulated cuda", 2, 1)])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_input_gradient_is_zero_where_no_sample_reaches(emulated, backend, batch, threads, dtype):
+    """The backward gets the input gradient uninitialised and zeroes it itself (the CPU image
+    by image, next to its scatter): a 1x1 kernel of stride 2 and zero offsets samples only the
+    pixels of even row and column, and every other pixel's gradient is exactly 0, though
+    uninitialised memory is filled with NaN here (torch.use_deterministic_algorithms with
+    torch.utils.deterministic.fill_uninitialized_memory). Every pass that makes it (one pass
+    on one thread, the input gradient apart on two), and a float32 sum for bfloat16."""
+    input = torch.randn(batch, 6, 5, 16).to(dtype)
+    offset = torch.zeros(batch, 3, 3, 2, dtype=dtype)
+    mask = torch.ones(batch, 3, 3, 1, dtype=dtype)
+    grad_output = torch.randn(batch, 3, 3, 16).to(dtype)
+    backward = (torch.ops.deformconv.dcnv3_backward if backend == "cpu"
+                else emulated.dcnv3_backward)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    # warn_only: the CUDA launchers' input gradient adds atomically, which would raise.
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    assert torch.utils.deterministic.fill_uninitialized_memory
+    try:
+        for output_mask in ([True, True, True], [True, False, False]):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)
+                grad_input = backward(grad_output, input, offset, mask, 1, 1, 2, 2, 0, 0, 1, 1, 1,
+                                      16, 1.0, 0, False, output_mask)[0]
+            expected = torch.zeros_like(input)
+            expected[:, ::2, ::2] = grad_output
+            assert torch.equal(grad_input, expected)
+    finally:
+        torch.use_deterministic_algorithms(False)
+        torch.set_num_threads(previous)
 
 
 @pytest.mark.parametrize("geometry,dtype", [(GEOMETRIES[5], torch.float32),

@@ -481,6 +481,12 @@ DEFORMCONV_VECTOR_CLONES void dcnv3_gradient_pixels(
     for (int64_t pixel = begin; pixel < end; ++pixel) {
       samples.locate(g, f, pixel, offset, mask);
       const int64_t image_start = pixel / g.out_pixels() * g.in_pixels() * C;
+      // The task's image of the input gradient, which no other task writes, zeroed as the task
+      // comes to it: zeroed beforehand, the image would be out of this core's cache by the time
+      // the scatter adds into it, where the batch's gradient is larger than the cache.
+      if (kScatter && pixel % g.out_pixels() == 0) {
+        std::fill_n(grad_input + image_start, g.in_pixels() * C, opmath_t(0));
+      }
       if constexpr (kDots) {
         prefetch_rows_ahead(g, samples, input + image_start, pixel, begin);
       }
@@ -556,7 +562,8 @@ void dcnv3_gradients_cpu(const Dcnv3Geometry& g, const Dcnv3Fields& f, int64_t b
   DEFORMCONV_DISPATCH(input.scalar_type(), "dcnv3_gradients_cpu", [&] {
     using opmath_t = at::opmath_type<scalar_t>;
     // Note [Input gradient sums in float32]
-    at::Tensor sums = want_input ? input_gradient_sums<scalar_t>(grad_input) : at::Tensor();
+    at::Tensor sums =
+        want_input ? uninitialised_input_gradient_sums<scalar_t>(grad_input) : at::Tensor();
     const scalar_t* grad_output_data = grad_output.const_data_ptr<scalar_t>();
     const scalar_t* input_data = input.const_data_ptr<scalar_t>();
     const scalar_t* offset_data = offset.const_data_ptr<scalar_t>();

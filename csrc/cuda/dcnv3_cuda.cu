@@ -103,7 +103,7 @@ void dcnv3_input_grad_cuda(const Dcnv3Geometry& g, const Dcnv3Fields& f, int64_t
   const int64_t total = batch * g.out_pixels() * g.channels();
   DEFORMCONV_DISPATCH(grad_output.scalar_type(), "dcnv3_input_grad_cuda", [&] {
     // Note [Input gradient sums in float32]
-    at::Tensor sums = input_gradient_sums<scalar_t>(grad_input);
+    at::Tensor sums = uninitialised_input_gradient_sums<scalar_t>(grad_input).zero_();
     DEFORMCONV_LAUNCH(dcnv3_input_grad_kernel<scalar_t>, blocks_for(total), kThreadsPerBlock,
                       c10::cuda::getCurrentCUDAStream())(
         g, f, total, grad_output.const_data_ptr<scalar_t>(), offset.const_data_ptr<scalar_t>(),

@@ -198,13 +198,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dcnv3_backward(
   const at::Tensor offset = offset_arg.contiguous();
   const at::Tensor mask = packed ? at::Tensor() : mask_arg.contiguous();
   const Dcnv3Fields fields = dcnv3_fields(g, offset, mask);
-  at::Tensor grad_input = want_input ? at::zeros_like(input) : at::Tensor();
-  // Every sample writes its own offset and mask gradients, so they need no zeroing, except
-  // where no sample writes: DCNv4's padding, and everything when nothing is sampled.
+  // The launchers zero the input gradient (Dcnv3Launchers::backward). Every sample writes its
+  // own offset and mask gradients, so they need no zeroing, except where no sample writes:
+  // DCNv4's padding, and everything when nothing is sampled.
+  at::Tensor grad_input = want_input ? at::empty_like(input) : at::Tensor();
   at::Tensor grad_offset = want_offset ? at::empty_like(offset) : at::Tensor();
   at::Tensor grad_mask = packed || !want_mask ? at::Tensor() : at::empty_like(mask);
   if (grad_output.numel() == 0 || input.numel() == 0) {
-    for (at::Tensor* grad : {&grad_offset, &grad_mask}) {
+    for (at::Tensor* grad : {&grad_input, &grad_offset, &grad_mask}) {
       if (grad->defined()) {
         grad->zero_();
       }

@@ -32,6 +32,9 @@ struct Dcnv3Launchers {
   void (*forward)(const Dcnv3Geometry& geometry, const Dcnv3Fields& fields, int64_t batch,
                   const at::Tensor& input, const at::Tensor& offset, const at::Tensor& mask,
                   at::Tensor& output);
+  // grad_input, where asked for, comes uninitialised: the launcher writes all of it, zero
+  // where no sample reaches (the CPU's, image by image just before the samples add into it,
+  // while it is in the cache).
   void (*backward)(const Dcnv3Geometry& geometry, const Dcnv3Fields& fields, int64_t batch,
                    const at::Tensor& grad_output, const at::Tensor& input,
                    const at::Tensor& offset, const at::Tensor& mask, at::Tensor& grad_input,

@@ -108,6 +108,16 @@ at::Tensor input_gradient_sums(const at::Tensor& grad_input) {
              : grad_input.to(c10::CppTypeToScalarType<at::opmath_type<scalar_t>>::value);
 }
 
+// input_gradient_sums for an input gradient that is not initialised: the gradient itself, or
+// an uninitialised float32 tensor of its shape, for the launcher to zero.
+template <typename scalar_t>
+at::Tensor uninitialised_input_gradient_sums(const at::Tensor& grad_input) {
+  return std::is_same_v<at::opmath_type<scalar_t>, scalar_t>
+             ? grad_input
+             : grad_input.new_empty(grad_input.sizes(),
+                                    c10::CppTypeToScalarType<at::opmath_type<scalar_t>>::value);
+}
+
 inline void store_input_gradient_sums(const at::Tensor& sums, at::Tensor& grad_input) {
   if (!sums.is_same(grad_input)) {
     grad_input.copy_(sums);
