@@ -32,6 +32,16 @@ def _pair(name: str, value: IntOrPair) -> List[int]:
     return [value[0], value[1]]
 
 
+@torch.jit.unused
+def _in_onnx_export() -> bool:
+    # Both ONNX exporters trace the model: the TorchScript-based one with torch.jit's tracer,
+    # the torch.export-based one as a compilation. torch.onnx.is_in_onnx_export imports two
+    # modules at every call, which costs about 20 microseconds where the interpreter's caches
+    # have gone cold, as between the layers of a model; so it is asked only while tracing.
+    return ((torch.jit.is_tracing() or torch.compiler.is_compiling())
+            and torch.onnx.is_in_onnx_export())
+
+
 def deform_conv2d(
     input: Tensor,
     offset: Tensor,
@@ -199,7 +209,7 @@ def dcnv3(
         (N, H_out, W_out, group * group_channels), H_out as for a convolution.
     """
     if not torch.jit.is_scripting():
-        if torch.onnx.is_in_onnx_export():
+        if _in_onnx_export():
             return dcnv3_in_standard_onnx_ops(
                 input, offset, mask, kernel_h, kernel_w, stride_h, stride_w, pad_h, pad_w,
                 dilation_h, dilation_w, group, group_channels, offset_scale, remove_center)
@@ -241,7 +251,7 @@ def dcnv4(
         (N, H_out, W_out, group * group_channels).
     """
     if not torch.jit.is_scripting():
-        if torch.onnx.is_in_onnx_export():
+        if _in_onnx_export():
             return dcnv4_in_standard_onnx_ops(
                 input, offset_mask, kernel_h, kernel_w, stride_h, stride_w, pad_h, pad_w,
                 dilation_h, dilation_w, group, group_channels, offset_scale, remove_center)
