@@ -258,6 +258,8 @@ def test_input_gradient_is_zero_where_no_sample_reaches(emulated, backend, batch
     backward = (torch.ops.deformconv.dcnv3_backward if backend == "cpu"
                 else emulated.dcnv3_backward)
     previous = torch.get_num_threads()
+    deterministic = (torch.are_deterministic_algorithms_enabled(),
+                     torch.is_deterministic_algorithms_warn_only_enabled())
     torch.set_num_threads(threads)
     # warn_only: the CUDA launchers' input gradient adds atomically, which would raise.
     torch.use_deterministic_algorithms(True, warn_only=True)
@@ -272,7 +274,7 @@ def test_input_gradient_is_zero_where_no_sample_reaches(emulated, backend, batch
             expected[:, ::2, ::2] = grad_output
             assert torch.equal(grad_input, expected)
     finally:
-        torch.use_deterministic_algorithms(False)
+        torch.use_deterministic_algorithms(deterministic[0], warn_only=deterministic[1])
         torch.set_num_threads(previous)
 
 
