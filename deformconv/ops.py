@@ -36,8 +36,8 @@ def _pair(name: str, value: IntOrPair) -> List[int]:
 def _in_onnx_export() -> bool:
     # Both ONNX exporters trace the model: the TorchScript-based one with torch.jit's tracer,
     # the torch.export-based one as a compilation. torch.onnx.is_in_onnx_export imports two
-    # modules at every call, which costs about 20 microseconds where the interpreter's caches
-    # have gone cold, as between the layers of a model; so it is asked only while tracing.
+    # modules at every call, slow where the interpreter's caches have gone cold, as between the
+    # layers of a model; so it is asked only while tracing.
     return ((torch.jit.is_tracing() or torch.compiler.is_compiling())
             and torch.onnx.is_in_onnx_export())
 
