@@ -112,13 +112,10 @@ class CornerRows {
   explicit CornerRows(int64_t samples) : samples_(samples), addresses_(4 * samples) {}
 
   // Where LocatedSamples::corner_row_addresses is to put the rows of `image`: here.
-  template <TakenCorners kTaken, typename element_t>
-  DEFORMCONV_INLINE CornerRowTarget<kTaken, element_t> target(element_t* image,
-                                                              element_t* elsewhere,
-                                                              int64_t elsewhere_row_bytes = 0) {
+  template <typename element_t>
+  DEFORMCONV_INLINE CornerRowTarget<element_t> target(element_t* image, element_t* zeros) {
     return {image,
-            elsewhere,
-            elsewhere_row_bytes,
+            zeros,
             {addresses_.data(), addresses_.data() + samples_, addresses_.data() + 2 * samples_,
              addresses_.data() + 3 * samples_}};
   }
@@ -279,7 +276,7 @@ DEFORMCONV_VECTOR_CLONES void dcnv3_forward_pixels(const Dcnv3Geometry& g, const
       prefetch_rows_ahead(g, samples, image, pixel, begin);
       samples.corner_row_addresses(
           samples.located, C, samples.first_channel.data(),
-          rows.target<TakenCorners::kWeighted>(image, zeros.data()));
+          rows.target(image, zeros.data()));
       for (int64_t group = 0; group < g.groups; ++group) {
         scalar_t* out = output + pixel * C + group * D;
         int64_t c = 0;
@@ -378,27 +375,64 @@ DEFORMCONV_INLINE void scatter_sample_gradient(const opmath_t* grad, int64_t D,
   }
 }
 
+// The element offsets of the four corner rows of each sample of a pixel, as
+// LocatedSamples::clamped_corner_offsets makes them: corner by corner, sample by sample. The
+// rows are at these offsets alike in the input and in its gradient, which have the same shape.
+class CornerOffsets {
+ public:
+  explicit CornerOffsets(int64_t samples) : samples_(samples), offsets_(4 * samples) {}
+
+  int64_t* data() { return offsets_.data(); }
+  int64_t stride() const { return samples_; }
+
+  // Sample k's four corner offsets, reached through one pointer and the distance between the
+  // corners' arrays: a loop over the samples then keeps two registers for them, not four
+  // pointers that it would reload from the stack per sample.
+  class OfSample {
+   public:
+    OfSample(const int64_t* first, int64_t stride) : first_(first), stride_(stride) {}
+    DEFORMCONV_INLINE int64_t operator[](int corner) const { return first_[corner * stride_]; }
+
+   private:
+    const int64_t* first_;
+    int64_t stride_;
+  };
+  DEFORMCONV_INLINE OfSample of_sample(int64_t k) const {
+    return OfSample(offsets_.data() + k, samples_);
+  }
+
+ private:
+  int64_t samples_;
+  std::vector<int64_t> offsets_;
+};
+
 // One sample's share of the gradients, over the D channels of its group, from the sampled
-// values' gradients `grad` (in the accumulation type, zero-filled to whole lanes): with kDots,
-// the dot products of `grad` with the sample's four corner rows values.row(corner) (a row of
-// zeros for a corner outside the image), for offset_mask_grad_sums_of_dots, kLanes channels at
-// a time, the last few channels copied into zero-filled lanes; with kScatter, weight[corner] *
-// grad added onto each corner's gradient row grad_rows.row(corner) (a row that is never read
-// for a corner of weight 0; scatter_sample_gradient). The dot products all go through the same
-// vector code, whichever pass runs it: scalar code for the last channels would leave the
-// compiler free to fuse its multiply-adds differently in each pass, and the results would
-// depend on the pass, and so on the number of threads.
-template <bool kDots, bool kScatter, int kVectorBytes, typename scalar_t, typename opmath_t>
-DEFORMCONV_INLINE void sample_gradients(const opmath_t* grad, int64_t D,
-                                        const CornerRows::OfSample& values,
-                                        const CornerRows::OfSample& grad_rows,
-                                        const opmath_t weight[4], opmath_t dots[4]) {
+// values' gradients `grad` (in the accumulation type, zero-filled to whole lanes), its corners'
+// rows at the offsets `corners` of `image` and of its gradient `grad_image`: with kDots, the dot
+// products of `grad` with the four corner rows, for offset_mask_grad_sums (which discards those
+// of the corners outside), kLanes channels at a time, the last few channels copied into
+// zero-filled lanes; with kScatter, weight[corner] * grad added onto each corner's gradient row
+// (scatter_sample_gradient), at every corner, or, with kSkipUnweighted, at those of nonzero
+// weight only, the others adding into `unread`, a row that is never read. The dot products all
+// go through the same vector code, whichever pass runs it: scalar code for the last channels
+// would leave the compiler free to fuse its multiply-adds differently in each pass, and the
+// results would depend on the pass, and so on the number of threads.
+template <bool kDots, bool kScatter, bool kSkipUnweighted, int kVectorBytes, typename scalar_t,
+          typename opmath_t>
+DEFORMCONV_INLINE void sample_gradients(const opmath_t* grad, int64_t D, const scalar_t* image,
+                                        opmath_t* grad_image,
+                                        const CornerOffsets::OfSample& corners,
+                                        const opmath_t weight[4], opmath_t* unread,
+                                        opmath_t dots[4]) {
   using Lanes = typename LanesOf<opmath_t>::type;
+  // Read once, before the scatter's stores: the compiler cannot tell that those stores leave
+  // the offsets as they were, and would read them again after each.
+  const int64_t offset[4] = {corners[0], corners[1], corners[2], corners[3]};
   if constexpr (kDots) {
-    const scalar_t* value_0 = values.row<const scalar_t>(0);
-    const scalar_t* value_1 = values.row<const scalar_t>(1);
-    const scalar_t* value_2 = values.row<const scalar_t>(2);
-    const scalar_t* value_3 = values.row<const scalar_t>(3);
+    const scalar_t* value_0 = image + offset[0];
+    const scalar_t* value_1 = image + offset[1];
+    const scalar_t* value_2 = image + offset[2];
+    const scalar_t* value_3 = image + offset[3];
     Lanes dot_0 = {}, dot_1 = {}, dot_2 = {}, dot_3 = {};
     int64_t c = 0;
     // Unrolled, so that where D is known (16 channels) its two passes run without a loop.
@@ -424,15 +458,29 @@ DEFORMCONV_INLINE void sample_gradients(const opmath_t* grad, int64_t D,
     sums_of_four_lanes<opmath_t>(dot_0, dot_1, dot_2, dot_3, dots);
   }
   if constexpr (kScatter) {
-    // Read once, before the scatter's stores: the compiler cannot tell that those stores leave
-    // the rows' addresses as they were, and would read them again after each. (`weight` is the
-    // caller's local copy already.)
     opmath_t* grad_row[4];
     for (int corner = 0; corner < 4; ++corner) {
-      grad_row[corner] = grad_rows.row<opmath_t>(corner);
+      grad_row[corner] = grad_image + offset[corner];
+      if constexpr (kSkipUnweighted) {
+        grad_row[corner] = weight[corner] != opmath_t(0) ? grad_row[corner] : unread;
+      }
     }
     scatter_sample_gradient<kVectorBytes>(grad, D, grad_row, weight);
   }
+}
+
+// Whether every one of the D values of `grad` (zero-filled to whole lanes) is finite: x - x is
+// 0 for a finite x and NaN for an infinite or NaN one.
+template <typename opmath_t>
+DEFORMCONV_INLINE bool all_finite(const opmath_t* grad, int64_t D) {
+  using Lanes = typename LanesOf<opmath_t>::type;
+  Lanes probe = {};
+  for (int64_t c = 0; c < D; c += kLanes) {
+    Lanes lanes;
+    load_lanes<opmath_t>(grad + c, lanes);
+    probe += lanes - lanes;
+  }
+  return sum_of_lanes<opmath_t>(probe) == opmath_t(0);
 }
 
 // The gradients that a pass of dcnv3_gradient_pixels makes: all of them, the input gradient
@@ -444,7 +492,10 @@ enum class GradientPass { kAll, kInput, kOffsetMask };
 // once; for the offset and mask gradients, their corner dot products are summed over their
 // groups' channels, and then, from those, the gradients of all the pixel's samples made at
 // once; for the input gradient, each sample's share is added into grad_input, whose images the
-// task owns, in the order (pixel, group, point, corner) whichever pass adds it.
+// task owns, in the order (pixel, group, point, corner) whichever pass adds it. Both read and
+// write every corner's row at the clamped offsets of LocatedSamples::clamped_corner_offsets,
+// the same in the input and its gradient; where a group's output gradient is not finite, the
+// scatter skips the corners of weight 0 instead, so that 0 times infinity adds no NaN.
 template <GradientPass kPass, int kVectorBytes, int64_t kGroupChannels, typename scalar_t>
 DEFORMCONV_VECTOR_CLONES void dcnv3_gradient_pixels(
     const Dcnv3Geometry& g, const Dcnv3Fields& f, const scalar_t* grad_output,
@@ -457,15 +508,12 @@ DEFORMCONV_VECTOR_CLONES void dcnv3_gradient_pixels(
   const int64_t P = g.points();
   const int64_t D = kGroupChannels > 0 ? kGroupChannels : g.group_channels;
   const int64_t C = g.channels();
-  const std::vector<scalar_t> zeros(D, scalar_t(0));
-  // Where the gradients of corners of weight 0 go: written, never read, spread over rows
-  // (corner_row_addresses).
-  const int64_t unread_row = D;
-  std::vector<opmath_t> unread(kScatter ? 4 * kElsewhereRows * unread_row : 0);
+  // Where the gradient of a corner of weight 0 goes when the sampled values' gradient is not
+  // finite (weight 0 times infinity would be NaN): written, never read.
+  std::vector<opmath_t> unread(kScatter ? D : 0);
   PixelSamples<opmath_t> samples(g, kVectorBytes / sizeof(opmath_t));
   const int64_t located = samples.located;
-  CornerRows values(located);
-  CornerRows grad_rows(located);
+  CornerOffsets corners(located);
   // The sampled values' gradients of one group, in the accumulation type, zero-filled to whole
   // lanes.
   std::vector<opmath_t> group_grad((D + kLanes - 1) / kLanes * kLanes, opmath_t(0));
@@ -481,50 +529,44 @@ DEFORMCONV_VECTOR_CLONES void dcnv3_gradient_pixels(
     for (int64_t pixel = begin; pixel < end; ++pixel) {
       samples.locate(g, f, pixel, offset, mask);
       const int64_t image_start = pixel / g.out_pixels() * g.in_pixels() * C;
+      const scalar_t* image = input + image_start;
+      // grad_input is null in a pass without the scatter.
+      opmath_t* grad_image = kScatter ? grad_input + image_start : nullptr;
       // The task's image of the input gradient, which no other task writes, zeroed as the task
       // comes to it: zeroed beforehand, the image would be out of this core's cache by the time
       // the scatter adds into it, where the batch's gradient is larger than the cache.
       if (kScatter && pixel % g.out_pixels() == 0) {
-        std::fill_n(grad_input + image_start, g.in_pixels() * C, opmath_t(0));
+        std::fill_n(grad_image, g.in_pixels() * C, opmath_t(0));
       }
       if constexpr (kDots) {
-        prefetch_rows_ahead(g, samples, input + image_start, pixel, begin);
+        prefetch_rows_ahead(g, samples, image, pixel, begin);
       }
-      // The rows that the dots read and those that the scatter adds into (grad_input is null in
-      // a pass without the scatter).
-      const auto value_rows = [&] {
-        return values.target<TakenCorners::kInside>(input + image_start, zeros.data());
-      };
-      const auto scattered_rows = [&] {
-        return grad_rows.target<TakenCorners::kWeighted>(
-            grad_input + image_start, unread.data(),
-            unread_row * static_cast<int64_t>(sizeof(opmath_t)));
-      };
-      if constexpr (kPass == GradientPass::kAll) {
-        samples.corner_row_addresses(located, C, samples.first_channel.data(),
-                                     value_rows(), scattered_rows());
-      } else if constexpr (kPass == GradientPass::kInput) {
-        samples.corner_row_addresses(located, C, samples.first_channel.data(),
-                                     scattered_rows());
-      } else {
-        samples.corner_row_addresses(located, C, samples.first_channel.data(),
-                                     value_rows());
-      }
+      samples.clamped_corner_offsets(located, C, samples.first_channel.data(), corners.stride(),
+                                     corners.data());
       for (int64_t group = 0; group < g.groups; ++group) {
         const scalar_t* grad = grad_output + pixel * C + group * D;
         for (int64_t c = 0; c < D; ++c) {
           group_grad[c] = static_cast<opmath_t>(grad[c]);
         }
-        for (int64_t k = group * P; k < (group + 1) * P; ++k) {
-          opmath_t weight[4] = {};
-          if constexpr (kScatter) {
-            for (int corner = 0; corner < 4; ++corner) {
-              weight[corner] = samples.weight(corner, k);
+        // Inlined: left out of line, a lambda of a cloned function runs the baseline instruction
+        // set, and its sums would round differently from the same code inlined elsewhere.
+        const auto group_samples = [&](auto skip_unweighted) __attribute__((always_inline)) {
+          for (int64_t k = group * P; k < (group + 1) * P; ++k) {
+            opmath_t weight[4] = {};
+            if constexpr (kScatter) {
+              for (int corner = 0; corner < 4; ++corner) {
+                weight[corner] = samples.weight(corner, k);
+              }
             }
+            sample_gradients<kDots, kScatter, decltype(skip_unweighted)::value, kVectorBytes>(
+                group_grad.data(), D, image, grad_image, corners.of_sample(k), weight,
+                unread.data(), dots.data() + 4 * k);
           }
-          sample_gradients<kDots, kScatter, kVectorBytes, scalar_t>(
-              group_grad.data(), D, values.of_sample(k), grad_rows.of_sample(k), weight,
-              dots.data() + 4 * k);
+        };
+        if (!kScatter || all_finite(group_grad.data(), D)) {
+          group_samples(std::false_type{});
+        } else {
+          group_samples(std::true_type{});
         }
       }
       if constexpr (kDots) {

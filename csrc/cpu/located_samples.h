@@ -8,6 +8,7 @@
 
 #include <ATen/OpMathType.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -68,35 +69,22 @@ DEFORMCONV_INLINE void locate_cells(
   }
 }
 
-// Which corners of a sample LocatedSamples::corner_row_addresses points into the image: those
-// of nonzero weight (what the sampled value reads and its gradient's scatter writes), or those
-// inside the image (what the position's derivative reads, even at a corner of zero weight).
-enum class TakenCorners { kWeighted, kInside };
-
-// How many rows per corner LocatedSamples::corner_row_addresses spreads the corners not taken
-// over.
-constexpr int64_t kElsewhereRows = 8;
-
 // Where LocatedSamples::corner_row_addresses puts the corner rows of one channels-last image
-// (or its gradient) of element_t: rows[corner][k] for sample k, the address of the corner's
-// row in `image` where kTaken takes the corner, else a row of `elsewhere`.
-template <TakenCorners kTaken, typename element_t>
+// of element_t: rows[corner][k] for sample k, the address of the corner's row in `image` where
+// the corner has nonzero weight (what the sampled value reads), else `zeros`, a row of zeros.
+template <typename element_t>
 struct CornerRowTarget {
   element_t* image;
-  element_t* elsewhere;
-  int64_t elsewhere_row_bytes;
+  element_t* zeros;
   uintptr_t* rows[4];
 
   DEFORMCONV_INLINE void select(int64_t k, const int64_t corner_elements[4],
-                                const bool weighted[4], const bool in_image[4]) const {
-    const bool* taken = kTaken == TakenCorners::kWeighted ? weighted : in_image;
+                                const bool weighted[4]) const {
     const uintptr_t base = reinterpret_cast<uintptr_t>(image);
-    const uintptr_t other = reinterpret_cast<uintptr_t>(elsewhere) +
-        static_cast<uintptr_t>(k % kElsewhereRows * 4 * elsewhere_row_bytes);
     for (int corner = 0; corner < 4; ++corner) {
-      rows[corner][k] = taken[corner]
+      rows[corner][k] = weighted[corner]
           ? base + static_cast<uintptr_t>(corner_elements[corner] * int64_t(sizeof(element_t)))
-          : other + static_cast<uintptr_t>(corner * elsewhere_row_bytes);
+          : reinterpret_cast<uintptr_t>(zeros);
     }
   }
 };
@@ -156,54 +144,78 @@ class LocatedSamples {
     }
   }
 
-  // For samples k < `samples`, the rows of their corners in each target's channels-last image
+  // For samples k < `samples`, the rows of their corners in target.image, a channels-last image
   // (CornerRowTarget): target.rows[corner][k] = the address of element first[k] + (the
-  // corner's grid index) * pixel_stride from target.image for a corner taken, and for the
-  // others row (k % kElsewhereRows) * 4 + corner of target.elsewhere, rows
-  // target.elsewhere_row_bytes apart (0: a single row): corner_rows for many samples in one
-  // loop, which the compiler vectorises, the corners' element offset made once for all the
-  // targets. Addresses are integers (made into pointers where read) so that the selection
+  // corner's grid index) * pixel_stride from target.image for a corner of nonzero weight, and
+  // target.zeros for the others: corner_rows for many samples in one loop, which the compiler
+  // vectorises. Addresses are integers (made into pointers where read) so that the selection
   // vectorises, and so that the address of a corner outside, computed then discarded, is never
-  // a pointer. A scatter that adds into the rows of the corners not taken (to be ignored)
-  // spreads its writes so: into a single row, each add would wait for the previous one, where
-  // many samples fall outside the image.
-  template <typename... Targets>
+  // a pointer.
+  template <typename element_t>
   DEFORMCONV_INLINE void corner_row_addresses(int64_t samples, int64_t pixel_stride,
                                               const int64_t* first,
-                                              const Targets&... targets) const {
+                                              const CornerRowTarget<element_t>& target) const {
     // With strides that fit in 32 bits, as they do for any image that is not gigantic, the
     // offsets are 32-bit products widened to 64 bits, one instruction per vector where AVX2
     // has no 64-bit multiply.
     if (width_ * pixel_stride <= INT32_MAX) {
-      corner_row_address_loop<int32_t>(samples, pixel_stride, first, targets...);
+      corner_row_address_loop<int32_t>(samples, pixel_stride, first, target);
     } else {
-      corner_row_address_loop<int64_t>(samples, pixel_stride, first, targets...);
+      corner_row_address_loop<int64_t>(samples, pixel_stride, first, target);
+    }
+  }
+
+  // For samples k < `samples`, the element offsets of their corners' rows in a channels-last
+  // image whose grid pixel i starts at element i * pixel_stride: offsets[corner * stride + k] =
+  // first[k] + (the corner's grid index) * pixel_stride for a corner inside the image, and for
+  // one outside, that of the image pixel nearest to it (its row and column clamped into the
+  // image). So every corner's row is in the image, to be read and added into: a launcher that
+  // does so at every corner, in the same order at all of them, needs neither a row of zeros nor
+  // a row to write away into, nor a selection per image; it discards what the corners outside
+  // read (offset_mask_grad_sums) and adds weight 0 times the gradient at them (which leaves a
+  // sum as it was while the gradient is finite). A sample outside (cell (0, 0)) has its corners
+  // about the first pixel. In one loop that the compiler vectorises, in 32-bit integers where
+  // the image's elements fit.
+  DEFORMCONV_INLINE void clamped_corner_offsets(int64_t samples, int64_t pixel_stride,
+                                                const int64_t* first, int64_t stride,
+                                                int64_t* offsets) const {
+    if (height_ * width_ * pixel_stride <= INT32_MAX) {
+      clamped_corner_offset_loop<int32_t>(samples, pixel_stride, first, stride, offsets);
+    } else {
+      clamped_corner_offset_loop<int64_t>(samples, pixel_stride, first, stride, offsets);
     }
   }
 
   // For samples k < `samples`, the offset and mask gradient sums of offset_mask_grad_sums_of_dots
   // from the dot products dots[4 * k + corner] of each corner's row with the sampled value's
-  // gradient, in one loop that the compiler vectorises; zero for a sample outside.
+  // gradient, in one loop that the compiler vectorises. A corner outside the image takes no
+  // part: its dot product, whatever its row held, counts as 0 (as in accumulate_corner_dots),
+  // and all four of a sample outside do.
   DEFORMCONV_INLINE void offset_mask_grad_sums(int64_t samples, const opmath_t* __restrict dots,
                                                opmath_t* __restrict sums_y,
                                                opmath_t* __restrict sums_x,
                                                opmath_t* __restrict sums_m) const {
     const int32_t* __restrict inside = inside_.data();
+    const int32_t* __restrict y0 = y0_.data();
+    const int32_t* __restrict x0 = x0_.data();
     const opmath_t* __restrict ly = ly_.data();
     const opmath_t* __restrict lx = lx_.data();
+    const int32_t rows_in_grid = static_cast<int32_t>(height_);
+    const int32_t columns = static_cast<int32_t>(width_);
     for (int64_t k = 0; k < samples; ++k) {
+      const int32_t top = inside[k] & int32_t(y0[k] >= 0);
+      const int32_t bottom = inside[k] & int32_t(y0[k] + 1 < rows_in_grid);
+      const int32_t left = int32_t(x0[k] >= 0);
+      const int32_t right = int32_t(x0[k] + 1 < columns);
+      // Read, then selected: a read only where the corner is inside would keep the loop scalar.
+      const opmath_t dot_0 = dots[4 * k], dot_1 = dots[4 * k + 1], dot_2 = dots[4 * k + 2],
+                     dot_3 = dots[4 * k + 3];
       const OffsetMaskGradSums<opmath_t> sums = offset_mask_grad_sums_of_dots(
-          ly[k], lx[k], dots[4 * k], dots[4 * k + 1], dots[4 * k + 2], dots[4 * k + 3]);
+          ly[k], lx[k], (top & left) ? dot_0 : opmath_t(0), (top & right) ? dot_1 : opmath_t(0),
+          (bottom & left) ? dot_2 : opmath_t(0), (bottom & right) ? dot_3 : opmath_t(0));
       sums_y[k] = sums.y;
       sums_x[k] = sums.x;
       sums_m[k] = sums.m;
-    }
-    // Apart, so that the sums above are made for every sample: selected in the same loop, they
-    // would be made only for the samples inside, a branch the compiler does not vectorise.
-    for (int64_t k = 0; k < samples; ++k) {
-      sums_y[k] = inside[k] ? sums_y[k] : opmath_t(0);
-      sums_x[k] = inside[k] ? sums_x[k] : opmath_t(0);
-      sums_m[k] = inside[k] ? sums_m[k] : opmath_t(0);
     }
   }
 
@@ -237,38 +249,55 @@ class LocatedSamples {
   }
 
  private:
-  template <typename stride_t, typename... Targets>
+  template <typename stride_t, typename element_t>
   DEFORMCONV_INLINE void corner_row_address_loop(int64_t samples, int64_t pixel_stride,
                                                  const int64_t* __restrict first,
-                                                 const Targets&... targets) const {
+                                                 const CornerRowTarget<element_t>& target) const {
     const stride_t column_elements = static_cast<stride_t>(pixel_stride);
     const stride_t row_elements = static_cast<stride_t>(width_ * pixel_stride);
-    const int32_t* __restrict inside = inside_.data();
     const int32_t* __restrict y0 = y0_.data();
     const int32_t* __restrict x0 = x0_.data();
     const opmath_t* __restrict weight_0 = weight_[0].data();
     const opmath_t* __restrict weight_1 = weight_[1].data();
     const opmath_t* __restrict weight_2 = weight_[2].data();
     const opmath_t* __restrict weight_3 = weight_[3].data();
-    const int32_t rows_in_grid = static_cast<int32_t>(height_);
-    const int32_t columns = static_cast<int32_t>(width_);
-    // The targets' rows are written and nothing else: no iteration reads what another writes.
+    // The target's rows are written and nothing else: no iteration reads what another writes.
 #pragma GCC ivdep
     for (int64_t k = 0; k < samples; ++k) {
       const bool weighted[4] = {weight_0[k] != opmath_t(0), weight_1[k] != opmath_t(0),
                                 weight_2[k] != opmath_t(0), weight_3[k] != opmath_t(0)};
-      const int32_t top = inside[k] & int32_t(y0[k] >= 0);
-      const int32_t bottom = inside[k] & int32_t(y0[k] + 1 < rows_in_grid);
-      const int32_t left = int32_t(x0[k] >= 0);
-      const int32_t right = int32_t(x0[k] + 1 < columns);
-      const bool in_image[4] = {bool(top & left), bool(top & right), bool(bottom & left),
-                                bool(bottom & right)};
       const int64_t top_left = first[k] + static_cast<int64_t>(y0[k]) * row_elements +
           static_cast<int64_t>(x0[k]) * column_elements;
       const int64_t corner_elements[4] = {top_left, top_left + column_elements,
                                           top_left + row_elements,
                                           top_left + row_elements + column_elements};
-      (targets.select(k, corner_elements, weighted, in_image), ...);
+      target.select(k, corner_elements, weighted);
+    }
+  }
+
+  template <typename index_t>
+  DEFORMCONV_INLINE void clamped_corner_offset_loop(int64_t samples, int64_t pixel_stride,
+                                                    const int64_t* __restrict first,
+                                                    int64_t stride,
+                                                    int64_t* __restrict offsets) const {
+    const index_t column_elements = static_cast<index_t>(pixel_stride);
+    const index_t row_elements = static_cast<index_t>(width_ * pixel_stride);
+    const int32_t* __restrict y0 = y0_.data();
+    const int32_t* __restrict x0 = x0_.data();
+    const int32_t last_row = static_cast<int32_t>(height_ - 1);
+    const int32_t last_column = static_cast<int32_t>(width_ - 1);
+    // A cell's rows are y0 and y0 + 1 with -1 <= y0 <= last_row (columns likewise), so each
+    // needs clamping on one side only.
+    for (int64_t k = 0; k < samples; ++k) {
+      const index_t top = static_cast<index_t>(std::max(y0[k], 0)) * row_elements;
+      const index_t bottom = static_cast<index_t>(std::min(y0[k] + 1, last_row)) * row_elements;
+      const index_t left = static_cast<index_t>(std::max(x0[k], 0)) * column_elements;
+      const index_t right =
+          static_cast<index_t>(std::min(x0[k] + 1, last_column)) * column_elements;
+      offsets[k] = first[k] + static_cast<int64_t>(top + left);
+      offsets[stride + k] = first[k] + static_cast<int64_t>(top + right);
+      offsets[2 * stride + k] = first[k] + static_cast<int64_t>(bottom + left);
+      offsets[3 * stride + k] = first[k] + static_cast<int64_t>(bottom + right);
     }
   }
 
