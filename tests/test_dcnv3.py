@@ -185,6 +185,38 @@ def test_non_finite_positions_sample_nothing():
     assert torch.isfinite(out).all()
 
 
+@pytest.mark.parametrize("geometry", [GEOMETRIES[1], GEOMETRIES[5]])
+def test_infinite_input_at_corners_of_zero_weight_makes_no_nan(geometry):
+    """Zero offsets put every sample on a pixel: its other three corners weigh 0, and where
+    its mask is 0 so does the pixel itself. An infinite input pixel that only such corners reach
+    takes no part, not even 0 * infinity: the output is that of a zero there, bit for bit (16
+    channels a group, the vectors' path, and 3, the channels one by one)."""
+    (kh, kw), (sh, sw), (ph, pw), (dh, dw), G, D = geometry
+    input, offset, mask = random_operands(2, 6, 7, geometry, seed=4)
+    offset.zero_()
+    P = kh * kw
+    pixel = (1, 3, 2)
+    # The weight of the pixel in each sample, point by point: the output for an input that is 1
+    # there and 0 elsewhere, with the mask 1 at that point alone.
+    one_hot = torch.zeros_like(input)
+    one_hot[pixel] = 1
+    reaches = torch.zeros_like(mask, dtype=torch.bool)
+    for point in range(P):
+        point_mask = torch.zeros_like(mask)
+        point_mask[..., point::P] = 1
+        weight = run(deformconv.dcnv3, one_hot, offset, point_mask, geometry)
+        reaches[..., point::P] = weight.view(*weight.shape[:3], G, D)[..., 0] != 0
+    assert reaches.any() and not reaches.all()
+    mask[reaches] = 0
+    infinite = input.clone()
+    infinite[pixel] = math.inf
+    zero = input.clone()
+    zero[pixel] = 0
+    out = run(deformconv.dcnv3, infinite, offset, mask, geometry)
+    assert torch.isfinite(out).all()
+    assert torch.equal(out, run(deformconv.dcnv3, zero, offset, mask, geometry))
+
+
 @pytest.mark.parametrize("batch,threads", [(4, 1), (1, 2)])
 def test_cpu_backward_passes_match_reference(batch, threads):
     """The CPU backward makes all the gradients in one pass over each image unless the images

@@ -105,48 +105,35 @@ class PixelSamples : public LocatedSamples<opmath_t> {
   }
 };
 
-// The rows of the four corners of each sample of a pixel, in one image (or its gradient), as
-// LocatedSamples::corner_row_addresses makes them: corner by corner, sample by sample.
-class CornerRows {
+// The element offsets of the four corner rows of each sample of a pixel, as
+// LocatedSamples::clamped_corner_offsets makes them: corner by corner, sample by sample. The
+// rows are at these offsets alike in the input and in its gradient, which have the same shape.
+class CornerOffsets {
  public:
-  explicit CornerRows(int64_t samples) : samples_(samples), addresses_(4 * samples) {}
+  explicit CornerOffsets(int64_t samples) : samples_(samples), offsets_(4 * samples) {}
 
-  // Where LocatedSamples::corner_row_addresses is to put the rows of `image`: here.
-  template <typename element_t>
-  DEFORMCONV_INLINE CornerRowTarget<element_t> target(element_t* image, element_t* zeros) {
-    return {image,
-            zeros,
-            {addresses_.data(), addresses_.data() + samples_, addresses_.data() + 2 * samples_,
-             addresses_.data() + 3 * samples_}};
-  }
+  int64_t* data() { return offsets_.data(); }
+  int64_t stride() const { return samples_; }
 
-  // Sample k's four corner rows, reached through one pointer and the distance between the
+  // Sample k's four corner offsets, reached through one pointer and the distance between the
   // corners' arrays: a loop over the samples then keeps two registers for them, not four
   // pointers that it would reload from the stack per sample.
   class OfSample {
    public:
-    OfSample(const uintptr_t* first, int64_t stride) : first_(first), stride_(stride) {}
-    template <typename element_t>
-    DEFORMCONV_INLINE element_t* row(int corner) const {
-      return reinterpret_cast<element_t*>(first_[corner * stride_]);
-    }
+    OfSample(const int64_t* first, int64_t stride) : first_(first), stride_(stride) {}
+    DEFORMCONV_INLINE int64_t operator[](int corner) const { return first_[corner * stride_]; }
 
    private:
-    const uintptr_t* first_;
+    const int64_t* first_;
     int64_t stride_;
   };
   DEFORMCONV_INLINE OfSample of_sample(int64_t k) const {
-    return OfSample(addresses_.data() + k, samples_);
-  }
-
-  template <typename element_t>
-  DEFORMCONV_INLINE element_t* row(int corner, int64_t k) const {
-    return of_sample(k).row<element_t>(corner);
+    return OfSample(offsets_.data() + k, samples_);
   }
 
  private:
   int64_t samples_;
-  std::vector<uintptr_t> addresses_;
+  std::vector<int64_t> offsets_;
 };
 
 // Calls run(std::integral_constant<int64_t, 16>{}) where a group has 16 channels, as in every
@@ -212,30 +199,62 @@ DEFORMCONV_INLINE void prefetch_rows_ahead(const Dcnv3Geometry& g,
   }
 }
 
+// Whether all of `count` values (of any dtype) are finite: x - x is 0 for a finite x and NaN
+// for an infinite or NaN one, and a sum of those is 0 only if all are.
+template <typename opmath_t, typename scalar_t>
+DEFORMCONV_INLINE bool all_finite(const scalar_t* values, int64_t count) {
+  using Lanes = typename LanesOf<opmath_t>::type;
+  Lanes probe = {};
+  int64_t c = 0;
+  for (; c + kLanes <= count; c += kLanes) {
+    Lanes lanes;
+    load_lanes<opmath_t>(values + c, lanes);
+    probe += lanes - lanes;
+  }
+  opmath_t rest = 0;
+  for (; c < count; ++c) {
+    const opmath_t value = static_cast<opmath_t>(values[c]);
+    rest += value - value;
+  }
+  return sum_of_lanes<opmath_t>(probe) + rest == opmath_t(0);
+}
+
 // out[c] for kVectors vectors of channels from c on: the sum over the points [first, first +
-// points) of their samples' values, each the weighted sum of its four corner rows, made in the
-// accumulation type (Vector's elements) with the sums in registers. Each channel's arithmetic
-// is the same whatever the vector width.
-template <typename Vector, int kVectors, typename scalar_t, typename opmath_t>
+// points) of their samples' values, each the weighted sum of its four corner rows (at the
+// offsets `corners` of `image`), made in the accumulation type (Vector's elements) with the sums
+// in registers. A corner of weight 0 adds 0 times its row (+-0, which leaves the sum as it was)
+// unless the row holds an infinity or NaN, which makes the sum NaN; so where a sum is not
+// finite, the caller makes it again with kZeroUnweighted, which takes such a corner's row as
+// zeros. Each channel's arithmetic is the same whatever the vector width.
+template <bool kZeroUnweighted, typename Vector, int kVectors, typename scalar_t,
+          typename opmath_t>
 DEFORMCONV_INLINE void sum_points(const PixelSamples<opmath_t>& samples,
-                                  const CornerRows& rows,
+                                  const CornerOffsets& corners, const scalar_t* image,
                                   int64_t first, int64_t points, int64_t c, scalar_t* out) {
   constexpr int64_t kWidth = sizeof(Vector) / sizeof(opmath_t);
   Vector sum[kVectors] = {};
   for (int64_t k = first; k < first + points; ++k) {
     const opmath_t w0 = samples.weight(0, k), w1 = samples.weight(1, k),
                    w2 = samples.weight(2, k), w3 = samples.weight(3, k);
-    const auto corners = rows.of_sample(k);
-    const scalar_t* row_0 = corners.row<const scalar_t>(0) + c;
-    const scalar_t* row_1 = corners.row<const scalar_t>(1) + c;
-    const scalar_t* row_2 = corners.row<const scalar_t>(2) + c;
-    const scalar_t* row_3 = corners.row<const scalar_t>(3) + c;
+    const auto offsets = corners.of_sample(k);
+    const scalar_t* row_0 = image + offsets[0] + c;
+    const scalar_t* row_1 = image + offsets[1] + c;
+    const scalar_t* row_2 = image + offsets[2] + c;
+    const scalar_t* row_3 = image + offsets[3] + c;
+    // Unrolled, so that the sums stay in registers.
+#pragma GCC unroll 4
     for (int v = 0; v < kVectors; ++v) {
       Vector v0, v1, v2, v3;
       load_vector<opmath_t>(row_0 + v * kWidth, v0);
       load_vector<opmath_t>(row_1 + v * kWidth, v1);
       load_vector<opmath_t>(row_2 + v * kWidth, v2);
       load_vector<opmath_t>(row_3 + v * kWidth, v3);
+      if constexpr (kZeroUnweighted) {
+        v0 = w0 != opmath_t(0) ? v0 : Vector{};
+        v1 = w1 != opmath_t(0) ? v1 : Vector{};
+        v2 = w2 != opmath_t(0) ? v2 : Vector{};
+        v3 = w3 != opmath_t(0) ? v3 : Vector{};
+      }
       sum[v] += w0 * v0 + w1 * v1 + w2 * v2 + w3 * v3;
     }
   }
@@ -248,11 +267,12 @@ DEFORMCONV_INLINE void sum_points(const PixelSamples<opmath_t>& samples,
 
 // The runs of pixels of the batch's output that `runs` hands out, every group: each channel's
 // sum over the points of its group, made in the accumulation type. The four corners of every
-// point are located first; a corner that takes no part (outside the image, or of zero weight)
-// reads a row of zeros instead, so that each sample is the same weighted sum of four rows,
-// without branches, and an infinite input value at such a corner cannot make NaN. Then, a
-// vector or two of channels at a time, in vectors as wide as the running clone's registers
-// (kVectorBytes), the sum over the points stays in registers.
+// point are located first, their rows at clamped offsets (LocatedSamples::clamped_corner_offsets)
+// so that each sample is the same weighted sum of four rows, without branches; a pixel whose
+// sums are not all finite is summed again with the rows of corners of weight 0 (outside the
+// image, or masked) taken as zeros (sum_points), so that an infinite input value there cannot
+// make NaN. Then, a vector or two of channels at a time, in vectors as wide as the running
+// clone's registers (kVectorBytes), the sum over the points stays in registers.
 template <int kVectorBytes, int64_t kGroupChannels, typename scalar_t>
 DEFORMCONV_VECTOR_CLONES void dcnv3_forward_pixels(const Dcnv3Geometry& g, const Dcnv3Fields& f,
                                                    const scalar_t* input, const scalar_t* offset,
@@ -265,42 +285,53 @@ DEFORMCONV_VECTOR_CLONES void dcnv3_forward_pixels(const Dcnv3Geometry& g, const
   const int64_t P = g.points();
   const int64_t D = kGroupChannels > 0 ? kGroupChannels : g.group_channels;
   const int64_t C = g.channels();
-  const std::vector<scalar_t> zeros(D, scalar_t(0));
   PixelSamples<opmath_t> samples(g, kVectorBytes / sizeof(opmath_t));
-  CornerRows rows(samples.located);
+  CornerOffsets corners(samples.located);
   int64_t begin, end;
   while (runs.take(begin, end)) {
     for (int64_t pixel = begin; pixel < end; ++pixel) {
       samples.locate(g, f, pixel, offset, mask);
       const scalar_t* image = input + pixel / g.out_pixels() * g.in_pixels() * C;
       prefetch_rows_ahead(g, samples, image, pixel, begin);
-      samples.corner_row_addresses(
-          samples.located, C, samples.first_channel.data(),
-          rows.target(image, zeros.data()));
-      for (int64_t group = 0; group < g.groups; ++group) {
-        scalar_t* out = output + pixel * C + group * D;
-        int64_t c = 0;
-        for (; c + 2 * kWidth <= D; c += 2 * kWidth) {
-          sum_points<Vector, 2>(samples, rows, group * P, P, c, out + c);
-        }
-        for (; c + kWidth <= D; c += kWidth) {
-          sum_points<Vector, 1>(samples, rows, group * P, P, c, out + c);
-        }
-        for (; c + kLanes <= D; c += kLanes) {
-          sum_points<Lanes, 1>(samples, rows, group * P, P, c, out + c);
-        }
-        for (; c < D; ++c) {
-          opmath_t sum = 0;
-          for (int64_t k = group * P; k < (group + 1) * P; ++k) {
-            opmath_t value[4];
-            for (int corner = 0; corner < 4; ++corner) {
-              value[corner] = static_cast<opmath_t>(rows.row<const scalar_t>(corner, k)[c]);
-            }
-            sum += samples.weight(0, k) * value[0] + samples.weight(1, k) * value[1] +
-                samples.weight(2, k) * value[2] + samples.weight(3, k) * value[3];
+      samples.clamped_corner_offsets(samples.located, C, samples.first_channel.data(),
+                                     corners.stride(), corners.data());
+      // Inlined: left out of line, a lambda of a cloned function runs the baseline instruction
+      // set, and its sums would round differently from the same code inlined.
+      const auto sum_groups = [&](auto zero_unweighted) __attribute__((always_inline)) {
+        constexpr bool kZero = decltype(zero_unweighted)::value;
+        for (int64_t group = 0; group < g.groups; ++group) {
+          scalar_t* out = output + pixel * C + group * D;
+          int64_t c = 0;
+          for (; c + 2 * kWidth <= D; c += 2 * kWidth) {
+            sum_points<kZero, Vector, 2>(samples, corners, image, group * P, P, c, out + c);
           }
-          out[c] = static_cast<scalar_t>(sum);
+          for (; c + kWidth <= D; c += kWidth) {
+            sum_points<kZero, Vector, 1>(samples, corners, image, group * P, P, c, out + c);
+          }
+          for (; c + kLanes <= D; c += kLanes) {
+            sum_points<kZero, Lanes, 1>(samples, corners, image, group * P, P, c, out + c);
+          }
+          for (; c < D; ++c) {
+            opmath_t sum = 0;
+            for (int64_t k = group * P; k < (group + 1) * P; ++k) {
+              const auto offsets = corners.of_sample(k);
+              opmath_t value[4];
+              for (int corner = 0; corner < 4; ++corner) {
+                value[corner] = static_cast<opmath_t>(image[offsets[corner] + c]);
+                if (kZero && samples.weight(corner, k) == opmath_t(0)) {
+                  value[corner] = opmath_t(0);
+                }
+              }
+              sum += samples.weight(0, k) * value[0] + samples.weight(1, k) * value[1] +
+                  samples.weight(2, k) * value[2] + samples.weight(3, k) * value[3];
+            }
+            out[c] = static_cast<scalar_t>(sum);
+          }
         }
+      };
+      sum_groups(std::false_type{});
+      if (!all_finite<opmath_t>(output + pixel * C, C)) {
+        sum_groups(std::true_type{});
       }
     }
   }
@@ -375,37 +406,6 @@ DEFORMCONV_INLINE void scatter_sample_gradient(const opmath_t* grad, int64_t D,
   }
 }
 
-// The element offsets of the four corner rows of each sample of a pixel, as
-// LocatedSamples::clamped_corner_offsets makes them: corner by corner, sample by sample. The
-// rows are at these offsets alike in the input and in its gradient, which have the same shape.
-class CornerOffsets {
- public:
-  explicit CornerOffsets(int64_t samples) : samples_(samples), offsets_(4 * samples) {}
-
-  int64_t* data() { return offsets_.data(); }
-  int64_t stride() const { return samples_; }
-
-  // Sample k's four corner offsets, reached through one pointer and the distance between the
-  // corners' arrays: a loop over the samples then keeps two registers for them, not four
-  // pointers that it would reload from the stack per sample.
-  class OfSample {
-   public:
-    OfSample(const int64_t* first, int64_t stride) : first_(first), stride_(stride) {}
-    DEFORMCONV_INLINE int64_t operator[](int corner) const { return first_[corner * stride_]; }
-
-   private:
-    const int64_t* first_;
-    int64_t stride_;
-  };
-  DEFORMCONV_INLINE OfSample of_sample(int64_t k) const {
-    return OfSample(offsets_.data() + k, samples_);
-  }
-
- private:
-  int64_t samples_;
-  std::vector<int64_t> offsets_;
-};
-
 // One sample's share of the gradients, over the D channels of its group, from the sampled
 // values' gradients `grad` (in the accumulation type, zero-filled to whole lanes), its corners'
 // rows at the offsets `corners` of `image` and of its gradient `grad_image`: with kDots, the dot
@@ -467,20 +467,6 @@ DEFORMCONV_INLINE void sample_gradients(const opmath_t* grad, int64_t D, const s
     }
     scatter_sample_gradient<kVectorBytes>(grad, D, grad_row, weight);
   }
-}
-
-// Whether every one of the D values of `grad` (zero-filled to whole lanes) is finite: x - x is
-// 0 for a finite x and NaN for an infinite or NaN one.
-template <typename opmath_t>
-DEFORMCONV_INLINE bool all_finite(const opmath_t* grad, int64_t D) {
-  using Lanes = typename LanesOf<opmath_t>::type;
-  Lanes probe = {};
-  for (int64_t c = 0; c < D; c += kLanes) {
-    Lanes lanes;
-    load_lanes<opmath_t>(grad + c, lanes);
-    probe += lanes - lanes;
-  }
-  return sum_of_lanes<opmath_t>(probe) == opmath_t(0);
 }
 
 // The gradients that a pass of dcnv3_gradient_pixels makes: all of them, the input gradient
@@ -563,7 +549,7 @@ DEFORMCONV_VECTOR_CLONES void dcnv3_gradient_pixels(
                 unread.data(), dots.data() + 4 * k);
           }
         };
-        if (!kScatter || all_finite(group_grad.data(), D)) {
+        if (!kScatter || all_finite<opmath_t>(group_grad.data(), D)) {
           group_samples(std::false_type{});
         } else {
           group_samples(std::true_type{});

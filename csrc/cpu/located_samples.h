@@ -69,26 +69,6 @@ DEFORMCONV_INLINE void locate_cells(
   }
 }
 
-// Where LocatedSamples::corner_row_addresses puts the corner rows of one channels-last image
-// of element_t: rows[corner][k] for sample k, the address of the corner's row in `image` where
-// the corner has nonzero weight (what the sampled value reads), else `zeros`, a row of zeros.
-template <typename element_t>
-struct CornerRowTarget {
-  element_t* image;
-  element_t* zeros;
-  uintptr_t* rows[4];
-
-  DEFORMCONV_INLINE void select(int64_t k, const int64_t corner_elements[4],
-                                const bool weighted[4]) const {
-    const uintptr_t base = reinterpret_cast<uintptr_t>(image);
-    for (int corner = 0; corner < 4; ++corner) {
-      rows[corner][k] = weighted[corner]
-          ? base + static_cast<uintptr_t>(corner_elements[corner] * int64_t(sizeof(element_t)))
-          : reinterpret_cast<uintptr_t>(zeros);
-    }
-  }
-};
-
 // Up to `capacity` samples in a height x width grid. Sample k lies at
 //   y = base_y + (grid_y[k] + dy[k]) * scale,   x = base_x + (grid_x[k] + dx[k]) * scale,
 // modulated by m[k]: the op fills those five arrays (DCNv3's grid points and offsets, or DCN
@@ -144,38 +124,17 @@ class LocatedSamples {
     }
   }
 
-  // For samples k < `samples`, the rows of their corners in target.image, a channels-last image
-  // (CornerRowTarget): target.rows[corner][k] = the address of element first[k] + (the
-  // corner's grid index) * pixel_stride from target.image for a corner of nonzero weight, and
-  // target.zeros for the others: corner_rows for many samples in one loop, which the compiler
-  // vectorises. Addresses are integers (made into pointers where read) so that the selection
-  // vectorises, and so that the address of a corner outside, computed then discarded, is never
-  // a pointer.
-  template <typename element_t>
-  DEFORMCONV_INLINE void corner_row_addresses(int64_t samples, int64_t pixel_stride,
-                                              const int64_t* first,
-                                              const CornerRowTarget<element_t>& target) const {
-    // With strides that fit in 32 bits, as they do for any image that is not gigantic, the
-    // offsets are 32-bit products widened to 64 bits, one instruction per vector where AVX2
-    // has no 64-bit multiply.
-    if (width_ * pixel_stride <= INT32_MAX) {
-      corner_row_address_loop<int32_t>(samples, pixel_stride, first, target);
-    } else {
-      corner_row_address_loop<int64_t>(samples, pixel_stride, first, target);
-    }
-  }
-
   // For samples k < `samples`, the element offsets of their corners' rows in a channels-last
   // image whose grid pixel i starts at element i * pixel_stride: offsets[corner * stride + k] =
   // first[k] + (the corner's grid index) * pixel_stride for a corner inside the image, and for
   // one outside, that of the image pixel nearest to it (its row and column clamped into the
   // image). So every corner's row is in the image, to be read and added into: a launcher that
-  // does so at every corner, in the same order at all of them, needs neither a row of zeros nor
-  // a row to write away into, nor a selection per image; it discards what the corners outside
-  // read (offset_mask_grad_sums) and adds weight 0 times the gradient at them (which leaves a
-  // sum as it was while the gradient is finite). A sample outside (cell (0, 0)) has its corners
-  // about the first pixel. In one loop that the compiler vectorises, in 32-bit integers where
-  // the image's elements fit.
+  // does so at every corner, the same code for all of them, needs no row of zeros and no
+  // selection per corner. What a corner outside reads takes no part if the launcher discards it
+  // (offset_mask_grad_sums) or multiplies it by the corner's weight, 0 (which leaves a sum as it
+  // was while the row and the gradient are finite; the launchers check). A sample outside (cell
+  // (0, 0)) has its corners about the first pixel. In one loop that the compiler vectorises, in
+  // 32-bit integers where the image's elements fit.
   DEFORMCONV_INLINE void clamped_corner_offsets(int64_t samples, int64_t pixel_stride,
                                                 const int64_t* first, int64_t stride,
                                                 int64_t* offsets) const {
@@ -249,32 +208,6 @@ class LocatedSamples {
   }
 
  private:
-  template <typename stride_t, typename element_t>
-  DEFORMCONV_INLINE void corner_row_address_loop(int64_t samples, int64_t pixel_stride,
-                                                 const int64_t* __restrict first,
-                                                 const CornerRowTarget<element_t>& target) const {
-    const stride_t column_elements = static_cast<stride_t>(pixel_stride);
-    const stride_t row_elements = static_cast<stride_t>(width_ * pixel_stride);
-    const int32_t* __restrict y0 = y0_.data();
-    const int32_t* __restrict x0 = x0_.data();
-    const opmath_t* __restrict weight_0 = weight_[0].data();
-    const opmath_t* __restrict weight_1 = weight_[1].data();
-    const opmath_t* __restrict weight_2 = weight_[2].data();
-    const opmath_t* __restrict weight_3 = weight_[3].data();
-    // The target's rows are written and nothing else: no iteration reads what another writes.
-#pragma GCC ivdep
-    for (int64_t k = 0; k < samples; ++k) {
-      const bool weighted[4] = {weight_0[k] != opmath_t(0), weight_1[k] != opmath_t(0),
-                                weight_2[k] != opmath_t(0), weight_3[k] != opmath_t(0)};
-      const int64_t top_left = first[k] + static_cast<int64_t>(y0[k]) * row_elements +
-          static_cast<int64_t>(x0[k]) * column_elements;
-      const int64_t corner_elements[4] = {top_left, top_left + column_elements,
-                                          top_left + row_elements,
-                                          top_left + row_elements + column_elements};
-      target.select(k, corner_elements, weighted);
-    }
-  }
-
   template <typename index_t>
   DEFORMCONV_INLINE void clamped_corner_offset_loop(int64_t samples, int64_t pixel_stride,
                                                     const int64_t* __restrict first,

@@ -174,7 +174,10 @@ at::Tensor dcnv3_forward(const Dcnv3Launchers& launchers, const at::Tensor& inpu
   const int64_t batch = input_arg.size(0);
   at::Tensor output =
       at::empty({batch, g.out_height, g.out_width, g.channels()}, input_arg.options());
-  if (output.numel() > 0) {
+  if (input_arg.numel() == 0) {
+    // Nothing to sample (no image pixels, padded to an output): every sample is 0.
+    output.zero_();
+  } else if (output.numel() > 0) {
     const at::Tensor offset = offset_arg.contiguous();
     const at::Tensor mask = mask_arg.defined() ? mask_arg.contiguous() : at::Tensor();
     launchers.forward(g, dcnv3_fields(g, offset, mask), batch, input_arg.contiguous(), offset,

@@ -27,7 +27,8 @@ namespace deformconv {
 // read through `fields`. Gradients to be filled are allocated by the driver: grad_input zeroed
 // (launchers add into it), grad_offset and grad_mask written in full. Any of the three may be
 // undefined (not asked for), not all; the launchers choose whether to compute those asked for
-// in one pass or several.
+// in one pass or several. The input and the output are never empty: the driver answers those
+// cases itself (an image of no pixels has none for a launcher to read a corner's row at).
 struct Dcnv3Launchers {
   void (*forward)(const Dcnv3Geometry& geometry, const Dcnv3Fields& fields, int64_t batch,
                   const at::Tensor& input, const at::Tensor& offset, const at::Tensor& mask,
