@@ -185,14 +185,15 @@ def test_non_finite_positions_sample_nothing():
     assert torch.isfinite(out).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("geometry", [GEOMETRIES[1], GEOMETRIES[5]])
-def test_infinite_input_at_corners_of_zero_weight_makes_no_nan(geometry):
+def test_infinite_input_at_corners_of_zero_weight_makes_no_nan(geometry, dtype):
     """Zero offsets put every sample on a pixel: its other three corners weigh 0, and where
     its mask is 0 so does the pixel itself. An infinite input pixel that only such corners reach
     takes no part, not even 0 * infinity: the output is that of a zero there, bit for bit (16
     channels a group, the vectors' path, and 3, the channels one by one)."""
     (kh, kw), (sh, sw), (ph, pw), (dh, dw), G, D = geometry
-    input, offset, mask = random_operands(2, 6, 7, geometry, seed=4)
+    input, offset, mask = random_operands(2, 6, 7, geometry, dtype=dtype, seed=4)
     offset.zero_()
     P = kh * kw
     pixel = (1, 3, 2)
