@@ -32,12 +32,17 @@
 #endif
 
 // A helper of a cloned stage runs with the stage's instruction set only if it is inlined into
-// it, which the compiler's heuristics alone do not promise.
+// it, which the compiler's heuristics alone do not promise. A lambda inside a cloned stage,
+// marked with DEFORMCONV_INLINE_LAMBDA after its parameters, likewise: left out of line, GCC
+// compiles it for the baseline instruction set, without fused multiply-adds, and its sums
+// would round differently from the same code inlined into another stage.
 #if defined(__GNUC__)
 #define DEFORMCONV_INLINE inline __attribute__((always_inline))
+#define DEFORMCONV_INLINE_LAMBDA __attribute__((always_inline))
 #define DEFORMCONV_NOINLINE __attribute__((noinline))
 #else
 #define DEFORMCONV_INLINE inline
+#define DEFORMCONV_INLINE_LAMBDA
 #define DEFORMCONV_NOINLINE
 #endif
 

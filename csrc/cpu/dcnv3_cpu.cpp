@@ -295,9 +295,7 @@ DEFORMCONV_VECTOR_CLONES void dcnv3_forward_pixels(const Dcnv3Geometry& g, const
       prefetch_rows_ahead(g, samples, image, pixel, begin);
       samples.clamped_corner_offsets(samples.located, C, samples.first_channel.data(),
                                      corners.stride(), corners.data());
-      // Inlined: left out of line, a lambda of a cloned function runs the baseline instruction
-      // set, and its sums would round differently from the same code inlined.
-      const auto sum_groups = [&](auto zero_unweighted) __attribute__((always_inline)) {
+      const auto sum_groups = [&](auto zero_unweighted) DEFORMCONV_INLINE_LAMBDA {
         constexpr bool kZero = decltype(zero_unweighted)::value;
         for (int64_t group = 0; group < g.groups; ++group) {
           scalar_t* out = output + pixel * C + group * D;
@@ -534,9 +532,7 @@ DEFORMCONV_VECTOR_CLONES void dcnv3_gradient_pixels(
         for (int64_t c = 0; c < D; ++c) {
           group_grad[c] = static_cast<opmath_t>(grad[c]);
         }
-        // Inlined: left out of line, a lambda of a cloned function runs the baseline instruction
-        // set, and its sums would round differently from the same code inlined elsewhere.
-        const auto group_samples = [&](auto skip_unweighted) __attribute__((always_inline)) {
+        const auto group_samples = [&](auto skip_unweighted) DEFORMCONV_INLINE_LAMBDA {
           for (int64_t k = group * P; k < (group + 1) * P; ++k) {
             opmath_t weight[4] = {};
             if constexpr (kScatter) {
