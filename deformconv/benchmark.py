@@ -23,7 +23,7 @@ import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -140,39 +140,47 @@ def make_dcnv3_tensors(shape: Dcnv3Shape, dtype: torch.dtype, seed: int = 0,
     return [t.to(device=device, dtype=dtype) for t in (input, offset, mask)]
 
 
-def dcnv3_contenders(shape: Dcnv3Shape) -> Dict[str, Callable]:
+def pack_offset_mask(offset, mask, group: int):
+    """DCNv4's offset_mask as its module's Linear layer makes it from the same offsets and mask:
+    per group the (x, y) pairs of its points, then their mask values, the channels padded with
+    zeros to a multiple of 8."""
+    N, H, W, _ = offset.shape
+    packed = torch.cat([offset.view(N, H, W, group, -1), mask.view(N, H, W, group, -1)], -1)
+    packed = packed.view(N, H, W, -1)
+    return F.pad(packed, [0, -packed.shape[-1] % 8])
+
+
+def dcnv3_contenders(shape: Dcnv3Shape, tensors) -> Dict[str, Tuple[Callable, list]]:
+    """Each contender with the inputs its model feeds it: DCNv3 and the formulation the offsets
+    and mask that InternImage's DCNv3 makes, DCNv4 the packed offset_mask that
+    FlashInternImage's DCNv4 makes in one Linear layer (pack_offset_mask)."""
     group, group_channels, scale = shape.group, shape.channels // shape.group, 1.0
-    points = 9
     geometry = (3, 3, 1, 1, 1, 1, 1, 1, group, group_channels, scale)
-
-    def dcnv4(input, offset, mask):
-        # The packed tensor is built outside the timing in a model (its Linear layer makes
-        # it); here it is part of the step, which only handicaps DCNv4.
-        N, H, W, _ = offset.shape
-        offset_mask = torch.cat([offset.view(N, H, W, group, 2 * points),
-                                 mask.view(N, H, W, group, points)], -1).view(N, H, W, -1)
-        return deformconv.dcnv4(input, offset_mask, *geometry)
-
+    input, offset, mask = tensors
     return {
-        "dcnv3": lambda input, offset, mask: deformconv.dcnv3(input, offset, mask, *geometry),
-        "dcnv4": dcnv4,
-        "grid_sample formulation": lambda input, offset, mask: dcnv3_grid_sample_formulation(
-            input, offset, mask, group, scale),
+        "dcnv3": (lambda input, offset, mask: deformconv.dcnv3(input, offset, mask, *geometry),
+                  [input, offset, mask]),
+        "dcnv4": (lambda input, offset_mask: deformconv.dcnv4(input, offset_mask, *geometry),
+                  [input, pack_offset_mask(offset, mask, group)]),
+        "grid_sample formulation": (
+            lambda input, offset, mask: dcnv3_grid_sample_formulation(input, offset, mask,
+                                                                      group, scale),
+            [input, offset, mask]),
     }
 
 
 def benchmark_dcnv3_shape(shape: Dcnv3Shape, args) -> dict:
     dtype = getattr(torch, args.dtype)
     tensors = make_dcnv3_tensors(shape, dtype, device=args.device)
-    runs = dcnv3_contenders(shape)
+    runs = dcnv3_contenders(shape, tensors)
     steps = {}
-    for name, run in runs.items():
-        steps[f"{name} forward"] = forward_step(run, tensors)
-        steps[f"{name} forward+backward"] = forward_backward_step(run, tensors)
+    for name, (run, inputs) in runs.items():
+        steps[f"{name} forward"] = forward_step(run, inputs)
+        steps[f"{name} forward+backward"] = forward_backward_step(run, inputs)
     with torch.no_grad():
-        ours = runs["dcnv3"](*tensors)
-        agreement = {f"{name} max abs difference": (run(*tensors) - ours).abs().max().item()
-                     for name, run in runs.items() if name != "dcnv3"}
+        ours = runs["dcnv3"][0](*tensors)
+        agreement = {f"{name} max abs difference": (run(*inputs) - ours).abs().max().item()
+                     for name, (run, inputs) in runs.items() if name != "dcnv3"}
     medians = time_interleaved(steps, args.repeats, args.warmup, args.device)
     result = {"shape": asdict(shape), "describe": shape.describe(), "median_seconds": medians,
               "ratios": {}, "peak_forward_bytes": {}, "agreement": agreement}
@@ -181,8 +189,8 @@ def benchmark_dcnv3_shape(shape: Dcnv3Shape, args) -> dict:
         for name in ("dcnv3", "dcnv4"):
             result["ratios"][f"grid_sample formulation/{name} {phase}"] = (
                 peer / medians[f"{name} {phase}"])
-    for name, run in runs.items():
-        result["peak_forward_bytes"][name] = peak_forward_bytes(run, tensors, args.device)
+    for name, (run, inputs) in runs.items():
+        result["peak_forward_bytes"][name] = peak_forward_bytes(run, inputs, args.device)
     grid_sample_peak = result["peak_forward_bytes"]["grid_sample formulation"]
     for name in ("dcnv3", "dcnv4"):
         result["ratios"][f"grid_sample formulation/{name} peak forward memory"] = (
