@@ -43,11 +43,12 @@ DEFORMCONV_INLINE void for_each_sample_run(const Dcnv3Geometry& g, const Dcnv3Fi
 //
 // The vectorised loops over the samples (locating them, their corner rows, their offset and
 // mask gradient sums) run over `located` samples: the pixel's, padded to a multiple of
-// `vector_lanes`, the lanes of the clone's vectors, so that none is left to the loops'
-// remainders, which cost about as much per sample as the vector iterations per vector (a group
-// of 4 has 36 samples: with AVX-512, two vector iterations and four scalar ones). The padding
-// samples have offset 0, mask 0 and so weight 0 at every corner: they are located and given
-// rows, never read.
+// `vector_lanes`, the lanes of the clone's vectors, and of kLanes, the lanes of
+// LocatedSamples::offset_mask_grad_sums, so that none is left to the loops' remainders, which
+// cost about as much per sample as the vector iterations per vector (a group of 4 has 36
+// samples: with AVX-512, two vector iterations and four scalar ones). The padding samples have
+// offset 0, mask 0 and so weight 0 at every corner: they are located and given rows, never
+// read.
 template <typename opmath_t>
 class PixelSamples : public LocatedSamples<opmath_t> {
  public:
@@ -86,7 +87,9 @@ class PixelSamples : public LocatedSamples<opmath_t> {
 
  private:
   static int64_t padded(const Dcnv3Geometry& g, int64_t vector_lanes) {
-    return (g.groups * g.points() + vector_lanes - 1) / vector_lanes * vector_lanes;
+    // Both powers of 2: the larger is a multiple of the other.
+    const int64_t lanes = std::max(vector_lanes, kLanes);
+    return (g.groups * g.points() + lanes - 1) / lanes * lanes;
   }
 
   // The offsets and masks of `count` samples from sample `first` on: offset holds their (x, y)

@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "../common/bilinear_sampling.cuh"
@@ -82,7 +83,9 @@ class LocatedSamples {
         height_(height), width_(width), inside_(capacity), y0_(capacity), x0_(capacity),
         ly_(capacity), lx_(capacity),
         weight_{std::vector<opmath_t>(capacity), std::vector<opmath_t>(capacity),
-                std::vector<opmath_t>(capacity), std::vector<opmath_t>(capacity)} {}
+                std::vector<opmath_t>(capacity), std::vector<opmath_t>(capacity)},
+        corner_dots_{std::vector<opmath_t>(capacity), std::vector<opmath_t>(capacity),
+                     std::vector<opmath_t>(capacity), std::vector<opmath_t>(capacity)} {}
 
   std::vector<opmath_t> grid_y, grid_x, dy, dx, m;
 
@@ -145,33 +148,27 @@ class LocatedSamples {
     }
   }
 
-  // For samples k < `samples`, the offset and mask gradient sums of offset_mask_grad_sums_of_dots
-  // from the dot products dots[4 * k + corner] of each corner's row with the sampled value's
-  // gradient, in one loop that the compiler vectorises. A corner outside the image takes no
-  // part: its dot product, whatever its row held, counts as 0 (as in accumulate_corner_dots),
-  // and all four of a sample outside do.
-  DEFORMCONV_INLINE void offset_mask_grad_sums(int64_t samples, const opmath_t* __restrict dots,
+  // For samples k < `samples` (a multiple of kLanes), the offset and mask gradient sums of
+  // offset_mask_grad_sums_of_dots from the dot products dots[4 * k + corner] of each corner's row
+  // with the sampled value's gradient. A corner outside the image takes no part: its dot
+  // product, whatever its row held, counts as 0 (as in accumulate_corner_dots), and all four of
+  // a sample outside do. Two loops: the dot products, laid out sample by sample, turned into one
+  // array per corner with those of the corners outside made 0 (select_corner_dots), then the
+  // sums from those, in a loop of plain arrays that the compiler vectorises.
+  DEFORMCONV_INLINE void offset_mask_grad_sums(int64_t samples, const opmath_t* dots,
                                                opmath_t* __restrict sums_y,
                                                opmath_t* __restrict sums_x,
-                                               opmath_t* __restrict sums_m) const {
-    const int32_t* __restrict inside = inside_.data();
-    const int32_t* __restrict y0 = y0_.data();
-    const int32_t* __restrict x0 = x0_.data();
+                                               opmath_t* __restrict sums_m) {
+    select_corner_dots(samples, dots);
     const opmath_t* __restrict ly = ly_.data();
     const opmath_t* __restrict lx = lx_.data();
-    const int32_t rows_in_grid = static_cast<int32_t>(height_);
-    const int32_t columns = static_cast<int32_t>(width_);
+    const opmath_t* __restrict dot_0 = corner_dots_[0].data();
+    const opmath_t* __restrict dot_1 = corner_dots_[1].data();
+    const opmath_t* __restrict dot_2 = corner_dots_[2].data();
+    const opmath_t* __restrict dot_3 = corner_dots_[3].data();
     for (int64_t k = 0; k < samples; ++k) {
-      const int32_t top = inside[k] & int32_t(y0[k] >= 0);
-      const int32_t bottom = inside[k] & int32_t(y0[k] + 1 < rows_in_grid);
-      const int32_t left = int32_t(x0[k] >= 0);
-      const int32_t right = int32_t(x0[k] + 1 < columns);
-      // Read, then selected: a read only where the corner is inside would keep the loop scalar.
-      const opmath_t dot_0 = dots[4 * k], dot_1 = dots[4 * k + 1], dot_2 = dots[4 * k + 2],
-                     dot_3 = dots[4 * k + 3];
-      const OffsetMaskGradSums<opmath_t> sums = offset_mask_grad_sums_of_dots(
-          ly[k], lx[k], (top & left) ? dot_0 : opmath_t(0), (top & right) ? dot_1 : opmath_t(0),
-          (bottom & left) ? dot_2 : opmath_t(0), (bottom & right) ? dot_3 : opmath_t(0));
+      const OffsetMaskGradSums<opmath_t> sums =
+          offset_mask_grad_sums_of_dots(ly[k], lx[k], dot_0[k], dot_1[k], dot_2[k], dot_3[k]);
       sums_y[k] = sums.y;
       sums_x[k] = sums.x;
       sums_m[k] = sums.m;
@@ -208,6 +205,54 @@ class LocatedSamples {
   }
 
  private:
+  // corner_dots_[corner][k] = dots[4 * k + corner] where the corner is inside the image, else 0,
+  // kLanes samples at a time: their dot products, four vectors of two samples each, are
+  // transposed by shuffles within halves of four lanes (unpacking, then pairing), which leave
+  // the samples in the order 0, 2, 4, 6, 1, 3, 5, 7, put back in order by one more shuffle.
+  // The corners' flags are vector comparisons, their selection lane by lane.
+  DEFORMCONV_INLINE void select_corner_dots(int64_t samples, const opmath_t* dots) {
+    static_assert(kLanes == 8, "the shuffles below are written out for 8 lanes");
+    using Lanes = typename LanesOf<opmath_t>::type;
+    using UnalignedLanes = typename LanesOf<opmath_t>::unaligned;
+    typedef int32_t Flags __attribute__((vector_size(kLanes * sizeof(int32_t))));
+    typedef int32_t UnalignedFlags __attribute__((vector_size(kLanes * sizeof(int32_t)),
+                                                   aligned(alignof(int32_t)), may_alias));
+    // Lane masks as wide as opmath_t, as a selection between Lanes takes.
+    typedef std::conditional_t<sizeof(opmath_t) == sizeof(int32_t), int32_t, int64_t> mask_t;
+    typedef mask_t Mask __attribute__((vector_size(kLanes * sizeof(mask_t))));
+    const int32_t rows = static_cast<int32_t>(height_);
+    const int32_t columns = static_cast<int32_t>(width_);
+    for (int64_t k = 0; k < samples; k += kLanes) {
+      const opmath_t* eight = dots + 4 * k;
+      const Lanes pairs_0 = *reinterpret_cast<const UnalignedLanes*>(eight);
+      const Lanes pairs_1 = *reinterpret_cast<const UnalignedLanes*>(eight + kLanes);
+      const Lanes pairs_2 = *reinterpret_cast<const UnalignedLanes*>(eight + 2 * kLanes);
+      const Lanes pairs_3 = *reinterpret_cast<const UnalignedLanes*>(eight + 3 * kLanes);
+      const Lanes low_01 = __builtin_shufflevector(pairs_0, pairs_1, 0, 8, 1, 9, 4, 12, 5, 13);
+      const Lanes high_01 = __builtin_shufflevector(pairs_0, pairs_1, 2, 10, 3, 11, 6, 14, 7, 15);
+      const Lanes low_23 = __builtin_shufflevector(pairs_2, pairs_3, 0, 8, 1, 9, 4, 12, 5, 13);
+      const Lanes high_23 = __builtin_shufflevector(pairs_2, pairs_3, 2, 10, 3, 11, 6, 14, 7, 15);
+      const Lanes corner[4] = {
+          __builtin_shufflevector(low_01, low_23, 0, 1, 8, 9, 4, 5, 12, 13),
+          __builtin_shufflevector(low_01, low_23, 2, 3, 10, 11, 6, 7, 14, 15),
+          __builtin_shufflevector(high_01, high_23, 0, 1, 8, 9, 4, 5, 12, 13),
+          __builtin_shufflevector(high_01, high_23, 2, 3, 10, 11, 6, 7, 14, 15)};
+      const Flags inside = *reinterpret_cast<const UnalignedFlags*>(inside_.data() + k) != 0;
+      const Flags y0 = *reinterpret_cast<const UnalignedFlags*>(y0_.data() + k);
+      const Flags x0 = *reinterpret_cast<const UnalignedFlags*>(x0_.data() + k);
+      const Flags top = inside & (y0 >= 0), bottom = inside & (y0 + 1 < rows);
+      const Flags left = x0 >= 0, right = x0 + 1 < columns;
+      const Flags corner_inside[4] = {top & left, top & right, bottom & left, bottom & right};
+      for (int c = 0; c < 4; ++c) {
+        const Lanes in_order =
+            __builtin_shufflevector(corner[c], corner[c], 0, 4, 1, 5, 2, 6, 3, 7);
+        const Mask selected = __builtin_convertvector(corner_inside[c], Mask);
+        *reinterpret_cast<UnalignedLanes*>(corner_dots_[c].data() + k) =
+            selected ? in_order : Lanes{};
+      }
+    }
+  }
+
   template <typename index_t>
   DEFORMCONV_INLINE void clamped_corner_offset_loop(int64_t samples, int64_t pixel_stride,
                                                     const int64_t* __restrict first,
@@ -238,6 +283,8 @@ class LocatedSamples {
   std::vector<int32_t> inside_, y0_, x0_;
   std::vector<opmath_t> ly_, lx_;
   std::vector<opmath_t> weight_[4];
+  // Scratch of offset_mask_grad_sums: the dot products of each corner, 0 where it is outside.
+  std::vector<opmath_t> corner_dots_[4];
 };
 
 }  // namespace deformconv
