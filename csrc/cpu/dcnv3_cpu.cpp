@@ -504,9 +504,9 @@ DEFORMCONV_VECTOR_CLONES void dcnv3_gradient_pixels(
   // The sampled values' gradients of one group, in the accumulation type, zero-filled to whole
   // lanes.
   std::vector<opmath_t> group_grad((D + kLanes - 1) / kLanes * kLanes, opmath_t(0));
-  // Per sample of the pixel: its four corner dot products, side by side, then its three
-  // gradient sums.
-  std::vector<opmath_t> dots(4 * located), sums(3 * located);
+  // Per sample of the pixel: its four corner dot products, side by side, the same by corner
+  // (LocatedSamples::offset_mask_grad_sums), then its three gradient sums.
+  std::vector<opmath_t> dots(4 * located), corner_dots(4 * located), sums(3 * located);
   opmath_t* const sums_y = sums.data();
   opmath_t* const sums_x = sums.data() + located;
   opmath_t* const sums_m = sums.data() + 2 * located;
@@ -555,7 +555,8 @@ DEFORMCONV_VECTOR_CLONES void dcnv3_gradient_pixels(
         }
       }
       if constexpr (kDots) {
-        samples.offset_mask_grad_sums(located, dots.data(), sums_y, sums_x, sums_m);
+        samples.offset_mask_grad_sums(located, dots.data(), corner_dots.data(), sums_y, sums_x,
+                                      sums_m);
         // A run's gradients are laid out as one group's, of `count` points.
         for_each_sample_run(g, f, [&](int64_t group, int64_t count) {
           scalar_t *run_grad_offset, *run_grad_mask;

@@ -83,9 +83,7 @@ class LocatedSamples {
         height_(height), width_(width), inside_(capacity), y0_(capacity), x0_(capacity),
         ly_(capacity), lx_(capacity),
         weight_{std::vector<opmath_t>(capacity), std::vector<opmath_t>(capacity),
-                std::vector<opmath_t>(capacity), std::vector<opmath_t>(capacity)},
-        corner_dots_{std::vector<opmath_t>(capacity), std::vector<opmath_t>(capacity),
-                     std::vector<opmath_t>(capacity), std::vector<opmath_t>(capacity)} {}
+                std::vector<opmath_t>(capacity), std::vector<opmath_t>(capacity)} {}
 
   std::vector<opmath_t> grid_y, grid_x, dy, dx, m;
 
@@ -153,19 +151,21 @@ class LocatedSamples {
   // with the sampled value's gradient. A corner outside the image takes no part: its dot
   // product, whatever its row held, counts as 0 (as in accumulate_corner_dots), and all four of
   // a sample outside do. Two loops: the dot products, laid out sample by sample, turned into one
-  // array per corner with those of the corners outside made 0 (select_corner_dots), then the
-  // sums from those, in a loop of plain arrays that the compiler vectorises.
+  // array per corner, corner_dots[corner * samples + k], with those of the corners outside made
+  // 0 (select_corner_dots), then the sums from those, in a loop of plain arrays that the
+  // compiler vectorises.
   DEFORMCONV_INLINE void offset_mask_grad_sums(int64_t samples, const opmath_t* dots,
+                                               opmath_t* corner_dots,
                                                opmath_t* __restrict sums_y,
                                                opmath_t* __restrict sums_x,
-                                               opmath_t* __restrict sums_m) {
-    select_corner_dots(samples, dots);
+                                               opmath_t* __restrict sums_m) const {
+    select_corner_dots(samples, dots, corner_dots);
     const opmath_t* __restrict ly = ly_.data();
     const opmath_t* __restrict lx = lx_.data();
-    const opmath_t* __restrict dot_0 = corner_dots_[0].data();
-    const opmath_t* __restrict dot_1 = corner_dots_[1].data();
-    const opmath_t* __restrict dot_2 = corner_dots_[2].data();
-    const opmath_t* __restrict dot_3 = corner_dots_[3].data();
+    const opmath_t* __restrict dot_0 = corner_dots;
+    const opmath_t* __restrict dot_1 = corner_dots + samples;
+    const opmath_t* __restrict dot_2 = corner_dots + 2 * samples;
+    const opmath_t* __restrict dot_3 = corner_dots + 3 * samples;
     for (int64_t k = 0; k < samples; ++k) {
       const OffsetMaskGradSums<opmath_t> sums =
           offset_mask_grad_sums_of_dots(ly[k], lx[k], dot_0[k], dot_1[k], dot_2[k], dot_3[k]);
@@ -205,12 +205,13 @@ class LocatedSamples {
   }
 
  private:
-  // corner_dots_[corner][k] = dots[4 * k + corner] where the corner is inside the image, else 0,
-  // kLanes samples at a time: their dot products, four vectors of two samples each, are
-  // transposed by shuffles within halves of four lanes (unpacking, then pairing), which leave
-  // the samples in the order 0, 2, 4, 6, 1, 3, 5, 7, put back in order by one more shuffle.
-  // The corners' flags are vector comparisons, their selection lane by lane.
-  DEFORMCONV_INLINE void select_corner_dots(int64_t samples, const opmath_t* dots) {
+  // corner_dots[corner * samples + k] = dots[4 * k + corner] where the corner is inside the
+  // image, else 0, kLanes samples at a time: their dot products, four vectors of two samples
+  // each, are transposed by shuffles within halves of four lanes (unpacking, then pairing),
+  // which leave the samples in the order 0, 2, 4, 6, 1, 3, 5, 7, put back in order by one more
+  // shuffle. The corners' flags are vector comparisons, their selection lane by lane.
+  DEFORMCONV_INLINE void select_corner_dots(int64_t samples, const opmath_t* dots,
+                                            opmath_t* corner_dots) const {
     static_assert(kLanes == 8, "the shuffles below are written out for 8 lanes");
     using Lanes = typename LanesOf<opmath_t>::type;
     using UnalignedLanes = typename LanesOf<opmath_t>::unaligned;
@@ -247,7 +248,7 @@ class LocatedSamples {
         const Lanes in_order =
             __builtin_shufflevector(corner[c], corner[c], 0, 4, 1, 5, 2, 6, 3, 7);
         const Mask selected = __builtin_convertvector(corner_inside[c], Mask);
-        *reinterpret_cast<UnalignedLanes*>(corner_dots_[c].data() + k) =
+        *reinterpret_cast<UnalignedLanes*>(corner_dots + c * samples + k) =
             selected ? in_order : Lanes{};
       }
     }
@@ -283,8 +284,6 @@ class LocatedSamples {
   std::vector<int32_t> inside_, y0_, x0_;
   std::vector<opmath_t> ly_, lx_;
   std::vector<opmath_t> weight_[4];
-  // Scratch of offset_mask_grad_sums: the dot products of each corner, 0 where it is outside.
-  std::vector<opmath_t> corner_dots_[4];
 };
 
 }  // namespace deformconv
