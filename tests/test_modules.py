@@ -107,3 +107,54 @@ def test_op_reports_bad_offset_channels():
     with pytest.raises(ValueError, match=r"expected offset to have 18 channels "
                                          r"\(2 \* offset_groups \* kH \* kW\), but got 16"):
         deformconv.deform_conv2d(x, offset, weight)
+
+
+def _randomise_offsets(layer):
+    """Nonzero offset layers, so that samples fall between pixels."""
+    with torch.no_grad():
+        for name, parameter in layer.named_parameters():
+            if "offset" in name or "mask" in name:
+                parameter.normal_(0, 0.3, generator=torch.Generator().manual_seed(7))
+    return layer
+
+
+MODULES = {
+    "DeformConv2d": lambda: (deformconv.DeformConv2d(8, 8, 3, padding=1),
+                             lambda layer, x: layer(x, _FIELDS["offset"])),
+    "ModulatedDeformConv2d": lambda: (deformconv.ModulatedDeformConv2d(8, 8, 3, padding=1),
+                                      lambda layer, x: layer(x, _FIELDS["offset"],
+                                                             _FIELDS["mask"])),
+    "DeformConv2dPack": lambda: (deformconv.DeformConv2dPack(8, 8, 3, padding=1),
+                                 lambda layer, x: layer(x)),
+    "ModulatedDeformConv2dPack": lambda: (deformconv.ModulatedDeformConv2dPack(8, 8, 3,
+                                                                               padding=1),
+                                          lambda layer, x: layer(x)),
+    "DCNv3": lambda: (deformconv.DCNv3(16, group=2),
+                      lambda layer, x: layer(x.permute(0, 2, 3, 1))),
+    "DCNv4": lambda: (deformconv.DCNv4(16, group=2),
+                      lambda layer, x: layer(x.flatten(2).transpose(1, 2))),
+}
+_FIELDS = {"offset": torch.randn(1, 18, 9, 9, generator=torch.Generator().manual_seed(5)),
+           "mask": torch.rand(1, 9, 9, 9, generator=torch.Generator().manual_seed(6))}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_frozen_module_gives_the_input_gradient(name, dtype):
+    # Fine-tuning under a frozen layer, or a saliency map: only the input needs a gradient,
+    # which must equal the one computed with every parameter trainable too.
+    layer, call = MODULES[name]()
+    layer = _randomise_offsets(layer).to(dtype)
+    channels = 16 if name.startswith("DCN") else 8
+    x = torch.randn(1, channels, 9, 9, generator=torch.Generator().manual_seed(8), dtype=dtype)
+    for field in _FIELDS:
+        _FIELDS[field] = _FIELDS[field].to(dtype)
+    trainable_x = x.clone().requires_grad_()
+    call(layer, trainable_x).sum().backward()
+    for parameter in layer.parameters():
+        assert parameter.grad is not None
+        parameter.requires_grad_(False)
+    frozen_x = x.clone().requires_grad_()
+    call(layer, frozen_x).sum().backward()
+    tolerance = 1e-12 if dtype == torch.float64 else 1e-5
+    torch.testing.assert_close(frozen_x.grad, trainable_x.grad, atol=tolerance, rtol=tolerance)

@@ -255,7 +255,8 @@ void multiply_window(const WorkSplit& w, const PixelWindow& window, int64_t imag
 // grad_weight_rows when that is defined (`columns` then holds the window's columns), and
 // returns the gradient of the window's columns when want_columns_grad, in the layout of the
 // columns: a tensor of the convolution's, or the columns buffer itself, overwritten. The
-// convolution's gradients are also put in `results`, for the caller to keep.
+// gradients the convolution made (those asked of it) are also put in `results`, for the caller
+// to keep.
 at::Tensor window_gradient_gemms(const WorkSplit& w, const PixelWindow& window, int64_t images,
                                  at::Tensor& columns, const at::Tensor& grad_output_window,
                                  const at::Tensor& weight,
@@ -273,9 +274,13 @@ at::Tensor window_gradient_gemms(const WorkSplit& w, const PixelWindow& window, 
         {want_columns_grad, want_weight, false});
     if (want_weight) {
       grad_weight_rows.add_(grad_weight_window.view_as(grad_weight_rows));
+      results.push_back(grad_weight_window);
     }
-    results = {grad_image, grad_weight_window};
-    return want_columns_grad ? grad_image.permute({0, 2, 3, 1}).reshape({-1}) : at::Tensor();
+    if (!want_columns_grad) {
+      return at::Tensor();
+    }
+    results.push_back(grad_image);
+    return grad_image.permute({0, 2, 3, 1}).reshape({-1});
   }
   const at::Tensor columns_block = columns_of_window(columns, w, window, images);
   if (want_weight) {
