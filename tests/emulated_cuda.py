@@ -26,7 +26,8 @@ def load():
         name="deformconv_cuda_emulation" + ("_sanitized" if sanitize else ""),
         sources=[str(EMULATION / "emulated_ops.cpp"), str(ROOT / "csrc" / "cuda" / "ops_cuda.cpp"),
                  str(ROOT / "csrc" / "pytorch" / "deform_conv2d.cpp"),
-                 str(ROOT / "csrc" / "pytorch" / "dcnv3.cpp")],
+                 str(ROOT / "csrc" / "pytorch" / "dcnv3.cpp"),
+                 str(ROOT / "csrc" / "pytorch" / "branch_trace.cpp")],
         # Ahead of torch's own headers: the shims of c10/cuda.
         extra_include_paths=[str(EMULATION / "include")],
         extra_cflags=["-O1" if sanitize else "-O2", "-fopenmp", "-DDEFORMCONV_CUDA_EMULATION",

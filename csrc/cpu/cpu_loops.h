@@ -12,6 +12,7 @@
 #include <type_traits>
 
 #include "../common/bilinear_sampling.cuh"
+#include "../pytorch/branch_trace.h"
 
 // x86-64 builds with GCC carry an AVX-512, an AVX2 and a baseline copy of each stage; the
 // dynamic loader picks the best one for the CPU at hand, so a wheel built on one machine
@@ -65,8 +66,10 @@ inline bool runs_avx512_clones() {
 template <typename Function>
 void with_register_bytes(const Function& run) {
   if (runs_avx512_clones()) {
+    record_branch("cpu.vectors.64bytes");
     run(std::integral_constant<int, 64>{});
   } else {
+    record_branch("cpu.vectors.32bytes");
     run(std::integral_constant<int, 32>{});
   }
 }

@@ -147,8 +147,10 @@ template <typename Function>
 void with_group_channels(const Dcnv3Geometry& g, const Function& run) {
   constexpr int64_t kCommonGroupChannels = 16;
   if (g.group_channels == kCommonGroupChannels) {
+    record_branch("dcnv3.cpu.group_channels_16");
     run(std::integral_constant<int64_t, kCommonGroupChannels>{});
   } else {
+    record_branch("dcnv3.cpu.group_channels_any");
     run(std::integral_constant<int64_t, 0>{});
   }
 }
@@ -348,6 +350,8 @@ void dcnv3_forward_cpu(const Dcnv3Geometry& g, const Dcnv3Fields& f, int64_t bat
     scalar_t* output_data = output.mutable_data_ptr<scalar_t>();
     // Vectors as wide as a register of the clone that runs.
     with_register_bytes([&](auto register_bytes) {
+      constexpr int64_t kWidth = register_bytes / sizeof(at::opmath_type<scalar_t>);
+      record_channel_loops("dcnv3.cpu.forward", g.group_channels, {2 * kWidth, kWidth, kLanes});
       with_group_channels(g, [&](auto group_channels) {
         parallel_task_runs(batch * g.out_pixels(), [&](TaskRuns& runs) {
           dcnv3_forward_pixels<register_bytes, group_channels>(g, f, input_data, offset_data,
@@ -601,6 +605,14 @@ void dcnv3_gradients_cpu(const Dcnv3Geometry& g, const Dcnv3Fields& f, int64_t b
     scalar_t* grad_mask_data = mutable_data_or_null<scalar_t>(grad_mask);
     // The scatter's vectors as wide as a register of the clone that runs.
     with_register_bytes([&](auto register_bytes) {
+      constexpr int64_t kWidth = register_bytes / sizeof(opmath_t);
+      if (want_input) {
+        record_channel_loops("dcnv3.cpu.scatter", g.group_channels,
+                             {kWidth > kLanes ? kWidth : kLanes, kLanes});
+      }
+      if (want_offset_or_mask) {
+        record_channel_loops("dcnv3.cpu.dots", g.group_channels, {kLanes});
+      }
       with_group_channels(g, [&](auto group_channels) {
         // The pass over tasks of pixels_per_task pixels each.
         const auto run = [&](auto pass, int64_t pixels_per_task) {
@@ -614,13 +626,16 @@ void dcnv3_gradients_cpu(const Dcnv3Geometry& g, const Dcnv3Fields& f, int64_t b
         using Input = std::integral_constant<GradientPass, GradientPass::kInput>;
         using OffsetMask = std::integral_constant<GradientPass, GradientPass::kOffsetMask>;
         if (want_input && want_offset_or_mask && 2 * batch > at::get_num_threads()) {
+          record_branch("dcnv3.cpu.backward.one_pass");
           run(All{}, g.out_pixels());
           return;
         }
         if (want_input) {
+          record_branch("dcnv3.cpu.backward.input_pass");
           run(Input{}, g.out_pixels());
         }
         if (want_offset_or_mask) {
+          record_branch("dcnv3.cpu.backward.offset_mask_pass");
           run(OffsetMask{}, 1);
         }
       });

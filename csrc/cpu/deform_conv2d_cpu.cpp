@@ -566,6 +566,9 @@ void fused_forward_cpu(const DeformConv2dGeometry& g, int64_t batch, const at::T
                                        output.mutable_data_ptr<scalar_t>()};
     // Multiply-adds as wide as a register of the clone that runs.
     with_register_bytes([&](auto register_bytes) {
+      constexpr int64_t kWidth = register_bytes / sizeof(at::opmath_type<scalar_t>);
+      record_channel_loops("deform_conv2d.cpu.fused_forward", g.out_channels / g.groups,
+                           {2 * kWidth, kWidth});
       parallel_tasks(batch * stretches.per_image, [&](int64_t begin, int64_t end) {
         fused_forward_tasks<register_bytes>(t, begin, end);
       });
@@ -719,6 +722,11 @@ void offset_mask_grad_cpu(const DeformConv2dGeometry& g, const PixelWindow& wind
                           const WindowSampling& sampling, at::Tensor& grad_offset,
                           at::Tensor& grad_mask) {
   const auto runs = runs_of_offset_groups(g, window);
+  for (const std::vector<ChannelRun>& group_runs : runs) {
+    for (const ChannelRun& run : group_runs) {
+      record_channel_loops("deform_conv2d.cpu.offset_mask_grad", run.count, {kLanes});
+    }
+  }
   const PixelStretches stretches = pixel_stretches(g, window);
   DEFORMCONV_DISPATCH(input.scalar_type(), "deform_conv2d_offset_mask_grad_cpu", [&] {
     const OffsetMaskGradTask<scalar_t> t{g,

@@ -13,6 +13,7 @@
 
 #include "../common/bilinear_sampling.cuh"
 #include "../common/output_length.h"
+#include "branch_trace.h"
 
 namespace deformconv {
 
@@ -87,6 +88,18 @@ std::vector<PixelWindow> windows_of(const WorkSplit& w) {
     windows.push_back({begin, std::min(w.window_pixels, w.pixels - begin)});
   }
   return windows;
+}
+
+// Records (Note [Branch trace]) `several_blocks` where the split of `batch` images gives more
+// than one block, `several_windows` where it gives more than one window.
+void record_split(const WorkSplit& w, int64_t batch, const char* several_blocks,
+                  const char* several_windows) {
+  if (batch > w.step) {
+    record_branch(several_blocks);
+  }
+  if (w.pixels > w.window_pixels) {
+    record_branch(several_windows);
+  }
 }
 
 // The columns buffer for `step` images and one window, allocated once per call.
@@ -637,15 +650,20 @@ at::Tensor deform_conv2d_forward(
   const WorkSplit w = split_work(g, batch, im2col_step, input_arg.scalar_type(), launchers,
                                  kMinForwardWindowPixels);
   if (fused_forward_applies(launchers, g, input_arg.scalar_type())) {
+    record_branch("deform_conv2d.forward.fused");
     fused_forward(launchers, g, w, input_arg, offset, mask, weight_arg, bias, output);
     return output;
   }
   const bool as_convolution = gemms_as_convolutions(launchers, g, input_arg);
+  record_branch(as_convolution ? "deform_conv2d.forward.onednn" : "deform_conv2d.forward.bmm");
   const ForwardParallelism parallelism = forward_parallelism(
       launchers, batch, im2col_step, static_cast<int64_t>(windows_of(w).size()), as_convolution);
   if (parallelism == ForwardParallelism::kImages) {
+    record_branch("deform_conv2d.forward.images_per_thread");
     const WorkSplit image_split =
         split_work(g, 1, 1, input_arg.scalar_type(), launchers, kMinForwardWindowPixels);
+    record_split(image_split, 1, "deform_conv2d.forward.blocks",
+                 "deform_conv2d.forward.windows");
     const at::Tensor weight_gemm =
         gemm_weight(launchers, g, weight_arg, image_split, as_convolution);
     run_with_columns_per_thread(
@@ -657,6 +675,9 @@ at::Tensor deform_conv2d_forward(
     return output;
   }
   const bool windows_per_thread = parallelism == ForwardParallelism::kWindows;
+  record_branch(windows_per_thread ? "deform_conv2d.forward.windows_per_thread"
+                                   : "deform_conv2d.forward.stages");
+  record_split(w, batch, "deform_conv2d.forward.blocks", "deform_conv2d.forward.windows");
   // Shared by the windows in turn; each thread has its own when windows_per_thread.
   at::Tensor columns =
       windows_per_thread ? at::Tensor() : columns_buffer(launchers, g, w, input_arg.options());
@@ -707,6 +728,9 @@ BackwardScratch backward_scratch(const DeformConv2dLaunchers& launchers,
     scratch.workspace = window_workspace(launchers, g, w, input.options());
   }
   scratch.as_convolution = gemms_as_convolutions(launchers, g, input);
+  record_branch(scratch.as_convolution ? "deform_conv2d.backward.onednn"
+                                       : "deform_conv2d.backward.bmm");
+  record_split(w, batch, "deform_conv2d.backward.blocks", "deform_conv2d.backward.windows");
   if (scratch.as_convolution || want.columns()) {
     scratch.weight = gemm_weight(launchers, g, weight, w, scratch.as_convolution);
   }

@@ -2,13 +2,14 @@
 // as C++ in this translation unit, with ops_cuda.cpp and the driver beside it (see
 // tests/emulated_cuda.py for the build). They are declared again as torch.ops.deformconv_emulated.*
 // at the CPU key, with the CUDA launchers, whose window budget the tests may shrink; plus ops
-// to set the emulator and read its bookkeeping.
+// to set the emulator and read its bookkeeping and its branch trace (Note [Branch trace]).
 
 #include <torch/library.h>
 
 #define DEFORMCONV_NARROW_INDEX_LIMIT (::cuda_emulation::settings().narrow_index_limit)
 #include "../../csrc/cuda/dcnv3_cuda.cu"
 #include "../../csrc/cuda/deform_conv2d_cuda.cu"
+#include "../../csrc/pytorch/branch_trace.h"
 #include "../../csrc/schemas.h"
 
 namespace deformconv {
@@ -114,6 +115,8 @@ TORCH_LIBRARY(deformconv_emulated, m) {
   m.def("configure(int block_order, int thread_order, int grid_cap, int seed, "
         "int current_stream, int columns_tile_bytes, bool wide_indices) -> ()");
   m.def("take_bookkeeping() -> int[]");
+  m.def(schemas::kStartBranchTrace);
+  m.def(schemas::kTakeBranchTrace);
   m.def("probe_launch(int blocks, int threads_per_block) -> int");
   m.def("probe_shuffle_xor(int threads, int member_mask, int lane_mask, int width, "
         "int exiting_thread) -> int[]");
@@ -131,6 +134,8 @@ TORCH_LIBRARY_IMPL(deformconv_emulated, CPU, m) {
 TORCH_LIBRARY_IMPL(deformconv_emulated, CompositeExplicitAutograd, m) {
   m.impl("configure", TORCH_FN(configure));
   m.impl("take_bookkeeping", TORCH_FN(take_bookkeeping));
+  m.impl("_start_branch_trace", TORCH_FN(start_branch_trace));
+  m.impl("_take_branch_trace", TORCH_FN(take_branch_trace));
   m.impl("probe_launch", TORCH_FN(probe_launch));
   m.impl("probe_shuffle_xor", TORCH_FN(probe_shuffle_xor));
 }
