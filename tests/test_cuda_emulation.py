@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import deformconv  # noqa: F401  (registers torch.ops.deformconv, the CPU op compared against)
+from branching import assert_close_at, branch_trace, requested_subsets
 from cases import GEOMETRIES, Geometry, forward_and_grads, make_operands, strided_copies
 from emulated_cuda import load
 from reference import deform_conv2d_reference
@@ -302,3 +303,54 @@ def test_offset_and_mask_gradients_of_many_channels_per_deform_group(
     _, cpu = run_op(torch.ops.deformconv, operands, geometry, grad_output, output_mask=mask)
     torch.testing.assert_close(ours[1], cpu[1], atol=1e-12, rtol=1e-12)
     torch.testing.assert_close(ours[3], cpu[3], atol=1e-12, rtol=1e-12)
+
+
+# The driver's paths with the CUDA launchers (Note [Branch trace]): GEMMs by bmm always, every
+# window and block in turn; one window and block, conv and deform groups, several windows
+# (a window budget of one byte) and several blocks (im2col_step 2 of 3 images).
+EMULATED_PATHS = {
+    "one-window": (Geometry("one-window", 2, 8, 6, 7, 8, (3, 3), padding=(1, 1)), 0, 0, set()),
+    "groups": (GEOMETRIES[2], 0, 0, set()),
+    "windows-blocks": (Geometry("windows", 3, 2, 2, 46, 46, (3, 3), padding=(1, 1), groups=2,
+                                offset_groups=2), 1, 2,
+                       {"deform_conv2d.forward.windows", "deform_conv2d.forward.blocks",
+                        "deform_conv2d.backward.windows", "deform_conv2d.backward.blocks"}),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16,
+                                   torch.bfloat16], ids=str)
+@pytest.mark.parametrize("path", sorted(EMULATED_PATHS))
+def test_paths_with_every_combination_of_requested_gradients(emulated, path, dtype):
+    geometry, tile_bytes, step, expect = EMULATED_PATHS[path]
+    set_emulator(emulated, columns_tile_bytes=tile_bytes)
+    exact = make_operands(geometry, offset_scale=2.0, seed=3)
+    operands = [t.to(dtype) for t in exact]
+    grad_output = grad_output_for(operands, geometry)
+    rounded = [t.double() for t in operands]
+    expected = run_op(torch.ops.deformconv, rounded, geometry, grad_output.double())
+    with branch_trace(emulated) as taken:
+        out, all_grads = run_op(emulated, operands, geometry, grad_output, im2col_step=step)
+    expected_branches = {"deform_conv2d.forward.bmm", "deform_conv2d.forward.stages",
+                         "deform_conv2d.backward.bmm"} | expect
+    assert expected_branches <= taken, sorted(taken)
+    assert_launches_well_kept(emulated)
+    assert_close_at(out, expected[0], dtype, "output")
+    for name, grad, full in zip(("input", "offset", "weight", "mask", "bias"), all_grads,
+                                expected[1]):
+        assert_close_at(grad, full, dtype, name)
+    x, o, w, b, m = operands
+    geometry_args = (list(geometry.stride), list(geometry.padding), list(geometry.dilation),
+                     geometry.groups, geometry.offset_groups, step)
+    for output_mask in requested_subsets(5):
+        with branch_trace(emulated) as taken:
+            grads = emulated.deform_conv2d_backward(grad_output, x, o, w, m, *geometry_args,
+                                                    list(output_mask))
+        if any(output_mask[:4]):
+            assert "deform_conv2d.backward.bmm" in taken, sorted(taken)
+        for name, wanted, grad, full in zip(("input", "offset", "weight", "mask", "bias"),
+                                            output_mask, grads, all_grads):
+            if wanted:
+                assert_close_at(grad, full, dtype, f"{name} of {output_mask}")
+            else:
+                assert grad is None, name

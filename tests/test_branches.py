@@ -1,0 +1,218 @@
+"""Every path of the DCN v1/v2 driver and launchers, forced one at a time (by size, dtype, thread
+count, the oneDNN switch or DEFORMCONV_FUSED_FORWARD) and checked to have run through the branch
+trace (Note [Branch trace]), so that a change of a threshold cannot route a test around the path
+it names. On each path, in four dtypes: the forward and all five gradients against the float64
+reference, and every combination of operands that need a gradient (31 with a mask, 15 without)
+through autograd against the gradients computed with all of them. The same for the CUDA
+launchers under the emulator; DCNv3 and DCNv4 are in tests/test_dcnv3_branches.py. The list of
+branches and the tests that force them is in docs/testing.md."""
+
+from dataclasses import dataclass, field
+from typing import FrozenSet, Optional, Tuple
+
+import pytest
+import torch
+
+import deformconv
+from branching import (assert_close_at, branch_trace, channel_loops, opmath_bytes,
+                       requested_subsets, threads, vector_bytes)
+from cases import Geometry, make_operands
+from reference import deform_conv2d_reference
+
+# torch.backends.mkldnn.flags sets oneDNN's TF32 switch too, which warns on builds without
+# Intel GPU support; the switch does nothing on the CPU.
+pytestmark = pytest.mark.filterwarnings("ignore:TF32 acceleration on top of oneDNN")
+
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
+OPERANDS = ("input", "offset", "weight", "bias", "mask")
+
+
+@dataclass(frozen=True)
+class Path:
+    """A path of the CPU op: its operands, and how it is forced. `onednn` runs in float32 only
+    (the GEMMs as oneDNN convolutions); the others run in every dtype, float32 with oneDNN off.
+    `expect` names branches that must run as well as those of the forward and backward kinds."""
+    name: str
+    geometry: Geometry
+    onednn: bool
+    fused: bool
+    im2col_step: int = 0
+    threads: int = 2
+    modulated: bool = True
+    expect: FrozenSet[str] = field(default_factory=frozenset)
+
+    def __str__(self):
+        return self.name
+
+    def dtypes(self):
+        return [torch.float32] if self.onednn else DTYPES
+
+    def forward_branch(self):
+        if self.fused:
+            return "deform_conv2d.forward.fused"
+        return "deform_conv2d.forward." + ("onednn" if self.onednn else "bmm")
+
+    def backward_branch(self):
+        return "deform_conv2d.backward." + ("onednn" if self.onednn else "bmm")
+
+
+SMALL = Geometry("small", 2, 8, 6, 7, 8, (3, 3), padding=(1, 1))
+# 2 conv groups, 3 deform groups: channel runs cut at both kinds of boundary; 60 output channels
+# a conv group, which the fused forward takes in vectors of two registers, of one, and one by one.
+GROUPED = Geometry("grouped", 3, 6, 120, 6, 7, (2, 3), stride=(1, 2), padding=(1, 1),
+                   dilation=(2, 1), groups=2, offset_groups=3)
+# 12 channels a deform group: the offset/mask gradient's 8-channel vector loop and its tail.
+LANES = Geometry("lanes", 2, 24, 16, 6, 5, (3, 3), padding=(1, 1), offset_groups=2)
+LANES_GROUPED = Geometry("lanes-grouped", 2, 24, 8, 5, 6, (3, 3), padding=(1, 1), groups=2)
+# 64 x 64 output pixels of 32 channels in blocks of 2 images: several windows in every dtype
+# (the CPU's window budget is 4 MiB of columns and sampling plans), several blocks.
+TILED = Geometry("tiled", 4, 32, 8, 64, 64, (3, 3), padding=(1, 1))
+# One image of 80 x 80 output pixels and 64 channels: at least 4 forward windows of float32,
+# 2 a thread.
+WIDE = Geometry("wide", 1, 64, 8, 80, 80, (3, 3), padding=(1, 1))
+
+PATHS = [
+    Path("fused-onednn", SMALL, onednn=True, fused=True),
+    Path("gemm-onednn", SMALL, onednn=True, fused=False),
+    Path("fused-bmm", SMALL, onednn=False, fused=True),
+    Path("gemm-bmm", SMALL, onednn=False, fused=False),
+    Path("v1-fused-onednn", SMALL, onednn=True, fused=True, modulated=False),
+    Path("v1-gemm-bmm", SMALL, onednn=False, fused=False, modulated=False),
+    Path("groups-fused", GROUPED, onednn=False, fused=True),
+    Path("groups-gemm", GROUPED, onednn=False, fused=False),
+    Path("offset-groups-onednn", LANES, onednn=True, fused=False),
+    Path("offset-groups-bmm", LANES, onednn=False, fused=False),
+    Path("lanes-groups", LANES_GROUPED, onednn=False, fused=False),
+    Path("small-batch-stages", Geometry("one", 1, 8, 6, 7, 8, (3, 3), padding=(1, 1)),
+         onednn=True, fused=False, expect=frozenset({"deform_conv2d.forward.stages"})),
+    Path("images-per-thread-onednn", Geometry("four", 4, 8, 6, 7, 8, (3, 3), padding=(1, 1)),
+         onednn=True, fused=False,
+         expect=frozenset({"deform_conv2d.forward.images_per_thread"})),
+    Path("images-per-thread-bmm", Geometry("four", 4, 8, 6, 7, 8, (3, 3), padding=(1, 1)),
+         onednn=False, fused=False,
+         expect=frozenset({"deform_conv2d.forward.images_per_thread"})),
+    Path("windows-per-thread", WIDE, onednn=True, fused=False,
+         expect=frozenset({"deform_conv2d.forward.windows_per_thread",
+                           "deform_conv2d.forward.windows"})),
+    Path("windows-blocks-onednn", TILED, onednn=True, fused=False, im2col_step=2,
+         expect=frozenset({"deform_conv2d.forward.windows", "deform_conv2d.forward.blocks",
+                           "deform_conv2d.backward.windows", "deform_conv2d.backward.blocks"})),
+    Path("windows-blocks-bmm", TILED, onednn=False, fused=False, im2col_step=2,
+         expect=frozenset({"deform_conv2d.forward.windows", "deform_conv2d.forward.blocks",
+                           "deform_conv2d.backward.windows", "deform_conv2d.backward.blocks"})),
+    Path("one-thread", SMALL, onednn=True, fused=False, threads=1,
+         expect=frozenset({"deform_conv2d.forward.stages"})),
+]
+
+FORWARD_KINDS = {"deform_conv2d.forward.fused", "deform_conv2d.forward.onednn",
+                 "deform_conv2d.forward.bmm"}
+BACKWARD_KINDS = {"deform_conv2d.backward.onednn", "deform_conv2d.backward.bmm"}
+
+
+def path_cases():
+    return [pytest.param(path, dtype, id=f"{path}-{str(dtype).removeprefix('torch.')}")
+            for path in PATHS for dtype in path.dtypes()]
+
+
+@pytest.fixture
+def forced(monkeypatch):
+    """Applies a path's switches for the duration of a test."""
+    def apply(path):
+        monkeypatch.setenv("DEFORMCONV_FUSED_FORWARD", "1" if path.fused else "0")
+        return torch.backends.mkldnn.flags(enabled=path.onednn)
+    return apply
+
+
+def operands_of(path, dtype):
+    """The path's operands in `dtype` (offsets off integer coordinates), in order
+    (input, offset, weight, bias, mask), mask None for DCN v1."""
+    input, offset, weight, bias, mask = make_operands(path.geometry, with_mask=path.modulated,
+                                                      offset_scale=2.0, seed=3)
+    offset = offset + 0.0625  # never an exact integer after rounding to bfloat16
+    return [None if t is None else t.to(dtype) for t in (input, offset, weight, bias, mask)]
+
+
+def run(path, operands, requested, grad_output=None):
+    """Output and the gradients of the operands in `requested` through autograd (None for the
+    others), and the branches that ran."""
+    g = path.geometry
+    leaves = [None if t is None else t.detach().clone().requires_grad_(wanted)
+              for t, wanted in zip(operands, requested)]
+    x, o, w, b, m = leaves
+    with branch_trace() as taken:
+        out = deformconv.deform_conv2d(x, o, w, b, g.stride, g.padding, g.dilation, m,
+                                       im2col_step=path.im2col_step)
+        if grad_output is None:
+            grads = [None] * 5
+        else:
+            wanted = [t for t in leaves if t is not None and t.requires_grad]
+            computed = iter(torch.autograd.grad(out, wanted, grad_output))
+            grads = [next(computed) if t is not None and t.requires_grad else None
+                     for t in leaves]
+    return out, grads, taken
+
+
+def gradient_for(out, seed=1):
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(out.shape, generator=generator, dtype=torch.float64).to(out.dtype)
+
+
+def expected_branches(path, dtype):
+    names = {path.forward_branch(), path.backward_branch()} | set(path.expect)
+    if path.fused:
+        width = vector_bytes() // opmath_bytes(dtype)
+        per_group = path.geometry.out_channels // path.geometry.groups
+        names |= channel_loops("deform_conv2d.cpu.fused_forward", per_group,
+                               [2 * width, width])
+    return names
+
+
+def assert_path_ran(path, dtype, taken, *, backward):
+    expected = expected_branches(path, dtype)
+    if not backward:
+        expected = {name for name in expected if ".backward." not in name}
+    assert expected <= taken, f"expected {sorted(expected - taken)} to run; ran {sorted(taken)}"
+    assert len(taken & FORWARD_KINDS) == 1, sorted(taken)
+    if backward:
+        assert len(taken & BACKWARD_KINDS) == 1, sorted(taken)
+
+
+@pytest.mark.parametrize("path,dtype", path_cases())
+def test_path_matches_reference_with_every_gradient(path, dtype, forced):
+    operands = operands_of(path, dtype)
+    exact = [None if t is None else t.double().requires_grad_() for t in operands]
+    g = path.geometry
+    expected = deform_conv2d_reference(exact[0], exact[1], exact[2], exact[3], g.stride,
+                                       g.padding, g.dilation, exact[4])
+    grad_output = gradient_for(expected)
+    present = [t for t in exact if t is not None]
+    expected_grads = iter(torch.autograd.grad(expected, present, grad_output))
+    with threads(path.threads), forced(path):
+        out, grads, taken = run(path, operands, [t is not None for t in operands],
+                                grad_output.to(dtype))
+    assert_path_ran(path, dtype, taken, backward=True)
+    assert out.dtype == dtype
+    assert_close_at(out, expected, dtype, "output")
+    for name, grad, operand in zip(OPERANDS, grads, exact):
+        if operand is not None:
+            assert grad.dtype == dtype
+            assert_close_at(grad, next(expected_grads), dtype, name)
+
+
+@pytest.mark.parametrize("path,dtype", path_cases())
+def test_path_with_every_combination_of_requested_gradients(path, dtype, forced):
+    operands = operands_of(path, dtype)
+    present = [t is not None for t in operands]
+    with threads(path.threads), forced(path):
+        out, _, _ = run(path, operands, present)
+        grad_output = gradient_for(out)
+        _, all_grads, _ = run(path, operands, present, grad_output)
+        for subset in requested_subsets(sum(present)):
+            flags = iter(subset)
+            requested = [next(flags) if here else False for here in present]
+            _, grads, taken = run(path, operands, requested, grad_output)
+            if requested[:3] != [False] * 3 or requested[4]:
+                assert_path_ran(path, dtype, taken, backward=True)
+            for name, wanted, grad, full in zip(OPERANDS, requested, grads, all_grads):
+                if wanted:
+                    assert_close_at(grad, full, dtype, f"{name} of {requested}")

@@ -1,0 +1,162 @@
+"""Every path of the DCNv3/DCNv4 CPU launchers, forced (by group_channels, batch and thread count)
+and checked to have run through the branch trace (Note [Branch trace]): the instance for 16
+channels a group and the general one; the backward in one pass over the images, or as an input
+pass and an offset/mask pass apart (at most half as many images as threads); the channel loops
+of every vector width and their tails. On each, in four dtypes: the forward and the gradients
+against the float64 reference, and every combination of operands that need a gradient through
+autograd against the gradients computed with all of them. The list of branches and the tests
+that force them is in docs/testing.md."""
+
+import pytest
+import torch
+
+import deformconv
+from branching import (assert_close_at, branch_trace, channel_loops, opmath_bytes,
+                       requested_subsets, threads, vector_bytes)
+from dcnv3_reference import dcnv3_reference, pack_offset_mask, random_operands
+
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
+LANES = 8  # kLanes of csrc/cpu/cpu_loops.h
+# 3 x 3 kernel, stride 1, padding 1, dilation 1, two groups of `group_channels` each.
+KERNEL = ((3, 3), (1, 1), (1, 1), (1, 1))
+# 16: the specialised instance. 5: below one vector. 12 and 24: a vector of 8 and a tail, or
+# two (AVX-512: a register of 16 floats and 8 lanes). 40: two registers' width, one register, 8
+# lanes (AVX2 in float32: 16 + 16 + 8). 33: every width and one channel more.
+GROUP_CHANNELS = [16, 5, 12, 24, 40, 33]
+# (batch, threads): the backward's passes. 2 images on 2 threads: one pass for everything;
+# 1 image on 2 threads: the input gradient by images and the offset and mask gradients apart.
+PASSES = {"one-pass": (2, 2), "two-passes": (1, 2)}
+
+
+def geometry_of(group_channels):
+    return KERNEL + (2, group_channels)
+
+
+def arguments(geometry, scale=0.75):
+    (kh, kw), (sh, sw), (ph, pw), (dh, dw), G, D = geometry
+    return (kh, kw, sh, sw, ph, pw, dh, dw, G, D, scale)
+
+
+def expected_branches(geometry, dtype, batch, thread_count, wanted):
+    """What the CPU launchers run for `wanted` = (input, offset or mask) gradients."""
+    D = geometry[5]
+    width = vector_bytes() // opmath_bytes(dtype)
+    names = {"dcnv3.cpu.group_channels_16" if D == 16 else "dcnv3.cpu.group_channels_any"}
+    names |= channel_loops("dcnv3.cpu.forward", D, [2 * width, width, LANES])
+    want_input, want_offset_or_mask = wanted
+    if want_input:
+        names |= channel_loops("dcnv3.cpu.scatter", D, [max(width, LANES), LANES])
+    if want_offset_or_mask:
+        names |= channel_loops("dcnv3.cpu.dots", D, [LANES])
+    if want_input and want_offset_or_mask and 2 * batch > thread_count:
+        names.add("dcnv3.cpu.backward.one_pass")
+    else:
+        if want_input:
+            names.add("dcnv3.cpu.backward.input_pass")
+        if want_offset_or_mask:
+            names.add("dcnv3.cpu.backward.offset_mask_pass")
+    return names
+
+
+BACKWARD_PASSES = {"dcnv3.cpu.backward.one_pass", "dcnv3.cpu.backward.input_pass",
+                   "dcnv3.cpu.backward.offset_mask_pass"}
+
+
+def assert_ran_exactly(expected, taken):
+    assert expected <= taken, f"expected {sorted(expected - taken)} to run; ran {sorted(taken)}"
+    assert taken & BACKWARD_PASSES == expected & BACKWARD_PASSES, sorted(taken)
+
+
+def dcnv3_call(op, geometry):
+    def call(input, offset, mask):
+        return op(input, offset, mask, *arguments(geometry), 0, False)
+    return call
+
+
+def dcnv4_call(geometry):
+    def call(input, offset_mask):
+        return deformconv.dcnv4(input, offset_mask, *arguments(geometry), 0, False)
+    return call
+
+
+def autograd_run(call, operands, requested, grad_output):
+    leaves = [t.detach().clone().requires_grad_(wanted) for t, wanted in zip(operands, requested)]
+    with branch_trace() as taken:
+        out = call(*leaves)
+        wanted = [t for t in leaves if t.requires_grad]
+        computed = iter(torch.autograd.grad(out, wanted, grad_output))
+    return out, [next(computed) if t.requires_grad else None for t in leaves], taken
+
+
+def cases():
+    return [pytest.param(D, passes, dtype,
+                         id=f"D{D}-{passes}-{str(dtype).removeprefix('torch.')}")
+            for D in GROUP_CHANNELS for passes in PASSES for dtype in DTYPES]
+
+
+@pytest.mark.parametrize("group_channels,passes,dtype", cases())
+def test_dcnv3_paths(group_channels, passes, dtype):
+    geometry = geometry_of(group_channels)
+    batch, thread_count = PASSES[passes]
+    operands = random_operands(batch, 5, 6, geometry, dtype=dtype, seed=group_channels)
+    exact = [t.double().requires_grad_() for t in operands]
+    expected = dcnv3_reference(*exact, *arguments(geometry))
+    grad_output = torch.randn(expected.shape, generator=torch.Generator().manual_seed(1),
+                              dtype=torch.float64)
+    expected_grads = torch.autograd.grad(expected, exact, grad_output)
+    call = dcnv3_call(deformconv.dcnv3, geometry)
+    with threads(thread_count):
+        out, all_grads, taken = autograd_run(call, operands, (True,) * 3, grad_output.to(dtype))
+        assert_ran_exactly(expected_branches(geometry, dtype, batch, thread_count, (True, True)),
+                           taken)
+        assert_close_at(out, expected, dtype, "output")
+        for name, grad, full in zip(("input", "offset", "mask"), all_grads, expected_grads):
+            assert grad.dtype == dtype
+            assert_close_at(grad, full, dtype, name)
+        for requested in requested_subsets(3):
+            _, grads, taken = autograd_run(call, operands, requested, grad_output.to(dtype))
+            wanted = (requested[0], requested[1] or requested[2])
+            assert_ran_exactly(expected_branches(geometry, dtype, batch, thread_count, wanted),
+                               taken)
+            for name, want, grad, full in zip(("input", "offset", "mask"), requested, grads,
+                                              all_grads):
+                if want:
+                    assert_close_at(grad, full, dtype, f"{name} of {requested}")
+
+
+@pytest.mark.parametrize("group_channels,passes,dtype",
+                         [case for case in cases() if case.values[0] in (16, 12)])
+def test_dcnv4_paths(group_channels, passes, dtype):
+    geometry = geometry_of(group_channels)
+    batch, thread_count = PASSES[passes]
+    input, offset, mask = random_operands(batch, 5, 6, geometry, dtype=torch.float64,
+                                          seed=group_channels)
+    offset_mask = pack_offset_mask(offset, mask, 2, padding_value=0.0)
+    operands = [input.to(dtype), offset_mask.to(dtype)]
+    exact = [t.double().requires_grad_() for t in operands]
+    used = 3 * mask.shape[3]
+    points = mask.shape[3] // 2
+    packed = exact[1][..., :used].reshape(*mask.shape[:3], 2, 3 * points)
+    expected = dcnv3_reference(exact[0],
+                               packed[..., :2 * points].reshape(*offset.shape),
+                               packed[..., 2 * points:].reshape(*mask.shape),
+                               *arguments(geometry))
+    grad_output = torch.randn(expected.shape, generator=torch.Generator().manual_seed(1),
+                              dtype=torch.float64)
+    expected_grads = torch.autograd.grad(expected, exact, grad_output)
+    call = dcnv4_call(geometry)
+    with threads(thread_count):
+        out, all_grads, taken = autograd_run(call, operands, (True, True), grad_output.to(dtype))
+        assert_ran_exactly(expected_branches(geometry, dtype, batch, thread_count, (True, True)),
+                           taken)
+        assert_close_at(out, expected, dtype, "output")
+        for name, grad, full in zip(("input", "offset_mask"), all_grads, expected_grads):
+            assert_close_at(grad, full, dtype, name)
+        for requested in requested_subsets(2):
+            _, grads, taken = autograd_run(call, operands, requested, grad_output.to(dtype))
+            assert_ran_exactly(expected_branches(geometry, dtype, batch, thread_count, requested),
+                               taken)
+            for name, want, grad, full in zip(("input", "offset_mask"), requested, grads,
+                                              all_grads):
+                if want:
+                    assert_close_at(grad, full, dtype, f"{name} of {requested}")
