@@ -334,6 +334,7 @@ DEFORMCONV_VECTOR_CLONES void dcnv3_forward_pixels(const Dcnv3Geometry& g, const
       };
       sum_groups(std::false_type{});
       if (!all_finite<opmath_t>(output + pixel * C, C)) {
+        record_branch("dcnv3.cpu.forward.non_finite_sums");
         sum_groups(std::true_type{});
       }
     }
@@ -555,6 +556,7 @@ DEFORMCONV_VECTOR_CLONES void dcnv3_gradient_pixels(
         if (!kScatter || all_finite<opmath_t>(group_grad.data(), D)) {
           group_samples(std::false_type{});
         } else {
+          record_branch("dcnv3.cpu.scatter.non_finite_gradient");
           group_samples(std::true_type{});
         }
       }

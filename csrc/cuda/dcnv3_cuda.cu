@@ -12,6 +12,7 @@
 #include <cstdint>
 
 #include "../common/dcnv3_kernel.cuh"
+#include "../pytorch/branch_trace.h"
 #include "dcnv3_cuda.h"
 #include "launch.cuh"
 
@@ -135,9 +136,11 @@ void dcnv3_gradients_cuda(const Dcnv3Geometry& g, const Dcnv3Fields& f, int64_t 
                           at::Tensor& grad_input, at::Tensor& grad_offset,
                           at::Tensor& grad_mask) {
   if (grad_input.defined()) {
+    record_branch("dcnv3.cuda.backward.input_pass");
     dcnv3_input_grad_cuda(g, f, batch, grad_output, offset, mask, grad_input);
   }
   if (grad_offset.defined() || grad_mask.defined()) {
+    record_branch("dcnv3.cuda.backward.offset_mask_pass");
     dcnv3_offset_mask_grad_cuda(g, f, batch, grad_output, input, offset, mask, grad_offset,
                                 grad_mask);
   }

@@ -17,6 +17,7 @@
 #include <type_traits>
 
 #include "../common/deform_conv2d_kernel.cuh"
+#include "../pytorch/branch_trace.h"
 #include "deform_conv2d_cuda.h"
 #include "launch.cuh"
 
@@ -37,8 +38,10 @@ void with_index_divisors(const DeformConv2dGeometry& g, const PixelWindow& windo
                          const Launch& launch) {
   const int64_t largest_dividend = std::max({entries, g.out_pixels(), g.in_channels, g.taps()});
   if (largest_dividend <= DEFORMCONV_NARROW_INDEX_LIMIT) {
+    record_branch("deform_conv2d.cuda.index.32bit");
     launch(IndexDivisors<InvariantDivisor>(g, window));
   } else {
+    record_branch("deform_conv2d.cuda.index.64bit");
     launch(IndexDivisors<int64_t>(g, window));
   }
 }
