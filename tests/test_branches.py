@@ -56,14 +56,16 @@ class Path:
         return "deform_conv2d.backward." + ("onednn" if self.onednn else "bmm")
 
 
-SMALL = Geometry("small", 2, 8, 6, 7, 8, (3, 3), padding=(1, 1))
+# 7 x 7 output pixels: an odd count, which no block of pixels of the fused forward divides.
+SMALL = Geometry("small", 2, 8, 6, 7, 7, (3, 3), padding=(1, 1))
 # 2 conv groups, 3 deform groups: channel runs cut at both kinds of boundary; 60 output channels
 # a conv group, which the fused forward takes in vectors of two registers, of one, and one by one.
 GROUPED = Geometry("grouped", 3, 6, 120, 6, 7, (2, 3), stride=(1, 2), padding=(1, 1),
                    dilation=(2, 1), groups=2, offset_groups=3)
-# 12 channels a deform group: the offset/mask gradient's 8-channel vector loop and its tail.
+# 12 channels a deform group: the offset/mask gradient's 8-channel vector loop and its tail;
+# 16 in each conv group: two vectors.
 LANES = Geometry("lanes", 2, 24, 16, 6, 5, (3, 3), padding=(1, 1), offset_groups=2)
-LANES_GROUPED = Geometry("lanes-grouped", 2, 24, 8, 5, 6, (3, 3), padding=(1, 1), groups=2)
+LANES_GROUPED = Geometry("lanes-grouped", 2, 32, 8, 5, 6, (3, 3), padding=(1, 1), groups=2)
 # 64 x 64 output pixels of 32 channels in blocks of 2 images: several windows in every dtype
 # (the CPU's window budget is 4 MiB of columns and sampling plans), several blocks.
 TILED = Geometry("tiled", 4, 32, 8, 64, 64, (3, 3), padding=(1, 1))
@@ -216,3 +218,26 @@ def test_path_with_every_combination_of_requested_gradients(path, dtype, forced)
             for name, wanted, grad, full in zip(OPERANDS, requested, grads, all_grads):
                 if wanted:
                     assert_close_at(grad, full, dtype, f"{name} of {requested}")
+
+
+@pytest.mark.parametrize("path", [path for path in PATHS if path.modulated], ids=str)
+def test_backward_op_computes_only_what_is_asked(path, forced):
+    # The backward op itself, every output_mask: the gradients asked for equal those of the
+    # full set, the others come back as None (not computed).
+    operands = operands_of(path, torch.float32)
+    x, o, w, b, m = operands
+    g = path.geometry
+    arguments = ([*g.stride], [*g.padding], [*g.dilation], g.groups, g.offset_groups,
+                 path.im2col_step)
+    with threads(path.threads), forced(path):
+        grad_output = gradient_for(run(path, operands, [False] * 5)[0])
+        backward = torch.ops.deformconv.deform_conv2d_backward
+        full = backward(grad_output, x, o, w, m, *arguments, [True] * 5)
+        for output_mask in requested_subsets(5):
+            grads = backward(grad_output, x, o, w, m, *arguments, list(output_mask))
+            for name, wanted, grad, expected in zip(("input", "offset", "weight", "mask",
+                                                     "bias"), output_mask, grads, full):
+                if wanted:
+                    assert_close_at(grad, expected, torch.float32, f"{name} of {output_mask}")
+                else:
+                    assert grad is None, f"{name} of {output_mask}"

@@ -186,7 +186,11 @@ def test_several_windows_per_block(emulated, index_arithmetic):
     grad_output = grad_output_for(operands, geometry)
     whole = run_op(emulated, operands, geometry, grad_output, im2col_step=2)
     set_emulator(emulated, columns_tile_bytes=1, wide_indices=index_arithmetic == "64-bit")
-    tiled = run_op(emulated, operands, geometry, grad_output, im2col_step=2)
+    with branch_trace(emulated) as taken:
+        tiled = run_op(emulated, operands, geometry, grad_output, im2col_step=2)
+    index_builds = {"deform_conv2d.cuda.index.32bit", "deform_conv2d.cuda.index.64bit"}
+    assert taken & index_builds == {
+        "deform_conv2d.cuda.index." + index_arithmetic.replace("-", "")}, sorted(taken)
     assert_launches_well_kept(emulated)
     assert_same_results(tiled, whole, atol=1e-12, rtol=1e-12)
     cpu = run_op(torch.ops.deformconv, operands, geometry, grad_output, im2col_step=2)
@@ -332,7 +336,7 @@ def test_paths_with_every_combination_of_requested_gradients(emulated, path, dty
     with branch_trace(emulated) as taken:
         out, all_grads = run_op(emulated, operands, geometry, grad_output, im2col_step=step)
     expected_branches = {"deform_conv2d.forward.bmm", "deform_conv2d.forward.stages",
-                         "deform_conv2d.backward.bmm"} | expect
+                         "deform_conv2d.backward.bmm", "deform_conv2d.cuda.index.32bit"} | expect
     assert expected_branches <= taken, sorted(taken)
     assert_launches_well_kept(emulated)
     assert_close_at(out, expected[0], dtype, "output")

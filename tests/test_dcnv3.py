@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import deformconv
+from branching import branch_trace
 from dcnv3_reference import (FORMULA_VECTORS, GEOMETRIES, dcnv3_reference, formula_operands,
                              random_operands, run, spec_vectors_input)
 from emulated_cuda import load
@@ -213,7 +214,9 @@ def test_infinite_input_at_corners_of_zero_weight_makes_no_nan(geometry, dtype):
     infinite[pixel] = math.inf
     zero = input.clone()
     zero[pixel] = 0
-    out = run(deformconv.dcnv3, infinite, offset, mask, geometry)
+    with branch_trace() as taken:
+        out = run(deformconv.dcnv3, infinite, offset, mask, geometry)
+    assert "dcnv3.cpu.forward.non_finite_sums" in taken
     assert torch.isfinite(out).all()
     assert torch.equal(out, run(deformconv.dcnv3, zero, offset, mask, geometry))
 
@@ -265,11 +268,15 @@ def test_samples_of_zero_mask_add_nothing_to_the_input_gradient(geometry, batch,
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        grads = [torch.ops.deformconv.dcnv3_backward(
-            grad, input, offset, mask, kh, kw, sh, sw, ph, pw, dh, dw, G, D, 1.0, 0, False,
-            [True, True, True])[0] for grad in (grad_output, finite_grad_output)]
+        with branch_trace() as taken:
+            grads = [torch.ops.deformconv.dcnv3_backward(
+                grad, input, offset, mask, kh, kw, sh, sw, ph, pw, dh, dw, G, D, 1.0, 0, False,
+                [True, True, True])[0] for grad in (grad_output, finite_grad_output)]
     finally:
         torch.set_num_threads(previous)
+    assert "dcnv3.cpu.scatter.non_finite_gradient" in taken
+    assert ("dcnv3.cpu.backward.one_pass" if 2 * batch > threads
+            else "dcnv3.cpu.backward.input_pass") in taken
     assert torch.isfinite(grads[0]).all()
     torch.testing.assert_close(grads[0], grads[1], rtol=0, atol=0)
 

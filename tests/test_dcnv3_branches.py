@@ -26,6 +26,9 @@ GROUP_CHANNELS = [16, 5, 12, 24, 40, 33]
 # (batch, threads): the backward's passes. 2 images on 2 threads: one pass for everything;
 # 1 image on 2 threads: the input gradient by images and the offset and mask gradients apart.
 PASSES = {"one-pass": (2, 2), "two-passes": (1, 2)}
+# Images of 5 x 6 and 5 x 7 output pixels: the passes' tasks of one pixel, or of every pixel of
+# an image, over even and odd counts.
+SIZES = [(5, 6), (5, 7)]
 
 
 def geometry_of(group_channels):
@@ -89,16 +92,17 @@ def autograd_run(call, operands, requested, grad_output):
 
 
 def cases():
-    return [pytest.param(D, passes, dtype,
-                         id=f"D{D}-{passes}-{str(dtype).removeprefix('torch.')}")
-            for D in GROUP_CHANNELS for passes in PASSES for dtype in DTYPES]
+    return [pytest.param(D, passes, size, dtype,
+                         id=f"D{D}-{passes}-{size[0]}x{size[1]}-"
+                            f"{str(dtype).removeprefix('torch.')}")
+            for D in GROUP_CHANNELS for passes in PASSES for size in SIZES for dtype in DTYPES]
 
 
-@pytest.mark.parametrize("group_channels,passes,dtype", cases())
-def test_dcnv3_paths(group_channels, passes, dtype):
+@pytest.mark.parametrize("group_channels,passes,size,dtype", cases())
+def test_dcnv3_paths(group_channels, passes, size, dtype):
     geometry = geometry_of(group_channels)
     batch, thread_count = PASSES[passes]
-    operands = random_operands(batch, 5, 6, geometry, dtype=dtype, seed=group_channels)
+    operands = random_operands(batch, *size, geometry, dtype=dtype, seed=group_channels)
     exact = [t.double().requires_grad_() for t in operands]
     expected = dcnv3_reference(*exact, *arguments(geometry))
     grad_output = torch.randn(expected.shape, generator=torch.Generator().manual_seed(1),
@@ -124,12 +128,12 @@ def test_dcnv3_paths(group_channels, passes, dtype):
                     assert_close_at(grad, full, dtype, f"{name} of {requested}")
 
 
-@pytest.mark.parametrize("group_channels,passes,dtype",
+@pytest.mark.parametrize("group_channels,passes,size,dtype",
                          [case for case in cases() if case.values[0] in (16, 12)])
-def test_dcnv4_paths(group_channels, passes, dtype):
+def test_dcnv4_paths(group_channels, passes, size, dtype):
     geometry = geometry_of(group_channels)
     batch, thread_count = PASSES[passes]
-    input, offset, mask = random_operands(batch, 5, 6, geometry, dtype=torch.float64,
+    input, offset, mask = random_operands(batch, *size, geometry, dtype=torch.float64,
                                           seed=group_channels)
     offset_mask = pack_offset_mask(offset, mask, 2, padding_value=0.0)
     operands = [input.to(dtype), offset_mask.to(dtype)]
@@ -160,3 +164,48 @@ def test_dcnv4_paths(group_channels, passes, dtype):
                                               all_grads):
                 if want:
                     assert_close_at(grad, full, dtype, f"{name} of {requested}")
+
+
+@pytest.fixture(scope="module")
+def emulated():
+    from emulated_cuda import load
+    return load()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("group_channels", [16, 12])
+@pytest.mark.parametrize("op", ["dcnv3", "dcnv4"])
+def test_emulated_cuda_paths(emulated, op, group_channels, dtype):
+    """The CUDA launchers under the emulator: the input gradient's kernel and the offset and
+    mask gradients' kernel, each run when asked for, every combination, against the float64
+    CPU op with every gradient."""
+    geometry = geometry_of(group_channels)
+    input, offset, mask = random_operands(2, 5, 7, geometry, seed=group_channels)
+    if op == "dcnv3":
+        exact = [input, offset, mask]
+    else:
+        exact = [input, pack_offset_mask(offset, mask, 2, padding_value=0.0)]
+    operands = [t.to(dtype) for t in exact]
+    rounded = [t.double() for t in operands]
+    cpu_backward = getattr(torch.ops.deformconv, op + "_backward")
+    cuda_forward = getattr(emulated, op)
+    cuda_backward = getattr(emulated, op + "_backward")
+    tail = (*arguments(geometry), 0, False)
+    expected = getattr(torch.ops.deformconv, op)(*rounded, *tail)
+    grad_output = torch.randn(expected.shape, generator=torch.Generator().manual_seed(1),
+                              dtype=torch.float64)
+    expected_grads = cpu_backward(grad_output, *rounded, *tail, [True] * len(exact))
+    assert_close_at(cuda_forward(*operands, *tail), expected, dtype, "output")
+    for requested in requested_subsets(len(exact)):
+        with branch_trace(emulated) as taken:
+            grads = cuda_backward(grad_output.to(dtype), *operands, *tail, list(requested))
+        kernels = {"dcnv3.cuda.backward.input_pass"} if requested[0] else set()
+        if any(requested[1:]):
+            kernels.add("dcnv3.cuda.backward.offset_mask_pass")
+        assert taken & {"dcnv3.cuda.backward.input_pass",
+                        "dcnv3.cuda.backward.offset_mask_pass"} == kernels, sorted(taken)
+        for index, (want, grad, full) in enumerate(zip(requested, grads, expected_grads)):
+            if want:
+                assert_close_at(grad, full, dtype, f"gradient {index} of {requested}")
+            else:
+                assert grad is None
