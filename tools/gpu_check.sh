@@ -1,28 +1,145 @@
 #!/usr/bin/env bash
-# For the first machine with a GPU: the whole test suite (the CUDA tests run there instead of
-# skipping) and the CUDA benchmark in float32, float16 and bfloat16, written as JSON and PNG into
-# one folder. Without a GPU it says so and exits 0, having measured nothing.
-#   bash tools/gpu_check.sh [output folder, default gpu-check]
-# Run from the repository root, with deformconv built with its CUDA kernels and the test
-# dependencies installed (README, Quick start).
-set -euo pipefail
-out=${1:-gpu-check}
-if ! python -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)'; then
-  echo "gpu_check: no CUDA device visible: nothing measured"
+# The one command for a machine with a GPU: from a bare checkout, with the torch that is there
+# and nothing installed, in stages of their own time budget (about 8 minutes in all):
+#   1. build   deformconv in place, for the visible GPU's architecture only, on every core;
+#   2. tests   every CUDA test (pytest -m cuda): the CUDA ops against the CPU ones in four dtypes,
+#              DCNv3/DCNv4 included, gradcheck, a side stream, a training step in a CUDA
+#              graph, torch.compile, autocast, deterministic algorithms, 2^31 elements,
+#              im2col_step;
+#   3. sanitizer  compute-sanitizer memcheck and racecheck over tools/gpu_kernels_once.py;
+#   4. benchmark  python -m deformconv benchmark --device cuda in float32 (TF32 off), float16
+#              and bfloat16.
+# Everything it writes goes into OUTDIR, at most 8 files: log.txt (every stage's output),
+# summary.json (each stage's status and wall time, the GPU, torch, CUDA), benchmark-*.json and
+# one PNG. It always ends with a line "gpu_check: ..." that sums the stages up, and exits 0 only
+# if every stage passed.
+# Without a GPU it says so and exits 0, having measured nothing; with --rehearse it runs every
+# stage it can without one, to try the script itself there: the same build (for compute
+# capability 9.0, with nvcc), the CUDA tests (which skip), and a CPU benchmark of one shape,
+# each with four times the budget.
+#   bash tools/gpu_check.sh [--rehearse] [OUTDIR, default gpu-check]
+set -uo pipefail
+rehearse=0
+if [ "${1:-}" = "--rehearse" ]; then rehearse=1; shift; fi
+python=${PYTHON:-python3}
+has_gpu=$("$python" -c 'import torch; print(int(torch.cuda.is_available()))' 2>/dev/null || echo 0)
+if [ "$has_gpu" != 1 ] && [ "$rehearse" = 0 ]; then
+  echo "gpu_check: no CUDA device visible: nothing measured (--rehearse tries the stages)"
   exit 0
 fi
-if ! python -c 'import sys, deformconv; sys.exit(0 if deformconv.cuda_compiled() else 1)'; then
-  echo "gpu_check: deformconv was built without its CUDA kernels; python -m deformconv info:"
-  python -m deformconv info
-  exit 1
-fi
-mkdir -p "$out"
-python -m deformconv info | tee "$out/info.txt"
-nvidia-smi > "$out/nvidia-smi.txt" 2>&1 || true
-python -m pytest -q tests 2>&1 | tee "$out/tests.txt"
-for dtype in float32 float16 bfloat16; do
-  python -m deformconv benchmark --device cuda --dtype "$dtype" \
-    --output "$out/benchmark-cuda-$dtype.json" --plot "$out/benchmark-cuda-$dtype.png" \
-    | tee "$out/benchmark-cuda-$dtype.txt"
+out=$(mkdir -p "${1:-gpu-check}" && cd "${1:-gpu-check}" && pwd)
+cd "$(dirname "$0")/.."
+log="$out/log.txt"
+: > "$log"
+
+start=$(date +%s)
+declare -A status seconds
+stages=(build tests sanitizer benchmark)
+for stage in "${stages[@]}"; do status[$stage]="not run"; seconds[$stage]=0; done
+
+summarise() {
+  local line="" stage
+  for stage in "${stages[@]}"; do
+    line+="$stage ${status[$stage]} (${seconds[$stage]} s); "
+  done
+  STATUS_JSON=$(for stage in "${stages[@]}"; do
+    printf '%s\t%s\t%s\n' "$stage" "${status[$stage]}" "${seconds[$stage]}"; done) \
+  "$python" - "$out/summary.json" "$rehearse" <<'PY' >> "$log" 2>&1
+import json, os, sys
+import torch
+stages = {}
+for row in os.environ["STATUS_JSON"].splitlines():
+    name, state, seconds = row.split("\t")
+    stages[name] = {"status": state, "seconds": int(seconds)}
+summary = {"stages": stages, "rehearsal": sys.argv[2] == "1", "torch": torch.__version__,
+           "cuda": torch.version.cuda,
+           "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+           "tf32": {"matmul": torch.backends.cuda.matmul.allow_tf32,
+                    "cudnn": torch.backends.cudnn.allow_tf32}}
+with open(sys.argv[1], "w") as f:
+    json.dump(summary, f, indent=1)
+PY
+  echo "gpu_check: ${line}total $(( $(date +%s) - start )) s; results in $out"
+}
+trap summarise EXIT
+
+# run_stage NAME BUDGET_SECONDS COMMAND...: the command under `timeout`, its output into the
+# log, its status and wall time recorded.
+run_stage() {
+  local name=$1 budget=$2 stage_start rc
+  shift 2
+  stage_start=$(date +%s)
+  echo "=== $name (budget $budget s): $*" | tee -a "$log"
+  timeout --kill-after=10 "$budget" "$@" >> "$log" 2>&1
+  rc=$?
+  seconds[$name]=$(( $(date +%s) - stage_start ))
+  case $rc in
+    0) status[$name]=passed ;;
+    124|137) status[$name]="timed out" ;;
+    *) status[$name]="failed (exit $rc)" ;;
+  esac
+  echo "=== $name: ${status[$name]} in ${seconds[$name]} s" | tee -a "$log"
+  return $rc
+}
+
+build() {
+  local arch=9.0  # a rehearsal builds for the Hopper GPUs the check is meant for
+  if [ "$has_gpu" = 1 ]; then
+    arch=$("$python" -c 'import torch; print("%d.%d" % torch.cuda.get_device_capability())')
+  fi
+  # pyproject.toml's metadata (a PEP 639 licence) needs setuptools 77, which build isolation
+  # would fetch: here nothing can be fetched.
+  "$python" -c 'import setuptools, sys
+major = int(setuptools.__version__.split(".")[0])
+sys.exit(0 if major >= 77 else f"setuptools {setuptools.__version__} is too old: 77 or newer builds deformconv")'
+  DEFORMCONV_WITH_CUDA=1 TORCH_CUDA_ARCH_LIST=$arch MAX_JOBS=$(nproc) \
+    "$python" setup.py build_ext --inplace
+  "$python" -m deformconv info
+}
+
+gpu_tests() {
+  "$python" -m pytest -q -p no:cacheprovider -m cuda -rs tests
+}
+
+sanitizer() {
+  if [ "$has_gpu" != 1 ]; then
+    echo "no GPU: compute-sanitizer not run"
+    return 0
+  fi
+  local tool
+  for tool in memcheck racecheck; do
+    compute-sanitizer --tool "$tool" --error-exitcode 1 "$python" tools/gpu_kernels_once.py \
+      || return 1
+  done
+}
+
+benchmark() {
+  if [ "$has_gpu" != 1 ]; then
+    "$python" -m deformconv benchmark --shapes c3 --repeats 1 --warmup 0 \
+      --output "$out/benchmark-cpu.json" --plot "$out/benchmark.png"
+    return
+  fi
+  local dtype plot
+  for dtype in float32 float16 bfloat16; do
+    plot=""
+    [ "$dtype" = float32 ] && plot="$out/benchmark.png"
+    "$python" -m deformconv benchmark --device cuda --dtype "$dtype" \
+      --output "$out/benchmark-$dtype.json" --plot "$plot" || return 1
+  done
+}
+
+export -f build gpu_tests sanitizer benchmark
+export python rehearse has_gpu out
+# So that what Python prints reaches the log as it is printed.
+export PYTHONUNBUFFERED=1
+
+# A rehearsal runs on a machine of a few cores, not the GPU machine's 16: four times the time.
+scale=$(( rehearse && ! has_gpu ? 4 : 1 ))
+run_stage build $(( 200 * scale )) bash -ec build || exit 1
+run_stage tests $(( 120 * scale )) bash -ec gpu_tests
+run_stage sanitizer $(( 90 * scale )) bash -ec sanitizer
+run_stage benchmark $(( 70 * scale )) bash -ec benchmark
+for stage in "${stages[@]}"; do
+  [ "${status[$stage]}" = passed ] || exit 1
 done
-echo "gpu_check: results in $out/"
+exit 0

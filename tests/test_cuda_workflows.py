@@ -1,0 +1,217 @@
+"""What GPU users do with the ops beyond one call: float64 gradcheck on the device, a stream other
+than the default, a whole training step captured in a CUDA graph and replayed, torch.compile,
+autocast, deterministic algorithms, a tensor past 2^31 elements, any im2col_step. Skipped where
+no GPU is present, which is every machine of this project's CI; tools/gpu_check.sh runs them on
+a machine with one."""
+
+import copy
+
+import pytest
+import torch
+
+import deformconv
+from cases import GEOMETRIES, differentiable, forward_and_grads, make_operands
+
+needs_cuda = pytest.mark.skipif(
+    not (torch.cuda.is_available() and deformconv.cuda_compiled()),
+    reason="needs a CUDA device and deformconv built with its CUDA kernels")
+pytestmark = [pytest.mark.cuda, needs_cuda]
+
+
+def on_gpu(operands, dtype=None):
+    return [None if t is None else t.to(device="cuda", dtype=dtype or t.dtype)
+            for t in operands]
+
+
+@pytest.mark.parametrize("with_mask", [False, True], ids=["v1", "v2"])
+def test_gradcheck_on_the_gpu(with_mask):
+    geometry = GEOMETRIES[2]
+    operands = make_operands(geometry, with_mask=with_mask, batch=1)
+    leaves = [t for t in differentiable(*on_gpu(operands)) if t is not None]
+
+    def fn(*args):
+        x, o, w, b = args[:4]
+        m = args[4] if with_mask else None
+        return deformconv.deform_conv2d(x, o, w, b, geometry.stride, geometry.padding,
+                                        geometry.dilation, m)
+
+    assert torch.autograd.gradcheck(fn, leaves, eps=1e-6, atol=1e-6)
+
+
+def test_a_stream_other_than_the_default():
+    # The launches go to the current stream: the results computed on a side stream, whose
+    # operands were made on it, equal those of the default stream.
+    geometry = GEOMETRIES[4]
+    operands = on_gpu(make_operands(geometry, dtype=torch.float32))
+    expected, expected_grads = forward_and_grads(deformconv.deform_conv2d, *operands, geometry)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fresh = [None if t is None else t * 1 for t in operands]
+        out, grads = forward_and_grads(deformconv.deform_conv2d, *fresh, geometry)
+    side.synchronize()
+    torch.testing.assert_close(out, expected)
+    for a, b in zip(grads, expected_grads):
+        torch.testing.assert_close(a, b)
+
+
+def small_model():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        deformconv.ModulatedDeformConv2dPack(4, 8, 3, padding=1, deform_groups=2),
+        torch.nn.ReLU(),
+        deformconv.DeformConv2dPack(8, 4, 3, padding=1),
+    )
+    with torch.no_grad():
+        for layer in (model[0], model[2]):
+            layer.conv_offset.weight.normal_(0, 0.1)
+    return model.cuda()
+
+
+def training_batches(count):
+    generator = torch.Generator().manual_seed(3)
+    return [(torch.randn(4, 4, 9, 9, generator=generator).cuda(),
+             torch.randn(4, 4, 9, 9, generator=generator).cuda()) for _ in range(count)]
+
+
+def test_training_step_captured_in_a_cuda_graph():
+    # Forward, backward and an SGD step of a DCN model, captured once and replayed on new
+    # batches: capture fails if any launch leaves the capturing stream, synchronises with the
+    # host or allocates outside the caching allocator. The replays must train the model as
+    # eager steps do.
+    eager, graphed = small_model(), small_model()
+    graphed.load_state_dict(eager.state_dict())
+    batches = training_batches(6)
+    static_x = batches[0][0].clone()
+    static_target = batches[0][1].clone()
+
+    def step(model, x, target):
+        # Plain SGD, its update written out: tensor operations only, which a graph replays.
+        for parameter in model.parameters():
+            if parameter.grad is not None:
+                parameter.grad.zero_()
+        loss = torch.nn.functional.mse_loss(model(x), target)
+        loss.backward()
+        with torch.no_grad():
+            parameters = list(model.parameters())
+            torch._foreach_add_(parameters, [p.grad for p in parameters], alpha=-0.05)
+        return loss
+
+    # Warm-up on a side stream, as torch.cuda.graphs asks, then capture.
+    warmup = torch.cuda.Stream()
+    warmup.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(warmup):
+        for x, target in batches[:2]:
+            step(eager, x, target)
+            step(graphed, x, target)
+    torch.cuda.current_stream().wait_stream(warmup)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_loss = step(graphed, static_x, static_target)
+    # The capture itself ran nothing: the graph's first replay makes the third step.
+    for x, target in batches[2:]:
+        static_x.copy_(x)
+        static_target.copy_(target)
+        graph.replay()
+        eager_loss = step(eager, x, target)
+        torch.testing.assert_close(static_loss, eager_loss, rtol=1e-4, atol=1e-5)
+    for a, b in zip(graphed.parameters(), eager.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_torch_compile_fullgraph():
+    geometry = GEOMETRIES[1]
+    x, o, w, b, m = on_gpu(make_operands(geometry, dtype=torch.float32))
+
+    def fn(x, o, w, b, m):
+        return deformconv.deform_conv2d(x, o, w, b, geometry.stride, geometry.padding,
+                                        geometry.dilation, m).relu()
+
+    compiled = torch.compile(fn, fullgraph=True)
+    torch.testing.assert_close(compiled(x, o, w, b, m), fn(x, o, w, b, m))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_autocast(dtype):
+    # The op runs in float32 under autocast (Note in pytorch/autocast.cpp), its operands cast
+    # up from whatever dtype they came in.
+    geometry = GEOMETRIES[1]
+    x, o, w, b, m = on_gpu(make_operands(geometry, dtype=torch.float32))
+    with torch.autocast("cuda", dtype=dtype):
+        out = deformconv.deform_conv2d(x.to(dtype), o.to(dtype), w, b, 1, 1, 1, m)
+    assert out.dtype == torch.float32
+    expected = deformconv.deform_conv2d(x.to(dtype).float(), o.to(dtype).float(), w, b, 1, 1,
+                                        1, m)
+    torch.testing.assert_close(out, expected)
+
+
+@pytest.mark.parametrize("op", ["deform_conv2d", "dcnv3"])
+def test_deterministic_algorithms(op):
+    # The forwards are deterministic and run; the backwards add into the input gradient
+    # atomically, so they raise, naming themselves, as PyTorch's own nondeterministic kernels do.
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        if op == "deform_conv2d":
+            x, o, w, b, m = [t.requires_grad_() for t in
+                             on_gpu(make_operands(GEOMETRIES[1]))]
+            out = deformconv.deform_conv2d(x, o, w, b, 1, 1, 1, m)
+        else:
+            x = torch.randn(1, 5, 6, 4, device="cuda", dtype=torch.float64, requires_grad=True)
+            o = torch.randn(1, 5, 6, 18, device="cuda", dtype=torch.float64)
+            m = torch.rand(1, 5, 6, 9, device="cuda", dtype=torch.float64)
+            out = deformconv.dcnv3(x, o, m, 3, 3, 1, 1, 1, 1, 1, 1, 1, 4, 1.0)
+        assert torch.equal(out, out.detach().clone())
+        with pytest.raises(RuntimeError, match=f"{op}_backward_cuda"):
+            out.sum().backward()
+    finally:
+        torch.use_deterministic_algorithms(previous)
+
+
+def test_indices_past_two_to_the_31():
+    # As tests/test_reliability.py's test on the CPU: one 46341 x 46341 plane in float16
+    # (2,147,488,281 elements, 4.3 GB), its four corners sampled.
+    side = 46341
+    free, _ = torch.cuda.mem_get_info()
+    # The input and its gradient in float16, the gradient's float32 sums: about 17 GB.
+    if free < 24 << 30:
+        pytest.skip(f"needs 24 GiB of free GPU memory, {free >> 30} GiB free")
+    x = torch.zeros(1, 1, side, side, dtype=torch.float16, device="cuda")
+    x[0, 0, side - 1, side - 1] = 3.0
+    x[0, 0, side - 1, side - 2] = 1.0
+    weight = torch.full((1, 1, 1, 1), 2.0, dtype=torch.float16, device="cuda")
+    offset = torch.zeros(1, 2, 2, 2, dtype=torch.float16, device="cuda")
+    offset[0, 1, 1, 1] = -0.5
+    out = deformconv.deform_conv2d(x, offset, weight, stride=side - 1)
+    assert out.tolist() == [[[[0.0, 0.0], [0.0, 2.0 * (0.5 * 3.0 + 0.5 * 1.0)]]]]
+    x.zero_()
+    grad_input = torch.ops.deformconv.deform_conv2d_backward(
+        torch.ones_like(out), x, offset, weight, None, [side - 1] * 2, [0, 0], [1, 1], 1, 1, 0,
+        [True, False, False, False, False])[0]
+    del x
+    assert grad_input[0, 0, side - 1, side - 1].item() == 1.0
+    assert grad_input[0, 0, side - 1, side - 2].item() == 1.0
+    assert grad_input[0, 0, 0, 0].item() == 2.0
+    assert grad_input[0, 0, 0, side - 1].item() == 2.0
+    assert grad_input[0, 0, side - 1, 0].item() == 2.0
+    assert grad_input.float().sum().item() == 1.0 + 1.0 + 3 * 2.0
+
+
+@pytest.mark.parametrize("im2col_step", [0, 1, 2, 3, 7, 64])
+def test_any_im2col_step(im2col_step):
+    geometry = GEOMETRIES[4]
+    operands = make_operands(geometry, batch=7)
+    expected, expected_grads = forward_and_grads(deformconv.deform_conv2d, *operands, geometry)
+    out, grads = forward_and_grads(deformconv.deform_conv2d, *on_gpu(operands), geometry,
+                                   im2col_step=im2col_step)
+    torch.testing.assert_close(out.cpu(), expected, atol=1e-10, rtol=1e-10)
+    for a, b in zip(grads, expected_grads):
+        torch.testing.assert_close(a.cpu(), b, atol=1e-10, rtol=1e-10)
+
+
+def test_model_copies_to_the_gpu_and_back():
+    # state_dict round trip between devices: the same numbers on both.
+    model = small_model().double()
+    x = torch.randn(2, 4, 9, 9, dtype=torch.float64, device="cuda")
+    on_cpu = copy.deepcopy(model).cpu()
+    torch.testing.assert_close(model(x).cpu(), on_cpu(x.cpu()), atol=1e-10, rtol=1e-10)
