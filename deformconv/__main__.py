@@ -24,6 +24,10 @@ def info() -> int:
         archs = _build_info.CUDA_ARCH_LIST if _build_info else "unknown"
         print(f"CUDA architectures compiled: {archs}")
         print(f"CUDA devices: {torch.cuda.device_count()}")
+        for index in range(torch.cuda.device_count()):
+            major, minor = torch.cuda.get_device_capability(index)
+            print(f"  cuda:{index}: {torch.cuda.get_device_name(index)}, compute capability "
+                  f"{major}.{minor}")
     else:
         reason = _build_info.CPU_ONLY_REASON if _build_info else "unknown"
         print(f"CUDA kernels compiled: no, CPU kernels only ({reason})")

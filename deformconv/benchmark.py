@@ -619,13 +619,20 @@ def main(argv: Optional[List[str]] = None) -> int:
                      "(python -m deformconv info says why)")
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.device == "cuda":
+        # float32 timed as float32: no contender's cuBLAS or cuDNN call may round to TF32.
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
 
     setup = {**cpu_description(), "device": args.device, "busy_core": args.busy_core,
              "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
              "threads": torch.get_num_threads(), "torch": torch.__version__,
              "deformconv": deformconv.__version__, "dtype": args.dtype,
              "modulated": not args.v1, "repeats": args.repeats, "warmup": args.warmup,
-             "im2col_step": args.im2col_step}
+             "im2col_step": args.im2col_step,
+             "tf32": ({"matmul": torch.backends.cuda.matmul.allow_tf32,
+                       "cudnn": torch.backends.cudnn.allow_tf32}
+                      if args.device == "cuda" else None)}
     print("setup:", json.dumps(setup))
     results = []
     report = {"setup": setup, "results": results}
