@@ -22,8 +22,11 @@ SANITIZER_FLAGS = ["-fsanitize=address,undefined", "-fno-sanitize-recover=undefi
 def load():
     sanitize = os.environ.get("DEFORMCONV_SANITIZE", "0") == "1"
     extra = SANITIZER_FLAGS if sanitize else []
+    # The torch version in the name: torch's extension cache keys a build by its sources and
+    # flags only, and would load a library built against another torch.
+    torch_tag = "".join(c if c.isalnum() else "_" for c in torch.__version__)
     cpp_extension.load(
-        name="deformconv_cuda_emulation" + ("_sanitized" if sanitize else ""),
+        name=f"deformconv_cuda_emulation_{torch_tag}" + ("_sanitized" if sanitize else ""),
         sources=[str(EMULATION / "emulated_ops.cpp"), str(ROOT / "csrc" / "cuda" / "ops_cuda.cpp"),
                  str(ROOT / "csrc" / "pytorch" / "deform_conv2d.cpp"),
                  str(ROOT / "csrc" / "pytorch" / "dcnv3.cpp"),
