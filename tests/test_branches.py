@@ -39,6 +39,7 @@ class Path:
     im2col_step: int = 0
     threads: int = 2
     modulated: bool = True
+    bias: bool = True
     expect: FrozenSet[str] = field(default_factory=frozenset)
 
     def __str__(self):
@@ -80,6 +81,11 @@ PATHS = [
     Path("gemm-bmm", SMALL, onednn=False, fused=False),
     Path("v1-fused-onednn", SMALL, onednn=True, fused=True, modulated=False),
     Path("v1-gemm-bmm", SMALL, onednn=False, fused=False, modulated=False),
+    # Without a bias the bmm forward writes its products (bmm_out) instead of adding them to
+    # the bias (baddbmm); oneDNN's convolution takes the bias as an operand.
+    Path("no-bias-gemm-bmm", SMALL, onednn=False, fused=False, bias=False),
+    Path("no-bias-gemm-onednn", SMALL, onednn=True, fused=False, bias=False),
+    Path("v1-no-bias-fused", SMALL, onednn=False, fused=True, modulated=False, bias=False),
     Path("groups-fused", GROUPED, onednn=False, fused=True),
     Path("groups-gemm", GROUPED, onednn=False, fused=False),
     Path("offset-groups-onednn", LANES, onednn=True, fused=False),
@@ -129,7 +135,8 @@ def operands_of(path, dtype):
     """The path's operands in `dtype` (offsets off integer coordinates), in order
     (input, offset, weight, bias, mask), mask None for DCN v1."""
     input, offset, weight, bias, mask = make_operands(path.geometry, with_mask=path.modulated,
-                                                      offset_scale=2.0, seed=3)
+                                                      with_bias=path.bias, offset_scale=2.0,
+                                                      seed=3)
     offset = offset + 0.0625  # never an exact integer after rounding to bfloat16
     return [None if t is None else t.to(dtype) for t in (input, offset, weight, bias, mask)]
 
