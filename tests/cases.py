@@ -99,3 +99,34 @@ def strided_copies(input, offset, weight, bias, mask):
     )
     assert not any(t.is_contiguous() for t in strided)
     return strided
+
+
+def check_indices_past_two_to_the_31(device: str) -> None:
+    """One 46341 x 46341 plane has 2,147,488,281 > 2^31 elements: the sample at (46340, 46340)
+    lies at flat index 2,147,488,280, which int32 arithmetic would wrap to a negative one.
+    float16 keeps the input at 4.3 GB. A 1x1 kernel with stride side - 1 samples the four
+    corners of the plane; the forward and the input gradient must find them."""
+    import deformconv
+
+    side = 46341
+    x = torch.zeros(1, 1, side, side, dtype=torch.float16, device=device)
+    x[0, 0, side - 1, side - 1] = 3.0
+    x[0, 0, side - 1, side - 2] = 1.0
+    weight = torch.full((1, 1, 1, 1), 2.0, dtype=torch.float16, device=device)
+    offset = torch.zeros(1, 2, 2, 2, dtype=torch.float16, device=device)
+    offset[0, 1, 1, 1] = -0.5  # x of the last sample: halfway between the last two columns
+    out = deformconv.deform_conv2d(x, offset, weight, stride=side - 1)
+    assert out.tolist() == [[[[0.0, 0.0], [0.0, 2.0 * (0.5 * 3.0 + 0.5 * 1.0)]]]]
+    x.zero_()  # the input no longer matters to its gradient: reused rather than reallocated
+    grad_input = torch.ops.deformconv.deform_conv2d_backward(
+        torch.ones_like(out), x, offset, weight, None, [side - 1] * 2, [0, 0], [1, 1], 1, 1, 0,
+        [True, False, False, False, False])[0]
+    del x
+    # weight 2 times bilinear weight 0.5 at the last two columns; weight 2 at the other three
+    # corners of the plane, which the other samples hit exactly; nothing anywhere else.
+    assert grad_input[0, 0, side - 1, side - 1].item() == 1.0
+    assert grad_input[0, 0, side - 1, side - 2].item() == 1.0
+    assert grad_input[0, 0, 0, 0].item() == 2.0
+    assert grad_input[0, 0, 0, side - 1].item() == 2.0
+    assert grad_input[0, 0, side - 1, 0].item() == 2.0
+    assert grad_input.float().sum().item() == 1.0 + 1.0 + 3 * 2.0

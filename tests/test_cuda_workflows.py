@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import deformconv
-from cases import GEOMETRIES, differentiable, forward_and_grads, make_operands
+from cases import (GEOMETRIES, check_indices_past_two_to_the_31, differentiable,
+                   forward_and_grads, make_operands)
 
 needs_cuda = pytest.mark.skipif(
     not (torch.cuda.is_available() and deformconv.cuda_compiled()),
@@ -169,32 +170,11 @@ def test_deterministic_algorithms(op):
 
 
 def test_indices_past_two_to_the_31():
-    # As tests/test_reliability.py's test on the CPU: one 46341 x 46341 plane in float16
-    # (2,147,488,281 elements, 4.3 GB), its four corners sampled.
-    side = 46341
     free, _ = torch.cuda.mem_get_info()
     # The input and its gradient in float16, the gradient's float32 sums: about 17 GB.
     if free < 24 << 30:
         pytest.skip(f"needs 24 GiB of free GPU memory, {free >> 30} GiB free")
-    x = torch.zeros(1, 1, side, side, dtype=torch.float16, device="cuda")
-    x[0, 0, side - 1, side - 1] = 3.0
-    x[0, 0, side - 1, side - 2] = 1.0
-    weight = torch.full((1, 1, 1, 1), 2.0, dtype=torch.float16, device="cuda")
-    offset = torch.zeros(1, 2, 2, 2, dtype=torch.float16, device="cuda")
-    offset[0, 1, 1, 1] = -0.5
-    out = deformconv.deform_conv2d(x, offset, weight, stride=side - 1)
-    assert out.tolist() == [[[[0.0, 0.0], [0.0, 2.0 * (0.5 * 3.0 + 0.5 * 1.0)]]]]
-    x.zero_()
-    grad_input = torch.ops.deformconv.deform_conv2d_backward(
-        torch.ones_like(out), x, offset, weight, None, [side - 1] * 2, [0, 0], [1, 1], 1, 1, 0,
-        [True, False, False, False, False])[0]
-    del x
-    assert grad_input[0, 0, side - 1, side - 1].item() == 1.0
-    assert grad_input[0, 0, side - 1, side - 2].item() == 1.0
-    assert grad_input[0, 0, 0, 0].item() == 2.0
-    assert grad_input[0, 0, 0, side - 1].item() == 2.0
-    assert grad_input[0, 0, side - 1, 0].item() == 2.0
-    assert grad_input.float().sum().item() == 1.0 + 1.0 + 3 * 2.0
+    check_indices_past_two_to_the_31("cuda")
 
 
 @pytest.mark.parametrize("im2col_step", [0, 1, 2, 3, 7, 64])

@@ -9,7 +9,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import deformconv
-from cases import Geometry, forward_and_grads, make_operands
+from cases import Geometry, check_indices_past_two_to_the_31, forward_and_grads, make_operands
 from reference import deform_conv2d_reference
 
 hypothesis = pytest.importorskip("hypothesis")
@@ -142,32 +142,7 @@ def test_results_do_not_depend_on_thread_count():
 
 
 def test_indices_past_two_to_the_31():
-    # One 46341 x 46341 plane has 2,147,488,281 > 2^31 elements: the sample at (46340, 46340)
-    # lies at flat index 2,147,488,280, which int32 arithmetic would wrap to a negative one.
-    # float16 keeps the input at 4.3 GB.
-    side = 46341
-    x = torch.zeros(1, 1, side, side, dtype=torch.float16)
-    x[0, 0, side - 1, side - 1] = 3.0
-    x[0, 0, side - 1, side - 2] = 1.0
-    weight = torch.full((1, 1, 1, 1), 2.0, dtype=torch.float16)
-    # Stride side - 1 samples the four corners of the plane.
-    offset = torch.zeros(1, 2, 2, 2, dtype=torch.float16)
-    offset[0, 1, 1, 1] = -0.5  # x of the last sample: halfway between the last two columns
-    out = deformconv.deform_conv2d(x, offset, weight, stride=side - 1)
-    assert out.tolist() == [[[[0.0, 0.0], [0.0, 2.0 * (0.5 * 3.0 + 0.5 * 1.0)]]]]
-    del x
-    grad_input, = torch.ops.deformconv.deform_conv2d_backward(
-        torch.ones_like(out), torch.zeros(1, 1, side, side, dtype=torch.float16), offset,
-        weight, None, [side - 1] * 2, [0, 0], [1, 1], 1, 1, 0,
-        [True, False, False, False, False])[:1]
-    # weight 2 times bilinear weight 0.5 at the last two columns; weight 2 at the other three
-    # corners of the plane, which the other samples hit exactly; nothing anywhere else.
-    assert grad_input[0, 0, side - 1, side - 1].item() == 1.0
-    assert grad_input[0, 0, side - 1, side - 2].item() == 1.0
-    assert grad_input[0, 0, 0, 0].item() == 2.0
-    assert grad_input[0, 0, 0, side - 1].item() == 2.0
-    assert grad_input[0, 0, side - 1, 0].item() == 2.0
-    assert grad_input.float().sum().item() == 1.0 + 1.0 + 3 * 2.0
+    check_indices_past_two_to_the_31("cpu")
 
 
 def make_model():
