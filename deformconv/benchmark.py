@@ -6,13 +6,15 @@ backward, of deformconv, ``torchvision.ops.deform_conv2d`` on the same tensors (
 and a dense ``F.conv2d`` of the same geometry, and deformconv's GEMMs alone (gemm_steps); on the
 CPU in float32 also the forward of ONNX Runtime's own DeformConv kernel (when onnxruntime is
 installed), a one-node model given the same tensors and thread count. Reports medians, the
-ratios, the GFLOP/s of the GEMM part, and the peak memory allocated during one forward, with the
-CPU's model and vector ISA. On the CPU (the default) steps are timed by the wall clock and memory
-by the profiler; with ``--device cuda``, by CUDA events around each step and by
-``torch.cuda.max_memory_allocated``. ``--busy-core`` keeps one core busy with a spinning process
-for the run, as a data-loader worker would. A benchmark, not a test: nothing here asserts a time.
+ratios, the GFLOP/s of the GEMM part, and the peak memory allocated during one forward and
+during one forward and backward, with the CPU's model and vector ISA. DCNv3 and DCNv4 run
+against the grid_sample formulation, and against the memory roofline: their compulsory bytes
+at the bandwidth of a large device-to-device copy measured in the same run. On the CPU (the
+default) steps are timed by the wall clock and memory by the profiler; with ``--device cuda``,
+by CUDA events around each step and by ``torch.cuda.max_memory_allocated``, on the training
+batches of GPU_SHAPES. ``--busy-core`` keeps one core busy with a spinning process for the
+run, as a data-loader worker would. A benchmark, not a test: nothing here asserts a time.
 """
-
 import argparse
 import contextlib
 import json
@@ -80,7 +82,7 @@ class Dcnv3Shape:
 # ResNet-50 DCN stages at detection resolution (800 x 1333 input), plus batched and grouped
 # cases: the table of the CPU performance issue. Then FlashInternImage-T's four stages at
 # 224 x 224, batch 4, for DCNv3 and DCNv4.
-SHAPES = {s.name: s for s in [
+CPU_SHAPES = [
     Shape("c3", 1, 128, 128, 100, 168),
     Shape("c4", 1, 256, 256, 50, 84),
     Shape("c5", 1, 512, 512, 25, 42),
@@ -91,7 +93,21 @@ SHAPES = {s.name: s for s in [
     Dcnv3Shape("fit-stage2", 4, 28, 128, 8),
     Dcnv3Shape("fit-stage3", 4, 14, 256, 16),
     Dcnv3Shape("fit-stage4", 4, 7, 512, 32),
-]}
+]
+# Training batches on a GPU: the detection stages at batch 8, the batched case at batch 32,
+# FlashInternImage-T's stages at batch 64.
+GPU_SHAPES = [
+    Shape("c3-batch8", 8, 128, 128, 100, 168),
+    Shape("c4-batch8", 8, 256, 256, 50, 84),
+    Shape("c5-batch8", 8, 512, 512, 25, 42),
+    Shape("batch32", 32, 64, 64, 56, 56, offset_groups=4),
+    Dcnv3Shape("fit-stage1-batch64", 64, 56, 64, 4),
+    Dcnv3Shape("fit-stage2-batch64", 64, 28, 128, 8),
+    Dcnv3Shape("fit-stage3-batch64", 64, 14, 256, 16),
+    Dcnv3Shape("fit-stage4-batch64", 64, 7, 512, 32),
+]
+SHAPES = {s.name: s for s in CPU_SHAPES + GPU_SHAPES}
+DEFAULT_SHAPES = {"cpu": [s.name for s in CPU_SHAPES], "cuda": [s.name for s in GPU_SHAPES]}
 
 
 def dcnv3_grid_sample_formulation(input, offset, mask, group, offset_scale):
@@ -169,7 +185,44 @@ def dcnv3_contenders(shape: Dcnv3Shape, tensors) -> Dict[str, Tuple[Callable, li
     }
 
 
-def benchmark_dcnv3_shape(shape: Dcnv3Shape, args) -> dict:
+def tensor_bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def copy_bandwidth(device: str, repeats: int, warmup: int) -> dict:
+    """The memory roofline's bandwidth, measured in the run: a device-to-device copy of a
+    buffer far larger than any cache (1 GiB on a GPU, 256 MiB on the CPU), which reads and
+    writes its size once each, so bytes per second = 2 x size / median time."""
+    size = (1 << 30) if device == "cuda" else (256 << 20)
+    source = torch.ones(size, dtype=torch.uint8, device=device)
+    # Written once before the timing, so that no page is first touched inside it.
+    target = torch.zeros_like(source)
+    seconds = time_interleaved({"copy": lambda: target.copy_(source)}, repeats, warmup,
+                               device)["copy"]
+    return {"buffer_bytes": size, "median_seconds": seconds,
+            "bytes_per_second": 2 * size / seconds}
+
+
+def dcnv3_roofline(runs, medians: Dict[str, float], bytes_per_second: float) -> dict:
+    """The compulsory bytes of DCNv3 and DCNv4, each tensor read or written once: forward, the
+    inputs and the output; forward+backward, also the output's gradient and each input's
+    gradient, twice the forward's. The roofline time is those bytes at the copy bandwidth; the
+    fraction is roofline time / measured time (1: as fast as the memory allows). Small shapes
+    whose tensors stay in the GPU's L2 cache from one repeat to the next can exceed 1."""
+    report = {"compulsory_bytes": {}, "fraction": {}}
+    for name in ("dcnv3", "dcnv4"):
+        run, inputs = runs[name]
+        with torch.no_grad():
+            forward_bytes = tensor_bytes(inputs) + tensor_bytes([run(*inputs)])
+        for phase, compulsory in (("forward", forward_bytes),
+                                  ("forward+backward", 2 * forward_bytes)):
+            report["compulsory_bytes"][f"{name} {phase}"] = compulsory
+            report["fraction"][f"{name} {phase}"] = (
+                compulsory / bytes_per_second / medians[f"{name} {phase}"])
+    return report
+
+
+def benchmark_dcnv3_shape(shape: Dcnv3Shape, args, bandwidth: Optional[dict]) -> dict:
     dtype = getattr(torch, args.dtype)
     tensors = make_dcnv3_tensors(shape, dtype, device=args.device)
     runs = dcnv3_contenders(shape, tensors)
@@ -195,6 +248,8 @@ def benchmark_dcnv3_shape(shape: Dcnv3Shape, args) -> dict:
     for name in ("dcnv3", "dcnv4"):
         result["ratios"][f"grid_sample formulation/{name} peak forward memory"] = (
             grid_sample_peak / result["peak_forward_bytes"][name])
+    if bandwidth is not None:
+        result["roofline"] = dcnv3_roofline(runs, medians, bandwidth["bytes_per_second"])
     return result
 
 
@@ -355,23 +410,21 @@ def forward_step(run: Callable, tensors) -> Callable[[], None]:
     return step
 
 
-def peak_forward_bytes(run: Callable, tensors, device: str = "cpu") -> int:
-    """Peak of live allocations during one forward (the output included). On CUDA, from the
-    caching allocator's statistics. On the CPU, from the profiler's record of every allocation
-    and free, on every thread that runs in the caller's thread-local state, in the order they
-    happened."""
+def peak_bytes(step: Callable[[], None], device: str = "cpu") -> int:
+    """Peak of live allocations during one run of step, over what was live before it (what the
+    step allocates and returns included). On CUDA, from the caching allocator's statistics. On
+    the CPU, from the profiler's record of every allocation and free, on every thread that runs
+    in the caller's thread-local state, in the order they happened."""
     if device == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         before = torch.cuda.memory_allocated()
-        with torch.no_grad():
-            run(*tensors)
+        step()
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated() - before
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
                                 profile_memory=True) as profiler:
-        with torch.no_grad():
-            run(*tensors)
+        step()
     records = sorted((event for event in profiler.profiler.kineto_results.events()
                       if event.name() == "[memory]"), key=lambda event: event.start_ns())
     live = peak = 0
@@ -379,6 +432,17 @@ def peak_forward_bytes(run: Callable, tensors, device: str = "cpu") -> int:
         live += record.nbytes()
         peak = max(peak, live)
     return peak
+
+
+def peak_forward_bytes(run: Callable, tensors, device: str = "cpu") -> int:
+    """Peak of live allocations during one forward, the output included."""
+    return peak_bytes(forward_step(run, tensors), device)
+
+
+def peak_forward_backward_bytes(run: Callable, tensors, device: str = "cpu") -> int:
+    """Peak of live allocations during one forward and backward from fresh leaves (their
+    copies not counted): the output, its gradient, what autograd keeps and every gradient."""
+    return peak_bytes(forward_backward_step(run, tensors), device)
 
 
 def seconds_of(step: Callable[[], None], device: str) -> float:
@@ -408,9 +472,10 @@ def time_interleaved(steps: Dict[str, Callable[[], None]], repeats: int,
     return {name: statistics.median(values) for name, values in samples.items()}
 
 
-def benchmark_shape(shape: Shape, args) -> dict:
+def benchmark_shape(shape: Shape, args, bandwidth: Optional[dict] = None) -> dict:
+    """One shape's report; bandwidth (copy_bandwidth's) gives DCNv3/DCNv4 their roofline."""
     if isinstance(shape, Dcnv3Shape):
-        return benchmark_dcnv3_shape(shape, args)
+        return benchmark_dcnv3_shape(shape, args, bandwidth)
     dtype = getattr(torch, args.dtype)
     tensors = make_tensors(shape, dtype, modulated=not args.v1, device=args.device)
     runs = contenders(shape, tensors, args.im2col_step)
@@ -443,8 +508,15 @@ def benchmark_shape(shape: Shape, args) -> dict:
         # forward: one GEMM; forward+backward: three (output, columns gradient, weight gradient).
         gemms = 1 if phase == "forward" else 3
         result["gemm_gflops_per_second"][phase] = gemms * shape.gemm_flops() / ours / 1e9
+    result["peak_forward_backward_bytes"] = {}
     for name, run in runs.items():
         result["peak_forward_bytes"][name] = peak_forward_bytes(run, tensors, args.device)
+        result["peak_forward_backward_bytes"][name] = peak_forward_backward_bytes(
+            run, tensors, args.device)
+    if "torchvision" in runs:
+        peaks = result["peak_forward_backward_bytes"]
+        result["ratios"]["torchvision/deformconv peak forward+backward memory"] = (
+            peaks["torchvision"] / peaks["deformconv"])
     return result
 
 
@@ -459,8 +531,20 @@ def print_result(result: dict, out=sys.stdout) -> None:
         print(f"  GEMM GFLOP/s, deformconv {phase:18s} {rate:7.1f}", file=out)
     for name, size in result["peak_forward_bytes"].items():
         print(f"  peak forward memory, {name:24s} {size / 2**20:8.1f} MiB", file=out)
+    for name, size in result.get("peak_forward_backward_bytes", {}).items():
+        print(f"  peak forward+backward memory, {name:15s} {size / 2**20:8.1f} MiB", file=out)
+    for name, fraction in result.get("roofline", {}).get("fraction", {}).items():
+        print(f"  memory roofline reached, {name:30s} {fraction:6.1%}", file=out)
     for name, value in result.get("agreement", {}).items():
         print(f"  {name:40s} {value:.2e}", file=out)
+
+
+# Dashed lines of the chart: the targets of deformconv's performance issues. On the CPU, against
+# dense convolution on the single-image shapes: forward at most 1.3x, forward+backward at most
+# 1.5x. On a GPU: forward at most 1.5x dense, torchvision at least 3x slower, the grid_sample
+# formulation of DCNv3 at least 20x slower.
+TARGET_LINES = {"cpu": [(1 / 1.3, "tab:green"), (1 / 1.5, "tab:red")],
+                "cuda": [(1 / 1.5, "tab:red"), (3.0, "tab:green"), (20.0, "tab:blue")]}
 
 
 def plot(results: List[dict], path: str, setup: dict) -> None:
@@ -483,10 +567,8 @@ def plot(results: List[dict], path: str, setup: dict) -> None:
     known = [v for r in results for v in r["ratios"].values()]
     axis.set_ylim(min(known + [1.0]) / 1.5, max(known + [1.0]) * 4)
     axis.axhline(1.0, color="black", linewidth=0.8)
-    # The CPU targets against dense on the single-image shapes: forward at most 1.3x,
-    # forward+backward at most 1.5x.
-    axis.axhline(1 / 1.3, color="tab:green", linewidth=0.8, linestyle="--")
-    axis.axhline(1 / 1.5, color="tab:red", linewidth=0.8, linestyle="--")
+    for target, colour in TARGET_LINES[setup["device"]]:
+        axis.axhline(target, color=colour, linewidth=0.8, linestyle="--")
     axis.set_xticks([x + width * (len(series) - 1) / 2 for x in range(len(names))])
     axis.set_xticklabels(names)
     axis.set_ylabel("time of other / time of deformconv (higher: deformconv faster)")
@@ -592,7 +674,10 @@ def scaling(args) -> dict:
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m deformconv benchmark",
                                      description=__doc__.split("\n\n")[0])
-    parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
+    parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=None,
+                        help="default: the device's set, "
+                        f"cpu: {' '.join(DEFAULT_SHAPES['cpu'])}; "
+                        f"cuda: {' '.join(DEFAULT_SHAPES['cuda'])}")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=None,
@@ -619,6 +704,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                      "(python -m deformconv info says why)")
     if args.threads:
         torch.set_num_threads(args.threads)
+    shapes = args.shapes or DEFAULT_SHAPES[args.device]
     if args.device == "cuda":
         # float32 timed as float32: no contender's cuBLAS or cuDNN call may round to TF32.
         torch.backends.cuda.matmul.allow_tf32 = False
@@ -626,6 +712,8 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     setup = {**cpu_description(), "device": args.device, "busy_core": args.busy_core,
              "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
+             "cuda": torch.version.cuda if args.device == "cuda" else None,
+             "cudnn": torch.backends.cudnn.version() if args.device == "cuda" else None,
              "threads": torch.get_num_threads(), "torch": torch.__version__,
              "deformconv": deformconv.__version__, "dtype": args.dtype,
              "modulated": not args.v1, "repeats": args.repeats, "warmup": args.warmup,
@@ -633,13 +721,15 @@ def main(argv: Optional[List[str]] = None) -> int:
              "tf32": ({"matmul": torch.backends.cuda.matmul.allow_tf32,
                        "cudnn": torch.backends.cudnn.allow_tf32}
                       if args.device == "cuda" else None)}
+    if any(isinstance(SHAPES[name], Dcnv3Shape) for name in shapes):
+        setup["copy_bandwidth"] = copy_bandwidth(args.device, args.repeats, args.warmup)
     print("setup:", json.dumps(setup))
     results = []
     report = {"setup": setup, "results": results}
     with busy_core(args.busy_core):
-        for index, name in enumerate(args.shapes, 1):
-            print(f"[{index}/{len(args.shapes)}] {name} ...", flush=True)
-            results.append(benchmark_shape(SHAPES[name], args))
+        for index, name in enumerate(shapes, 1):
+            print(f"[{index}/{len(shapes)}] {name} ...", flush=True)
+            results.append(benchmark_shape(SHAPES[name], args, setup.get("copy_bandwidth")))
             print_result(results[-1])
         if args.scaling:
             print("\nscaling:")

@@ -39,6 +39,11 @@ def test_benchmark_writes_json_and_chart(tmp_path):
     assert result["shape"]["name"] == "c5"
     assert result["ratios"]["dense/deformconv forward"] > 0
     assert result["peak_forward_bytes"]["deformconv"] > 0
+    # Forward and backward keep the output, its gradient and every gradient live at once.
+    assert (result["peak_forward_backward_bytes"]["deformconv"]
+            > result["peak_forward_bytes"]["deformconv"])
+    if "torchvision" in result["peak_forward_bytes"]:
+        assert result["ratios"]["torchvision/deformconv peak forward+backward memory"] > 0
     assert chart.stat().st_size > 0
     if importlib.util.find_spec("onnxruntime") is not None:
         assert result["ratios"]["onnxruntime/deformconv forward"] > 0
@@ -50,8 +55,27 @@ def test_benchmark_of_dcnv3_and_dcnv4(tmp_path):
     output = tmp_path / "bench.json"
     assert main(["benchmark", "--shapes", "fit-stage4", "--repeats", "1", "--warmup", "0",
                  "--output", str(output), "--plot", ""]) == 0
-    result = json.loads(output.read_text())["results"][0]
+    report = json.loads(output.read_text())
+    result = report["results"][0]
     assert result["shape"]["name"] == "fit-stage4"
+    # The roofline: the copy bandwidth of this run, and the compulsory bytes of each op, each
+    # tensor once. fit-stage4: 4 x 7 x 7 pixels, 512 channels in 32 groups of 9 points, float32.
+    assert report["setup"]["copy_bandwidth"]["bytes_per_second"] > 0
+    pixels, points, groups, channels = 4 * 7 * 7, 9, 32, 512
+    dcnv3_forward = 4 * pixels * (channels + 2 * groups * points + groups * points + channels)
+    packed = -(-groups * 3 * points // 8) * 8  # DCNv4's offset_mask, padded to a multiple of 8
+    dcnv4_forward = 4 * pixels * (channels + packed + channels)
+    compulsory = result["roofline"]["compulsory_bytes"]
+    assert compulsory["dcnv3 forward"] == dcnv3_forward
+    assert compulsory["dcnv3 forward+backward"] == 2 * dcnv3_forward
+    assert compulsory["dcnv4 forward"] == dcnv4_forward
+    assert compulsory["dcnv4 forward+backward"] == 2 * dcnv4_forward
+    for op in ("dcnv3", "dcnv4"):
+        for phase in ("forward", "forward+backward"):
+            seconds = result["median_seconds"][f"{op} {phase}"]
+            expected = (compulsory[f"{op} {phase}"]
+                        / report["setup"]["copy_bandwidth"]["bytes_per_second"] / seconds)
+            assert result["roofline"]["fraction"][f"{op} {phase}"] == pytest.approx(expected)
     for op in ("dcnv3", "dcnv4"):
         for measure in ("forward", "forward+backward", "peak forward memory"):
             assert result["ratios"][f"grid_sample formulation/{op} {measure}"] > 0

@@ -8,14 +8,15 @@
 #              im2col_step;
 #   3. sanitizer  compute-sanitizer memcheck and racecheck over tools/gpu_kernels_once.py;
 #   4. benchmark  python -m deformconv benchmark --device cuda in float32 (TF32 off), float16
-#              and bfloat16.
+#              and bfloat16, on its training batches (GPU_SHAPES) with DCNv3/DCNv4 against
+#              the memory roofline.
 # Everything it writes goes into OUTDIR, at most 8 files: log.txt (every stage's output),
 # summary.json (each stage's status and wall time, the GPU, torch, CUDA), benchmark-*.json and
 # one PNG. It always ends with a line "gpu_check: ..." that sums the stages up, and exits 0 only
 # if every stage passed.
 # Without a GPU it says so and exits 0, having measured nothing; with --rehearse it runs every
 # stage it can without one, to try the script itself there: the same build (for compute
-# capability 9.0, with nvcc), the CUDA tests (which skip), and a CPU benchmark of one shape,
+# capability 9.0, with nvcc), the CUDA tests (which skip), and a CPU benchmark of two shapes,
 # each with four times the budget.
 #   bash tools/gpu_check.sh [--rehearse] [OUTDIR, default gpu-check]
 set -uo pipefail
@@ -115,7 +116,7 @@ sanitizer() {
 
 benchmark() {
   if [ "$has_gpu" != 1 ]; then
-    "$python" -m deformconv benchmark --shapes c3 --repeats 1 --warmup 0 \
+    "$python" -m deformconv benchmark --shapes c3 fit-stage4 --repeats 1 --warmup 0 \
       --output "$out/benchmark-cpu.json" --plot "$out/benchmark.png"
     return
   fi
