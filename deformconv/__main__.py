@@ -1,4 +1,4 @@
-"""python -m deformconv {info,benchmark,demo}."""
+"""python -m deformconv {info,benchmark,benchmark-training,demo}."""
 
 import argparse
 import sys
@@ -44,9 +44,10 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m deformconv",
         description="deformconv: deformable convolution for PyTorch")
-    parser.add_argument("command", choices=["info", "benchmark", "demo"],
+    parser.add_argument("command", choices=["info", "benchmark", "benchmark-training", "demo"],
                         help="info: versions and build; benchmark: speed against "
-                             "torchvision and dense conv; demo: train DCN vs plain CNN")
+                             "torchvision and dense conv; benchmark-training: a ResNet-50 "
+                             "training step with DCN v2; demo: train DCN vs plain CNN")
     parser.add_argument("args", nargs=argparse.REMAINDER,
                         help="options of the command (python -m deformconv COMMAND --help)")
     parsed = parser.parse_args(argv[:1])
@@ -57,6 +58,10 @@ def main(argv=None) -> int:
         from .benchmark import main as benchmark_main
 
         return benchmark_main(rest)
+    if parsed.command == "benchmark-training":
+        from .benchmark_training import main as training_main
+
+        return training_main(rest)
     from .demo import main as demo_main
 
     return demo_main(rest)

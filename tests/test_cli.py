@@ -84,6 +84,22 @@ def test_benchmark_of_dcnv3_and_dcnv4(tmp_path):
     assert result["agreement"]["dcnv4 max abs difference"] == 0
 
 
+def test_benchmark_of_a_training_step(tmp_path):
+    pytest.importorskip("torchvision")
+    output = tmp_path / "training.json"
+    assert main(["benchmark-training", "--device", "cpu", "--batch", "2", "--size", "32",
+                 "--autocast", "none", "--repeats", "1", "--warmup", "0",
+                 "--output", str(output)]) == 0
+    report = json.loads(output.read_text())
+    # conv2 of layer3's 6 blocks and layer4's 3.
+    assert report["setup"]["dcn_layers"] == 9
+    assert set(report["median_seconds"]) == {"deformconv", "torchvision", "plain"}
+    assert report["ratios"]["torchvision/deformconv step"] > 0
+    assert report["ratios"]["deformconv/plain step"] > 0
+    # The same weights through both ops: the same logits, to float32's rounding.
+    assert report["agreement"]["torchvision max abs logit difference"] < 1e-3
+
+
 def test_busy_core_spins_a_process_for_the_run_only():
     with busy_core(True) as spinner:
         assert spinner.poll() is None  # running

@@ -9,7 +9,8 @@
 #   3. sanitizer  compute-sanitizer memcheck and racecheck over tools/gpu_kernels_once.py;
 #   4. benchmark  python -m deformconv benchmark --device cuda in float32 (TF32 off), float16
 #              and bfloat16, on its training batches (GPU_SHAPES) with DCNv3/DCNv4 against
-#              the memory roofline.
+#              the memory roofline; and a ResNet-50 training step with DCN v2 (batch 32,
+#              bf16 autocast) against torchvision's op and the plain ResNet-50.
 # Everything it writes goes into OUTDIR, at most 8 files: log.txt (every stage's output),
 # summary.json (each stage's status and wall time, the GPU, torch, CUDA), benchmark-*.json and
 # one PNG. It always ends with a line "gpu_check: ..." that sums the stages up, and exits 0 only
@@ -118,8 +119,12 @@ benchmark() {
   if [ "$has_gpu" != 1 ]; then
     "$python" -m deformconv benchmark --shapes c3 fit-stage4 --repeats 1 --warmup 0 \
       --output "$out/benchmark-cpu.json" --plot "$out/benchmark.png"
+    "$python" -m deformconv benchmark-training --device cpu --batch 2 --size 64 \
+      --autocast none --repeats 1 --warmup 0 --output "$out/benchmark-training.json"
     return
   fi
+  "$python" -m deformconv benchmark-training --device cuda \
+    --output "$out/benchmark-training.json" || return 1
   local dtype plot
   for dtype in float32 float16 bfloat16; do
     plot=""
