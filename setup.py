@@ -21,6 +21,7 @@ is refused at once, with the command to use instead (build_backend.py).
 
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -202,16 +203,19 @@ def extension(cpp_extension, with_cuda: bool):
         + sources("csrc/pytorch/*.cpp")
         + sources("csrc/cpu/*.cpp")
     )
-    # at::parallel_for is inlined from ATen's headers as an OpenMP parallel region: without
-    # -fopenmp here it silently runs on one thread. -fno-trapping-math: floating-point
-    # exceptions are never unmasked, and without it GCC keeps loops with comparisons and
-    # conversions scalar (the DCNv3 samples' cells, cpu/dcnv3_cpu.cpp); no value changes.
-    cxx_flags = ["-O3", "-fopenmp", "-fno-trapping-math"]
-    link_flags = ["-fopenmp"]
+    # No OpenMP flags: the kernels run in parallel regions that ATen compiled (Note [Parallel
+    # regions through ATen], csrc/pytorch/parallel_region.h), on every compiler and platform.
+    # -fno-trapping-math: floating-point exceptions are never unmasked, and without it GCC
+    # keeps loops with comparisons and conversions scalar (the DCNv3 samples' cells,
+    # cpu/dcnv3_cpu.cpp); no value changes. -Wno-psabi, as torch's own build: GCC warns at
+    # each call of cpu/vector_shuffle.h's helpers that wide vectors change the calling
+    # convention, but they are always inlined, so there is no call.
+    cxx_flags = ["-O3", "-fno-trapping-math", "-Wno-psabi"]
+    link_flags = []
     if os.environ.get("DEFORMCONV_SANITIZE", "0") == "1":
         sanitize = ["-fsanitize=address,undefined", "-fno-sanitize-recover=undefined",
                     "-fno-omit-frame-pointer", "-g"]
-        cxx_flags = ["-O1", "-fopenmp", "-fno-trapping-math"] + sanitize
+        cxx_flags = ["-O1", "-fno-trapping-math", "-Wno-psabi"] + sanitize
         link_flags += sanitize
     if cpu_clones() == "avx2":
         cxx_flags.append("-DDEFORMCONV_NO_AVX512_CLONES")
@@ -228,9 +232,39 @@ def extension(cpp_extension, with_cuda: bool):
     )
 
 
+# The oldest compilers that CI builds deformconv with (README, Building).
+MINIMUM_COMPILERS = {"GCC": 11, "clang": 14, "Apple clang": 14}
+
+
+def check_compiler():
+    """Stops with a clear message where the C++ compiler that torch's build helper will call
+    (CXX, else c++) is older than MINIMUM_COMPILERS, rather than with an error deep in a header.
+    A compiler that cannot be asked, or is none of these, is left to try."""
+    compiler = shlex.split(os.environ.get("CXX", "c++"))
+    try:
+        macros = subprocess.run(compiler + ["-dM", "-E", "-x", "c++", os.devnull],
+                                capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return
+    defined = dict(re.findall(r"^#define (\w+) (.*)$", macros, re.MULTILINE))
+    if "__clang_major__" in defined:
+        name = "Apple clang" if "__apple_build_version__" in defined else "clang"
+        major = int(defined["__clang_major__"])
+    elif "__GNUC__" in defined:
+        name, major = "GCC", int(defined["__GNUC__"])
+    else:
+        return
+    if major < MINIMUM_COMPILERS[name]:
+        sys.exit(f"deformconv build: {' '.join(compiler)} is {name} {major}; deformconv needs "
+                 f"{name} {MINIMUM_COMPILERS[name]} or newer (GCC 11, clang 14). Set CXX to a "
+                 "newer compiler, for example CXX=g++-12.")
+
+
 def build_options():
     """setup() arguments for compiling the extension against the torch installed here."""
     import torch  # build_backend.py has checked that it imports, for PEP 517 builds
+
+    check_compiler()
 
     with_cuda, archs_or_reason = plan_cuda(torch)
     if not with_cuda:
@@ -268,7 +302,6 @@ def build_options():
                 f"TORCH_VERSION = {torch.__version__!r}\n"
                 f"CUDA_ARCH_LIST = {archs!r}\n"
                 f"CPU_ONLY_REASON = {self.cpu_only_reason!r}\n"
-                f"CPU_CLONES = {cpu_clones()!r}\n"
             )
 
     return {

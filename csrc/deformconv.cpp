@@ -1,7 +1,7 @@
 // The op schemas (schemas.h), declared once. Kernels are registered per dispatch key next to
 // their code: cpu/ (CPU), cuda/ (CUDA), pytorch/autograd.cpp (Autograd), pytorch/autocast.cpp
 // (Autocast), pytorch/register_checks.cpp (_check_arguments), pytorch/register_branch_trace.cpp
-// (the branch trace), and the fake kernels in Python (deformconv/ops.py), which run
+// (the branch trace), cpu/kernel_copies.cpp (_cpu_kernel_copies), and the fake kernels in Python (deformconv/ops.py), which run
 // _check_arguments.
 
 #include <torch/library.h>
@@ -19,4 +19,5 @@ TORCH_LIBRARY(deformconv, m) {
   m.def(deformconv::schemas::kCheckDcnv3Arguments);
   m.def(deformconv::schemas::kStartBranchTrace);
   m.def(deformconv::schemas::kTakeBranchTrace);
+  m.def(deformconv::schemas::kCpuKernelCopies);
 }

@@ -77,4 +77,8 @@ inline constexpr const char* kCheckDcnv3Arguments =
 inline constexpr const char* kStartBranchTrace = "_start_branch_trace() -> ()";
 inline constexpr const char* kTakeBranchTrace = "_take_branch_trace() -> str[]";
 
+// The copies of the CPU kernels that this build holds: "avx512 avx2 baseline", "avx2 baseline"
+// or "default target" (cpu/kernel_copies.cpp).
+inline constexpr const char* kCpuKernelCopies = "_cpu_kernel_copies() -> str";
+
 }  // namespace deformconv::schemas

@@ -30,12 +30,13 @@ def load():
         sources=[str(EMULATION / "emulated_ops.cpp"), str(ROOT / "csrc" / "cuda" / "ops_cuda.cpp"),
                  str(ROOT / "csrc" / "pytorch" / "deform_conv2d.cpp"),
                  str(ROOT / "csrc" / "pytorch" / "dcnv3.cpp"),
-                 str(ROOT / "csrc" / "pytorch" / "branch_trace.cpp")],
+                 str(ROOT / "csrc" / "pytorch" / "branch_trace.cpp"),
+                 str(ROOT / "csrc" / "pytorch" / "parallel_region.cpp")],
         # Ahead of torch's own headers: the shims of c10/cuda.
         extra_include_paths=[str(EMULATION / "include")],
-        extra_cflags=["-O1" if sanitize else "-O2", "-fopenmp", "-DDEFORMCONV_CUDA_EMULATION",
+        extra_cflags=["-O1" if sanitize else "-O2", "-DDEFORMCONV_CUDA_EMULATION",
                       "-include", str(EMULATION / "cuda_emulation.h")] + extra,
-        extra_ldflags=["-fopenmp"] + extra,
+        extra_ldflags=extra,
         is_python_module=False,
     )
     return torch.ops.deformconv_emulated

@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 import deformconv
@@ -36,3 +37,25 @@ def test_import_under_another_torch_names_both_versions(tmp_path):
     assert f"compiled against torch {torch.__version__}" in last_line
     assert "torch 0.0.1+elsewhere is installed" in last_line
     assert "pip install --no-build-isolation" in last_line
+
+
+@pytest.mark.parametrize("macros,message", [
+    ("#define __GNUC__ 10", "is GCC 10; deformconv needs GCC 11 or newer"),
+    ("#define __GNUC__ 4\n#define __clang__ 1\n#define __clang_major__ 13",
+     "is clang 13; deformconv needs clang 14 or newer"),
+], ids=["gcc-10", "clang-13"])
+def test_build_stops_below_the_minimum_compiler(tmp_path, macros, message):
+    # A stand-in compiler that predefines what an old one does: setup.py must stop before any
+    # compiling, naming the compiler and the minimum.
+    setup_py = Path(__file__).resolve().parent.parent / "setup.py"
+    if not setup_py.is_file():
+        pytest.skip("no setup.py beside the tests")
+    compiler = tmp_path / "old-c++"
+    compiler.write_text(f"#!/bin/sh\ncat <<'MACROS'\n{macros}\nMACROS\n")
+    compiler.chmod(0o755)
+    result = subprocess.run([sys.executable, str(setup_py), "build_ext", "--inplace"],
+                            cwd=setup_py.parent, capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "CXX": str(compiler),
+                                 "DEFORMCONV_WITH_CUDA": "0"})
+    assert result.returncode != 0
+    assert f"deformconv build: {compiler} {message}" in result.stderr

@@ -13,20 +13,26 @@
 
 #include "../common/bilinear_sampling.cuh"
 #include "../pytorch/branch_trace.h"
+#include "../pytorch/parallel_region.h"
+#include "vector_shuffle.h"
 
-// x86-64 builds with GCC carry an AVX-512, an AVX2 and a baseline copy of each stage; the
-// dynamic loader picks the best one for the CPU at hand, so a wheel built on one machine
-// stays correct on another. DEFORMCONV_NO_AVX512_CLONES (setup.py defines it when
+// x86-64 builds with GCC 12 or newer carry an AVX-512, an AVX2 and a baseline copy of each
+// stage; the dynamic loader picks the best one for the CPU at hand, so a wheel built on one
+// machine stays correct on another. DEFORMCONV_NO_AVX512_CLONES (setup.py defines it when
 // DEFORMCONV_CPU_CLONES=avx2) leaves the AVX-512 copy out, so that an AVX-512 machine runs
-// what an AVX2-only one would. Elsewhere the compiler's default target is used.
+// what an AVX2-only one would. Elsewhere the compiler's default target is used: GCC 11 has no
+// dispatcher for the x86-64-v3/v4 levels, clang's target_clones differs, and other CPUs get
+// what their compiler's vector extensions give (NEON on 64-bit ARM).
 #if defined(__x86_64__) && defined(__ELF__) && defined(__GNUC__) && !defined(__clang__) && \
-    !defined(__SANITIZE_ADDRESS__)
+    __GNUC__ >= 12 && !defined(__SANITIZE_ADDRESS__)
 #if defined(DEFORMCONV_NO_AVX512_CLONES)
 #define DEFORMCONV_VECTOR_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
+#define DEFORMCONV_AVX2_CLONES
 #else
 #define DEFORMCONV_VECTOR_CLONES \
   __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #define DEFORMCONV_AVX512_CLONES
+#define DEFORMCONV_AVX2_CLONES
 #endif
 #else
 #define DEFORMCONV_VECTOR_CLONES
@@ -100,7 +106,8 @@ class TaskRuns {
 // threads, and the threads take them in turn from a shared counter, a chunk at a time, rather
 // than a fixed share each as at::parallel_for hands out: when another process takes part of a
 // core, the thread on it runs fewer tasks instead of keeping the others waiting at the end of
-// every stage. Which thread runs a task does not change its result.
+// every stage. Which thread runs a task does not change its result. The threads are ATen's
+// (Note [Parallel regions through ATen]).
 template <typename Function>
 void parallel_task_runs(int64_t tasks, const Function& run) {
   std::atomic<int64_t> next{0};
@@ -113,7 +120,7 @@ void parallel_task_runs(int64_t tasks, const Function& run) {
   // About a sixteenth of a thread's share: small enough to rebalance, large enough that the
   // counter is seldom contended.
   const int64_t chunk = std::max<int64_t>(1, tasks / (16 * threads));
-  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+  run_on_every_thread([&] {
     TaskRuns runs(next, chunk, tasks);
     run(runs);
   });
@@ -213,10 +220,8 @@ DEFORMCONV_INLINE void load_last_lanes(const scalar_t* data, int64_t count,
 template <typename opmath_t>
 DEFORMCONV_INLINE opmath_t sum_of_lanes(const typename LanesOf<opmath_t>::type& lanes) {
   static_assert(kLanes == 8, "the halving steps below are written out for 8 lanes");
-  const auto four = __builtin_shufflevector(lanes, lanes, 0, 1, 2, 3) +
-      __builtin_shufflevector(lanes, lanes, 4, 5, 6, 7);
-  const auto two = __builtin_shufflevector(four, four, 0, 1) +
-      __builtin_shufflevector(four, four, 2, 3);
+  const auto four = half<0>(lanes) + half<4>(lanes);
+  const auto two = half<0>(four) + half<2>(four);
   return two[0] + two[1];
 }
 
@@ -235,15 +240,14 @@ DEFORMCONV_INLINE void sums_of_four_lanes(const typename LanesOf<opmath_t>::type
   static_assert(kLanes == 8, "the pairwise steps below are written out for 8 lanes");
   // Within each half of four lanes: the pairs (0+1, 2+3) of lanes_0, then those of lanes_1;
   // the same for lanes_2 and lanes_3.
-  const auto pairs_01 = __builtin_shufflevector(lanes_0, lanes_1, 0, 2, 8, 10, 4, 6, 12, 14) +
-      __builtin_shufflevector(lanes_0, lanes_1, 1, 3, 9, 11, 5, 7, 13, 15);
-  const auto pairs_23 = __builtin_shufflevector(lanes_2, lanes_3, 0, 2, 8, 10, 4, 6, 12, 14) +
-      __builtin_shufflevector(lanes_2, lanes_3, 1, 3, 9, 11, 5, 7, 13, 15);
+  const auto pairs_01 = shuffle<0, 2, 8, 10, 4, 6, 12, 14>(lanes_0, lanes_1) +
+      shuffle<1, 3, 9, 11, 5, 7, 13, 15>(lanes_0, lanes_1);
+  const auto pairs_23 = shuffle<0, 2, 8, 10, 4, 6, 12, 14>(lanes_2, lanes_3) +
+      shuffle<1, 3, 9, 11, 5, 7, 13, 15>(lanes_2, lanes_3);
   // The same step on those: [fours of 0, 1, 2, 3 | the other fours of 0, 1, 2, 3]
-  const auto fours = __builtin_shufflevector(pairs_01, pairs_23, 0, 2, 8, 10, 4, 6, 12, 14) +
-      __builtin_shufflevector(pairs_01, pairs_23, 1, 3, 9, 11, 5, 7, 13, 15);
-  const auto ones = __builtin_shufflevector(fours, fours, 0, 1, 2, 3) +
-      __builtin_shufflevector(fours, fours, 4, 5, 6, 7);
+  const auto fours = shuffle<0, 2, 8, 10, 4, 6, 12, 14>(pairs_01, pairs_23) +
+      shuffle<1, 3, 9, 11, 5, 7, 13, 15>(pairs_01, pairs_23);
+  const auto ones = half<0>(fours) + half<4>(fours);
   for (int i = 0; i < 4; ++i) {
     sums[i] = ones[i];
   }

@@ -416,20 +416,20 @@ template <typename Eight>
 DEFORMCONV_INLINE void transpose_eight(const Eight rows[8], Eight columns[8]) {
   Eight pairs[8], quads[8];
   for (int i = 0; i < 8; i += 2) {
-    pairs[i] = __builtin_shufflevector(rows[i], rows[i + 1], 0, 8, 1, 9, 4, 12, 5, 13);
-    pairs[i + 1] = __builtin_shufflevector(rows[i], rows[i + 1], 2, 10, 3, 11, 6, 14, 7, 15);
+    pairs[i] = shuffle<0, 8, 1, 9, 4, 12, 5, 13>(rows[i], rows[i + 1]);
+    pairs[i + 1] = shuffle<2, 10, 3, 11, 6, 14, 7, 15>(rows[i], rows[i + 1]);
   }
   for (int i = 0; i < 8; i += 4) {
-    for (int half = 0; half < 2; ++half) {
-      const Eight& a = pairs[i + half];
-      const Eight& b = pairs[i + half + 2];
-      quads[i + 2 * half] = __builtin_shufflevector(a, b, 0, 1, 8, 9, 4, 5, 12, 13);
-      quads[i + 2 * half + 1] = __builtin_shufflevector(a, b, 2, 3, 10, 11, 6, 7, 14, 15);
+    for (int second = 0; second < 2; ++second) {
+      const Eight& a = pairs[i + second];
+      const Eight& b = pairs[i + second + 2];
+      quads[i + 2 * second] = shuffle<0, 1, 8, 9, 4, 5, 12, 13>(a, b);
+      quads[i + 2 * second + 1] = shuffle<2, 3, 10, 11, 6, 7, 14, 15>(a, b);
     }
   }
   for (int j = 0; j < 4; ++j) {
-    columns[j] = __builtin_shufflevector(quads[j], quads[j + 4], 0, 1, 2, 3, 8, 9, 10, 11);
-    columns[j + 4] = __builtin_shufflevector(quads[j], quads[j + 4], 4, 5, 6, 7, 12, 13, 14, 15);
+    columns[j] = shuffle<0, 1, 2, 3, 8, 9, 10, 11>(quads[j], quads[j + 4]);
+    columns[j + 4] = shuffle<4, 5, 6, 7, 12, 13, 14, 15>(quads[j], quads[j + 4]);
   }
 }
 

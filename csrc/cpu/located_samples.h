@@ -229,15 +229,14 @@ class LocatedSamples {
       const Lanes pairs_1 = *reinterpret_cast<const UnalignedLanes*>(eight + kLanes);
       const Lanes pairs_2 = *reinterpret_cast<const UnalignedLanes*>(eight + 2 * kLanes);
       const Lanes pairs_3 = *reinterpret_cast<const UnalignedLanes*>(eight + 3 * kLanes);
-      const Lanes low_01 = __builtin_shufflevector(pairs_0, pairs_1, 0, 8, 1, 9, 4, 12, 5, 13);
-      const Lanes high_01 = __builtin_shufflevector(pairs_0, pairs_1, 2, 10, 3, 11, 6, 14, 7, 15);
-      const Lanes low_23 = __builtin_shufflevector(pairs_2, pairs_3, 0, 8, 1, 9, 4, 12, 5, 13);
-      const Lanes high_23 = __builtin_shufflevector(pairs_2, pairs_3, 2, 10, 3, 11, 6, 14, 7, 15);
-      const Lanes corner[4] = {
-          __builtin_shufflevector(low_01, low_23, 0, 1, 8, 9, 4, 5, 12, 13),
-          __builtin_shufflevector(low_01, low_23, 2, 3, 10, 11, 6, 7, 14, 15),
-          __builtin_shufflevector(high_01, high_23, 0, 1, 8, 9, 4, 5, 12, 13),
-          __builtin_shufflevector(high_01, high_23, 2, 3, 10, 11, 6, 7, 14, 15)};
+      const Lanes low_01 = shuffle<0, 8, 1, 9, 4, 12, 5, 13>(pairs_0, pairs_1);
+      const Lanes high_01 = shuffle<2, 10, 3, 11, 6, 14, 7, 15>(pairs_0, pairs_1);
+      const Lanes low_23 = shuffle<0, 8, 1, 9, 4, 12, 5, 13>(pairs_2, pairs_3);
+      const Lanes high_23 = shuffle<2, 10, 3, 11, 6, 14, 7, 15>(pairs_2, pairs_3);
+      const Lanes corner[4] = {shuffle<0, 1, 8, 9, 4, 5, 12, 13>(low_01, low_23),
+                               shuffle<2, 3, 10, 11, 6, 7, 14, 15>(low_01, low_23),
+                               shuffle<0, 1, 8, 9, 4, 5, 12, 13>(high_01, high_23),
+                               shuffle<2, 3, 10, 11, 6, 7, 14, 15>(high_01, high_23)};
       const Flags inside = *reinterpret_cast<const UnalignedFlags*>(inside_.data() + k) != 0;
       const Flags y0 = *reinterpret_cast<const UnalignedFlags*>(y0_.data() + k);
       const Flags x0 = *reinterpret_cast<const UnalignedFlags*>(x0_.data() + k);
@@ -245,8 +244,7 @@ class LocatedSamples {
       const Flags left = x0 >= 0, right = x0 + 1 < columns;
       const Flags corner_inside[4] = {top & left, top & right, bottom & left, bottom & right};
       for (int c = 0; c < 4; ++c) {
-        const Lanes in_order =
-            __builtin_shufflevector(corner[c], corner[c], 0, 4, 1, 5, 2, 6, 3, 7);
+        const Lanes in_order = shuffle<0, 4, 1, 5, 2, 6, 3, 7>(corner[c], corner[c]);
         const Mask selected = __builtin_convertvector(corner_inside[c], Mask);
         *reinterpret_cast<UnalignedLanes*>(corner_dots + c * samples + k) =
             selected ? in_order : Lanes{};

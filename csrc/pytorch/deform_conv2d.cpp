@@ -14,6 +14,7 @@
 #include "../common/bilinear_sampling.cuh"
 #include "../common/output_length.h"
 #include "branch_trace.h"
+#include "parallel_region.h"
 
 namespace deformconv {
 
@@ -529,7 +530,7 @@ void run_with_columns_per_thread(const DeformConv2dLaunchers& launchers,
                                  const Function& run) {
   std::atomic<int64_t> next{0};
   const at::ThreadLocalState caller_state;
-  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+  run_on_every_thread([&] {
     at::ThreadLocalStateGuard caller_state_guard(caller_state);
     at::Tensor columns = columns_buffer(launchers, g, w, options);
     for (int64_t i = next.fetch_add(1); i < count; i = next.fetch_add(1)) {
