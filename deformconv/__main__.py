@@ -33,8 +33,7 @@ def info() -> int:
         print(f"CUDA kernels compiled: no, CPU kernels only ({reason})")
     print("dtypes: cpu float32 float64 float16 bfloat16"
           + ("; cuda float32 float64 float16 bfloat16" if cuda else ""))
-    clones = getattr(_build_info, "CPU_CLONES", "unknown")
-    print(f"CPU kernel copies: {clones} (DEFORMCONV_CPU_CLONES at build time)")
+    print(f"CPU kernel copies: {torch.ops.deformconv._cpu_kernel_copies()}")
     print(f"CPU threads: {torch.get_num_threads()}")
     return 0
 
