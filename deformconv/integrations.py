@@ -1,0 +1,88 @@
+"""The original InternImage and FlashInternImage model files, unchanged, on deformconv.
+
+Their model files import the originals' compiled op packages at import time:
+
+- InternImage (``classification/models/intern_image.py``, ``intern_image_meta_former.py``, and
+  the detection and segmentation backbones): ``from ops_dcnv3 import modules as opsm``, then
+  ``getattr(opsm, core_op)`` with ``core_op`` ``'DCNv3'`` or ``'DCNv3_pytorch'``;
+- FlashInternImage (``classification/models/flash_intern_image.py``): ``import DCNv4``, then
+  ``getattr(DCNv4, core_op)`` with ``core_op='DCNv4'``.
+
+Those packages need their CUDA extensions (and DCNv4 a GPU at import), so on a machine without
+them the import of the model file fails. :func:`use_for` puts stand-ins for them into
+``sys.modules``, whose classes are deformconv's, before the model file is imported::
+
+    import deformconv.integrations
+    deformconv.integrations.use_for("internimage")   # or "flash_internimage"
+    from models.intern_image import InternImage       # builds deformconv.DCNv3
+
+The stand-ins hold what the model files and the originals' ``functions`` use: ``ops_dcnv3``
+with ``modules.DCNv3`` and ``modules.DCNv3_pytorch`` (both deformconv's DCNv3: the original's
+pure-PyTorch module has the same parameters and keys), ``functions.DCNv3Function.apply`` and
+``functions.dcnv3_core_pytorch``; ``DCNv4`` with ``DCNv4``, ``modules.DCNv4`` and
+``functions.DCNv4Function.apply``.
+"""
+
+import sys
+import types
+from typing import Dict
+
+from .dcn_v3_v4_modules import DCNv3, DCNv4
+from .ops import dcnv3, dcnv4
+
+
+class DCNv3Function:
+    """The original's ``DCNv3Function``: ``apply`` takes the same positional arguments."""
+
+    apply = staticmethod(dcnv3)
+
+
+class DCNv4Function:
+    """The original's ``DCNv4Function``: ``apply`` takes the same positional arguments."""
+
+    apply = staticmethod(dcnv4)
+
+
+def dcnv3_core_pytorch(input, offset, mask, kernel_h, kernel_w, stride_h, stride_w, pad_h,
+                       pad_w, dilation_h, dilation_w, group, group_channels, offset_scale,
+                       remove_center=False):
+    """The original's pure-PyTorch DCNv3 core (the same arguments, no ``im2col_step``)."""
+    return dcnv3(input, offset, mask, kernel_h, kernel_w, stride_h, stride_w, pad_h, pad_w,
+                 dilation_h, dilation_w, group, group_channels, offset_scale, 0, remove_center)
+
+
+def _package(name: str, **attributes) -> types.ModuleType:
+    module = types.ModuleType(name, f"deformconv's stand-in for {name} "
+                                    "(deformconv.integrations)")
+    module.__path__ = []  # a package, so that `from name.sub import x` finds the submodules
+    for key, value in attributes.items():
+        setattr(module, key, value)
+    return module
+
+
+def _stand_ins(codebase: str) -> Dict[str, types.ModuleType]:
+    if codebase == "internimage":
+        modules = _package("ops_dcnv3.modules", DCNv3=DCNv3, DCNv3_pytorch=DCNv3)
+        functions = _package("ops_dcnv3.functions", DCNv3Function=DCNv3Function,
+                             dcnv3_core_pytorch=dcnv3_core_pytorch)
+        return {"ops_dcnv3": _package("ops_dcnv3", modules=modules, functions=functions),
+                "ops_dcnv3.modules": modules, "ops_dcnv3.functions": functions}
+    modules = _package("DCNv4.modules", DCNv4=DCNv4)
+    functions = _package("DCNv4.functions", DCNv4Function=DCNv4Function)
+    return {"DCNv4": _package("DCNv4", DCNv4=DCNv4, DCNv4Function=DCNv4Function,
+                              modules=modules, functions=functions),
+            "DCNv4.modules": modules, "DCNv4.functions": functions}
+
+
+CODEBASES = ("internimage", "flash_internimage")
+
+
+def use_for(codebase: str) -> None:
+    """Makes the model files of ``codebase`` ("internimage" or "flash_internimage") build
+    their core op from deformconv: registers the stand-ins of the module docstring in
+    ``sys.modules``, in place of any original package. Call it before the model file is
+    imported; a model file imported earlier keeps what it imported."""
+    if codebase not in CODEBASES:
+        raise ValueError(f"deformconv.integrations.use_for: codebase must be one of "
+                         f"{', '.join(repr(c) for c in CODEBASES)}, got {codebase!r}")
+    sys.modules.update(_stand_ins(codebase))
