@@ -112,8 +112,8 @@ DEFAULT_SHAPES = {"cpu": [s.name for s in CPU_SHAPES], "cuda": [s.name for s in 
 
 def dcnv3_grid_sample_formulation(input, offset, mask, group, offset_scale):
     """What a CPU user of InternImage runs today: the originals' pure-PyTorch DCNv3
-    (dcnv3_core_pytorch, ../shared/DCN_V3_V4.md §1.7) for a 3x3 kernel, stride 1, pad 1,
-    dilation 1, written out from that description: the input zero-padded, float32 sampling
+    (dcnv3_core_pytorch) for a 3x3 kernel, stride 1, pad 1, dilation 1, written out from
+    what it does: the input zero-padded, float32 sampling
     grids normalised by the padded size, F.grid_sample (bilinear, zeros, align_corners=False),
     the mask, the sum over the points."""
     input = F.pad(input, [0, 0, 1, 1, 1, 1])

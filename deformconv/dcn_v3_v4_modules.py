@@ -1,6 +1,6 @@
 """The DCNv3 and DCNv4 modules with the names, constructor arguments, submodules and
 ``state_dict`` keys of InternImage's ``DCNv3`` and FlashInternImage's ``DCNv4``
-(../shared/DCN_V3_V4.md §2 and §4), so that their checkpoints load with ``strict=True``. The
+(docs/dcnv3_dcnv4.md, The modules), so that their checkpoints load with ``strict=True``. The
 learned channel mixing is in the modules' Linear layers; the ops only sample."""
 
 import math

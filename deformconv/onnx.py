@@ -43,7 +43,7 @@ def dcnv3_with_grid_sample(input: Tensor, offset: Tensor, mask: Tensor, kernel_h
                            kernel_w: int, stride_h: int, stride_w: int, pad_h: int, pad_w: int,
                            dilation_h: int, dilation_w: int, group: int, group_channels: int,
                            offset_scale: float, remove_center: bool) -> Tensor:
-    """DCNv3 (../shared/DCN_V3_V4.md §1) in standard operators. offset is
+    """DCNv3 (docs/dcnv3_dcnv4.md) in standard operators. offset is
     (N, H_out, W_out, group, P, 2) and mask (N, H_out, W_out, group, P): the layouts of both
     ops, viewed per group and point. Each group is an image of group_channels channels that
     F.grid_sample samples at all its points at once."""

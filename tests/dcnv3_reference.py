@@ -1,6 +1,6 @@
-"""DCNv3's readable pure-PyTorch reference, written from the specification
-(../shared/DCN_V3_V4.md §1), and the operands the DCNv3 and DCNv4 tests share: the
-specification's §7 vectors and random operands over a grid of geometries."""
+"""DCNv3's readable pure-PyTorch reference, written from its conventions (docs/dcnv3_dcnv4.md),
+and the operands the DCNv3 and DCNv4 tests share: hand-computed vectors (every value exact in
+binary) and random operands over a grid of geometries."""
 
 import itertools
 
@@ -14,7 +14,7 @@ def output_length(size, kernel, stride, pad, dilation):
 def dcnv3_reference(input, offset, mask, kernel_h, kernel_w, stride_h, stride_w, pad_h, pad_w,
                     dilation_h, dilation_w, group, group_channels, offset_scale,
                     remove_center=False):
-    """§1.2-§1.5 written out: the points column by column, their (x, y) positions, bilinear
+    """The conventions written out: the points column by column, their (x, y) positions, bilinear
     sampling with zeros outside, the mask-weighted sum over the points. Differentiable, with the
     one-sided derivative of the cell that starts at (floor y, floor x)."""
     N, H, W, _ = input.shape
@@ -93,7 +93,7 @@ def spec_vectors_input(N, H, W, C, dtype=torch.float64):
 
 
 # name: (N, H, W, G, D, kernel, stride, pad, dilation, scale, remove_center), then the sums of
-# §7's table: out, out², g_in, g_in², g_offset, g_offset², g_mask, g_mask².
+# The vectors' table: out, out², g_in, g_in², g_offset, g_offset², g_mask, g_mask².
 FORMULA_VECTORS = {
     "A": ((1, 3, 4, 1, 1, (3, 3), (1, 1), (1, 1), (1, 1), 1.0, False),
           (365.53125, 13169.34326171875, 68.359375, 424.521728515625, 225.5, 27230.90625,
@@ -125,7 +125,7 @@ def formula_operands(N, H, W, G, D, kernel, stride, pad, dilation, remove_center
 
 
 def pack_offset_mask(offset, mask, group, padding_value=float("nan"), multiple=8):
-    """DCNv4's offset_mask (§3.2) from DCNv3's offset and mask: per group the (x, y) pairs of
+    """DCNv4's offset_mask (docs/dcnv3_dcnv4.md) from DCNv3's offset and mask: per group the (x, y) pairs of
     its P points, then their P mask values; then padding channels of `padding_value` up to a
     multiple of `multiple`."""
     N, Ho, Wo, used = mask.shape[0], mask.shape[1], mask.shape[2], 3 * mask.shape[3]

@@ -1,6 +1,6 @@
-"""The DCNv3 and DCNv4 modules against the specification (../shared/DCN_V3_V4.md §2 and §4):
-state_dict keys and shapes as its tables give them, checkpoints built to those keys loaded with
-strict=True and run against a forward written out from §2.3 and §4.3 over the pure-PyTorch
+"""The DCNv3 and DCNv4 modules against the originals' (docs/dcnv3_dcnv4.md, The modules):
+state_dict keys and shapes as the originals have them, checkpoints built to those keys loaded
+with strict=True and run against a forward written out step by step over the pure-PyTorch
 reference op, initialisation, errors, TorchScript and torch.compile."""
 
 import math
@@ -14,7 +14,7 @@ from dcnv3_reference import dcnv3_reference, unpack_offset_mask
 
 
 def dcnv3_keys(C, P, G, dwk, norm="LN", center_feature_scale=False):
-    """§2.2's table: key -> shape."""
+    """The original DCNv3's parameters: key -> shape."""
     keys = {"dw_conv.0.weight": (C, 1, dwk, dwk), "dw_conv.0.bias": (C,),
             "offset.weight": (G * P * 2, C), "offset.bias": (G * P * 2,),
             "mask.weight": (G * P, C), "mask.bias": (G * P,),
@@ -34,7 +34,7 @@ def dcnv3_keys(C, P, G, dwk, norm="LN", center_feature_scale=False):
 
 def dcnv4_keys(C, P, G, dwk=None, center_feature_scale=False, output_bias=True,
                without_pointwise=False):
-    """§4.2's table: key -> shape."""
+    """The original DCNv4's parameters: key -> shape."""
     padded = math.ceil(3 * G * P / 8) * 8
     keys = {"offset_mask.weight": (padded, C), "offset_mask.bias": (padded,)}
     if dwk is not None:
@@ -66,7 +66,7 @@ def random_checkpoint(keys, seed):
 
 
 def blend_with_centre_feature_scale(state, y, value, query, group_channels):
-    """Step 5 of §2.3 and §4.3, when the checkpoint has the centre-feature-scale parameters."""
+    """The centre-feature-scale blend of both modules, when the checkpoint has its parameters."""
     if "center_feature_scale_proj_weight" not in state:
         return y
     a = torch.sigmoid(F.linear(query, state["center_feature_scale_proj_weight"],
@@ -77,7 +77,8 @@ def blend_with_centre_feature_scale(state, y, value, query, group_channels):
 
 def dcnv3_module_reference(state, x, kernel_size, group, offset_scale, norm, act,
                            remove_center):
-    """§2.3, step by step, on the checkpoint's tensors (eval mode for BN)."""
+    """The DCNv3 module's forward, step by step, on the checkpoint's tensors (eval mode for
+    BN)."""
     N, H, W, C = x.shape
     D = C // group
     value = F.linear(x, state["input_proj.weight"], state["input_proj.bias"])
@@ -103,7 +104,8 @@ def dcnv3_module_reference(state, x, kernel_size, group, offset_scale, norm, act
 
 
 def dcnv4_module_reference(state, x, H, W, kernel_size, group, offset_scale, remove_center):
-    """§4.3, step by step; the op as DCNv3 on the unpacked offset_mask (§3.2)."""
+    """The DCNv4 module's forward, step by step; the op as DCNv3 on the unpacked
+    offset_mask."""
     N, L, C = x.shape
     D = C // group
     P = kernel_size * kernel_size - int(remove_center)

@@ -1,5 +1,5 @@
-"""DCNv3 (deformconv.dcnv3) against the specification (../shared/DCN_V3_V4.md): its §7 vectors,
-a readable pure-PyTorch reference written from §1, gradcheck, the CUDA launchers run by the
+"""DCNv3 (deformconv.dcnv3) against its conventions (docs/dcnv3_dcnv4.md): hand-computed
+vectors, a readable pure-PyTorch reference written from them, gradcheck, the CUDA launchers run by the
 emulator (tests/cuda_emulation), the four dtypes, argument errors, TorchScript and opcheck."""
 
 import math

@@ -1,5 +1,5 @@
-"""DCNv4 (deformconv.dcnv4) against the specification (../shared/DCN_V3_V4.md §3): its V5
-vector, the §7 formula vectors packed per §3.2, DCNv3's pure-PyTorch reference over packed
+"""DCNv4 (deformconv.dcnv4) against its conventions (docs/dcnv3_dcnv4.md, DCNv4's packed
+offset_mask): the V5 vector, the hand-computed DCNv3 vectors packed into offset_mask, DCNv3's pure-PyTorch reference over packed
 operands whose padding is NaN, gradcheck, the CUDA launchers run by the emulator, argument
 errors, TorchScript, opcheck, torch.compile and torch.export."""
 

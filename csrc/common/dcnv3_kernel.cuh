@@ -3,7 +3,7 @@
 // The indexing and sampling positions of DCNv3 (InternImage's core op), one element at a time;
 // the bilinear arithmetic is bilinear_sampling.cuh's. C10_HOST_DEVICE throughout, so that the
 // CPU launchers and the CUDA kernels run the same arithmetic. The conventions are those of
-// ../shared/DCN_V3_V4.md (the specification), which surprise in several places:
+// docs/dcnv3_dcnv4.md, which surprise in several places:
 //   - everything is channels-last: input (N, H, W, G * D), output (N, Ho, Wo, G * D);
 //   - a point's offset is an (x, y) pair, x first;
 //   - the points of the kernel are numbered column by column, p = i * kh + j with i along x

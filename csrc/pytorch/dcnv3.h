@@ -1,6 +1,6 @@
 #pragma once
 
-// DCNv3 (InternImage's core op, ../shared/DCN_V3_V4.md §1) and DCNv4 (FlashInternImage's, §3):
+// DCNv3 (InternImage's core op) and DCNv4 (FlashInternImage's), docs/dcnv3_dcnv4.md:
 // argument checks, the launcher table that cpu/ and cuda/ fill in, and the device-neutral
 // driver. The ops have no columns and no GEMMs: each launcher walks samples or pixels
 // directly, so memory beyond the outputs is the float32 input-gradient sums of half precision
