@@ -12,7 +12,7 @@ was built for. MAX_JOBS bounds the parallel compile jobs. DEFORMCONV_SANITIZE=1 
 with AddressSanitizer and UndefinedBehaviorSanitizer (tools/run_sanitized_tests.sh uses it).
 On x86-64 the CPU kernels carry AVX-512, AVX2 and baseline copies, picked at load time;
 DEFORMCONV_CPU_CLONES=avx2 leaves the AVX-512 copies out, so that an AVX-512 machine measures
-the AVX2 ones (README, Benchmark).
+the AVX2 ones (docs/performance.md, AVX2 kernels).
 
 Making an sdist or reading the metadata needs no torch; compiling does, and it must be the torch
 the extension will run with, so pip's build isolation (which would hide it, or install another)
@@ -232,7 +232,7 @@ def extension(cpp_extension, with_cuda: bool):
     )
 
 
-# The oldest compilers that CI builds deformconv with (README, Building).
+# The oldest compilers that CI builds deformconv with (README, Compatibility).
 MINIMUM_COMPILERS = {"GCC": 11, "clang": 14, "Apple clang": 14}
 
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The compilers users build deformconv with, beyond the default one (README, Building):
+# The compilers users build deformconv with, beyond the default one (README, Compatibility):
 #   1. csrc/cpu/vector_shuffle.h's test (tests/cpp/test_vector_shuffle.cpp), built and run with
 #      g++-11 (__builtin_shuffle), the default g++ and clang++ (__builtin_shufflevector);
 #   2. 64-bit ARM: the sources of a CPU build but the Python module (csrc/cpu, csrc/pytorch,

@@ -5,7 +5,7 @@
 // arithmetic itself is bilinear_sampling.cuh's. Every function is C10_HOST_DEVICE, as there;
 // the launchers only choose the loop (parallel tasks on the CPU, a grid-stride loop on CUDA).
 //
-// Conventions (README, API), for image n, deform group g, tap k = i * kW + j, output pixel
+// Conventions (docs/api.md), for image n, deform group g, tap k = i * kW + j, output pixel
 // p = ho * W_out + wo:
 //   offset[n, g*2*K + 2*k    , ho, wo]  displaces the sample in y,
 //   offset[n, g*2*K + 2*k + 1, ho, wo]  displaces it in x,
