@@ -2,7 +2,6 @@
 // results, the input gradient included, do not depend on the number of threads.
 
 #include <ATen/Dispatch.h>
-#include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
@@ -13,6 +12,7 @@
 #include "../common/dcnv3_kernel.cuh"
 #include "../pytorch/dcnv3.h"
 #include "../pytorch/launchers.h"
+#include "cpu_launchers.h"
 #include "cpu_loops.h"
 #include "located_samples.h"
 
@@ -653,25 +653,8 @@ constexpr Dcnv3Launchers kCpuDcnv3Launchers{
     .backward = dcnv3_gradients_cpu,
 };
 
-at::Tensor dcnv3_cpu(const at::Tensor& input, const at::Tensor& offset, const at::Tensor& mask,
-                     const Dcnv3Arguments& args) {
-  return dcnv3_forward(kCpuDcnv3Launchers, input, offset, mask, args);
-}
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor> dcnv3_backward_cpu(
-    const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& offset,
-    const at::Tensor& mask, const Dcnv3Arguments& args, std::array<bool, 3> output_mask) {
-  return dcnv3_backward(kCpuDcnv3Launchers, grad_output, input, offset, mask, args,
-                        output_mask);
-}
-
 }  // namespace
 
-TORCH_LIBRARY_IMPL(deformconv, CPU, m) {
-  m.impl("dcnv3", TORCH_FN(dcnv3_kernel<dcnv3_cpu>));
-  m.impl("dcnv3_backward", TORCH_FN(dcnv3_backward_kernel<dcnv3_backward_cpu>));
-  m.impl("dcnv4", TORCH_FN(dcnv4_kernel<dcnv3_cpu>));
-  m.impl("dcnv4_backward", TORCH_FN(dcnv4_backward_kernel<dcnv3_backward_cpu>));
-}
+const Dcnv3Launchers& dcnv3_cpu_launchers() { return kCpuDcnv3Launchers; }
 
 }  // namespace deformconv

@@ -587,7 +587,7 @@ void forward_block(const DeformConv2dLaunchers& launchers, const DeformConv2dGeo
 }
 
 // Whether the forward runs fused (launchers' fused_forward, Note [Fused forward] in
-// cpu/deform_conv2d_cpu.cpp): where the launchers have it and find it pays, unless the
+// cpu/fused_forward_cpu.cpp): where the launchers have it and find it pays, unless the
 // environment variable DEFORMCONV_FUSED_FORWARD is 0, read at every call, which leaves every
 // forward to im2col and the GEMMs (to compare the two, or to test the latter).
 bool fused_forward_applies(const DeformConv2dLaunchers& launchers, const DeformConv2dGeometry& g,

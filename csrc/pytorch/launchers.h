@@ -73,7 +73,7 @@ struct DeformConv2dLaunchers {
   // (CUDA's caching allocator).
   void (*keep_window_results)(std::vector<at::Tensor> results);
   // The whole forward of a block of `batch` images without columns (Note [Fused forward],
-  // cpu/deform_conv2d_cpu.cpp): output (batch, C_out, H_out, W_out) = the convolution of the
+  // cpu/fused_forward_cpu.cpp): output (batch, C_out, H_out, W_out) = the convolution of the
   // sampled input with weight_taps, (G, K, C_in / G, C_out / G) in at::opmath_type, plus bias
   // (undefined: none). The driver runs it where fused_forward_pays says it is faster than
   // im2col and the GEMMs. Both null where the device has none (CUDA).

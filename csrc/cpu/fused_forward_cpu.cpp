@@ -1,0 +1,136 @@
+// Note [Fused forward]
+// The forward as im2col and GEMMs writes every sampled value to the columns, and the GEMM then
+// reads them back (a BLAS packing them first), window by window, each stage a parallel region
+// of its own; with conv groups, the GEMMs are many small products that a BLAS runs far below
+// its speed. The fused forward writes no columns: a task samples one tap of a few pixels into
+// a buffer that stays in the L1 cache, and at once adds the products of those values with the
+// tap's weights into the pixels' output sums, which it writes when every tap is summed. The
+// whole forward of a block is one parallel region. Each output is summed over (tap, input
+// channel) in that order, as the GEMM over a columns row sums it, whichever thread runs it.
+// Each block of pixels reads the whole weight, which must stay in cache: the fused forward runs
+// for weights up to 4 MiB (fused_forward_pays_cpu; about a core's L2 cache or its share of
+// L3). ResNet's 512-channel stage (9 MiB) runs faster as GEMMs.
+
+#include <ATen/Dispatch.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "deform_conv2d_stages.h"
+#include "simd_blocks.h"
+#include "window_tasks.h"
+
+namespace deformconv {
+namespace {
+
+template <typename scalar_t>
+struct FusedForwardTask {
+  const DeformConv2dGeometry& g;
+  PixelWindow image;  // every output pixel of an image
+  PixelStretches stretches;
+  const scalar_t* offset;
+  const scalar_t* mask;
+  const scalar_t* input;
+  const at::opmath_type<scalar_t>* weight_taps;
+  const scalar_t* bias;
+  scalar_t* output;
+};
+
+// Tasks [begin, end) of the fused forward, task = a stretch of one image's output pixels, tap
+// by tap: the tap's samples of every deform group are located at once, then taken a few pixels
+// at a time, sampled into `values` (pixel, input channel) and multiplied into the sums, conv
+// group by conv group: Note [Fused forward].
+template <int kVectorBytes, typename scalar_t>
+DEFORMCONV_VECTOR_CLONES void fused_forward_tasks(const FusedForwardTask<scalar_t>& t,
+                                                  int64_t begin, int64_t end) {
+  using opmath_t = at::opmath_type<scalar_t>;
+  const DeformConv2dGeometry& g = t.g;
+  const int64_t in_per_offset_group = g.channels_per_offset_group();
+  const int64_t in_per_group = g.channels_per_group();
+  const int64_t out_per_group = g.out_channels / g.groups;
+  const std::vector<scalar_t> zeros(g.in_channels, scalar_t(0));
+  constexpr int64_t kBlockPixels = kFusedPixels<kVectorBytes>;
+  std::vector<opmath_t> values(kBlockPixels * g.in_channels);
+  // (stretch pixel, output channel)
+  std::vector<opmath_t> sums(t.stretches.pixels * g.out_channels);
+  std::vector<StretchSamples<opmath_t>> samples(g.offset_groups,
+                                                StretchSamples<opmath_t>(g, t.stretches.pixels));
+  for (int64_t task = begin; task < end; ++task) {
+    const auto [n, first_pixel, pixels] = stretch_of(t.image, t.stretches, task);
+    const scalar_t* image = channel_of(g, t.input, n, 0);
+    std::fill_n(sums.begin(), pixels * g.out_channels, opmath_t(0));
+    for (StretchSamples<opmath_t>& group_samples : samples) {
+      group_samples.start(g, first_pixel, pixels);
+    }
+    for (int64_t tap = 0; tap < g.taps(); ++tap) {
+      for (int64_t group = 0; group < g.offset_groups; ++group) {
+        samples[group].locate(g, n, group, tap, t.offset, t.mask);
+      }
+      for (int64_t block_pixel = 0; block_pixel < pixels; block_pixel += kBlockPixels) {
+        const int64_t block = std::min(kBlockPixels, pixels - block_pixel);
+        for (int64_t p = 0; p < block; ++p) {
+          for (int64_t group = 0; group < g.offset_groups; ++group) {
+            const int64_t first = first_channel(g, group);
+            opmath_t weight[4];
+            const scalar_t* rows[4];
+            samples[group].corner_rows(block_pixel + p, image + first, g.in_channels,
+                                       zeros.data() + first, weight, rows);
+            sum_corner_rows(rows, weight, in_per_offset_group,
+                            values.data() + p * g.in_channels + first);
+          }
+        }
+        for (int64_t conv_group = 0; conv_group < g.groups; ++conv_group) {
+          const opmath_t* weights =
+              t.weight_taps + (conv_group * g.taps() + tap) * in_per_group * out_per_group;
+          multiply_add_block<kVectorBytes>(
+              values.data() + conv_group * in_per_group, g.in_channels, block, in_per_group,
+              weights, out_per_group,
+              sums.data() + block_pixel * g.out_channels + conv_group * out_per_group,
+              g.out_channels);
+        }
+      }
+    }
+    store_sums(sums.data(), pixels, g.out_channels, t.bias,
+               t.output + n * g.out_channels * g.out_pixels() + first_pixel, g.out_pixels());
+  }
+}
+
+}  // namespace
+
+void fused_forward_cpu(const DeformConv2dGeometry& g, int64_t batch, const at::Tensor& input,
+                       const at::Tensor& offset, const at::Tensor& mask,
+                       const at::Tensor& weight_taps, const at::Tensor& bias,
+                       at::Tensor& output) {
+  const PixelWindow image{0, g.out_pixels()};
+  const PixelStretches stretches = pixel_stretches(g, image);
+  DEFORMCONV_DISPATCH(input.scalar_type(), "deform_conv2d_fused_forward_cpu", [&] {
+    const FusedForwardTask<scalar_t> t{g,
+                                       image,
+                                       stretches,
+                                       offset.const_data_ptr<scalar_t>(),
+                                       data_or_null<scalar_t>(mask),
+                                       input.const_data_ptr<scalar_t>(),
+                                       weight_taps.const_data_ptr<at::opmath_type<scalar_t>>(),
+                                       data_or_null<scalar_t>(bias),
+                                       output.mutable_data_ptr<scalar_t>()};
+    // Multiply-adds as wide as a register of the clone that runs.
+    with_register_bytes([&](auto register_bytes) {
+      constexpr int64_t kWidth = register_bytes / sizeof(at::opmath_type<scalar_t>);
+      record_channel_loops("deform_conv2d.cpu.fused_forward", g.out_channels / g.groups,
+                           {2 * kWidth, kWidth});
+      parallel_tasks(batch * stretches.per_image, [&](int64_t begin, int64_t end) {
+        fused_forward_tasks<register_bytes>(t, begin, end);
+      });
+    });
+  });
+}
+
+bool fused_forward_pays_cpu(const DeformConv2dGeometry& g, at::ScalarType dtype) {
+  constexpr int64_t kCachedWeightBytes = int64_t(4) << 20;
+  const int64_t weight_bytes = g.out_channels * g.channels_per_group() * g.taps() *
+      c10::elementSize(at::toOpMathType(dtype));
+  return weight_bytes <= kCachedWeightBytes;
+}
+
+}  // namespace deformconv

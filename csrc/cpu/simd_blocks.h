@@ -1,0 +1,163 @@
+#pragma once
+
+// The register-blocked micro-kernels of the fused forward: the products of a tap's sampled
+// values with its weights into the pixels' output sums, an 8 x 8 transpose in registers, and
+// the store of a task's sums into the output's channel planes (Note [Fused forward] in
+// fused_forward_cpu.cpp).
+
+#include <ATen/OpMathType.h>
+
+#include <cstdint>
+
+#include "cpu_loops.h"
+#include "vector_shuffle.h"
+
+namespace deformconv {
+
+// Pixels whose output sums share each load of a weight row: with two vectors of sums per pixel,
+// half the registers of the clone (16 of AVX2's 32-byte ones, 32 of AVX-512's 64-byte ones).
+// With more pixels GCC spilled.
+template <int kVectorBytes>
+constexpr int64_t kFusedPixels = kVectorBytes / 8;
+
+// sums[p * sums_stride + j] += sum over c < count of values[p * values_stride + c] *
+// weights[c * out_per_group + j], for pixels p < `pixels` and j < out_per_group: the products
+// of one tap's values of a conv group with its weights. With a full block of pixels, output
+// channels go a vector of kVectorBytes at a time, with the sums held in registers over the
+// channels; the rest one by one.
+template <int kVectorBytes, typename opmath_t>
+DEFORMCONV_INLINE void multiply_add_block(const opmath_t* __restrict values,
+                                          int64_t values_stride, int64_t pixels, int64_t count,
+                                          const opmath_t* __restrict weights,
+                                          int64_t out_per_group, opmath_t* __restrict sums,
+                                          int64_t sums_stride) {
+  typedef opmath_t Vector __attribute__((vector_size(kVectorBytes)));
+  // The same vector at any address of an opmath_t, which may alias it (as the intrinsics'
+  // unaligned loads are declared): loads and stores through it are plain vector moves, where
+  // a memcpy into an array of vectors made GCC keep the array on the stack.
+  typedef opmath_t Unaligned
+      __attribute__((vector_size(kVectorBytes), aligned(alignof(opmath_t)), may_alias));
+  constexpr int64_t kWidth = kVectorBytes / sizeof(opmath_t);
+  constexpr int64_t kPixels = kFusedPixels<kVectorBytes>;
+  const auto at = [](opmath_t* data) { return reinterpret_cast<Unaligned*>(data); };
+  const auto at_const = [](const opmath_t* data) {
+    return reinterpret_cast<const Unaligned*>(data);
+  };
+  int64_t vectorised = 0;
+  if (pixels == kPixels) {
+    for (; vectorised + 2 * kWidth <= out_per_group; vectorised += 2 * kWidth) {
+      const int64_t j = vectorised;
+      Vector low[kPixels], high[kPixels];
+      for (int64_t p = 0; p < kPixels; ++p) {
+        low[p] = *at(sums + p * sums_stride + j);
+        high[p] = *at(sums + p * sums_stride + j + kWidth);
+      }
+      for (int64_t c = 0; c < count; ++c) {
+        const Vector weight_low = *at_const(weights + c * out_per_group + j);
+        const Vector weight_high = *at_const(weights + c * out_per_group + j + kWidth);
+        for (int64_t p = 0; p < kPixels; ++p) {
+          const opmath_t value = values[p * values_stride + c];
+          low[p] += value * weight_low;
+          high[p] += value * weight_high;
+        }
+      }
+      for (int64_t p = 0; p < kPixels; ++p) {
+        *at(sums + p * sums_stride + j) = low[p];
+        *at(sums + p * sums_stride + j + kWidth) = high[p];
+      }
+    }
+    for (; vectorised + kWidth <= out_per_group; vectorised += kWidth) {
+      const int64_t j = vectorised;
+      Vector lanes[kPixels];
+      for (int64_t p = 0; p < kPixels; ++p) {
+        lanes[p] = *at(sums + p * sums_stride + j);
+      }
+      for (int64_t c = 0; c < count; ++c) {
+        const Vector weight = *at_const(weights + c * out_per_group + j);
+        for (int64_t p = 0; p < kPixels; ++p) {
+          lanes[p] += values[p * values_stride + c] * weight;
+        }
+      }
+      for (int64_t p = 0; p < kPixels; ++p) {
+        *at(sums + p * sums_stride + j) = lanes[p];
+      }
+    }
+  }
+  for (int64_t p = 0; p < pixels; ++p) {
+    for (int64_t j = vectorised; j < out_per_group; ++j) {
+      opmath_t sum = sums[p * sums_stride + j];
+      for (int64_t c = 0; c < count; ++c) {
+        sum += values[p * values_stride + c] * weights[c * out_per_group + j];
+      }
+      sums[p * sums_stride + j] = sum;
+    }
+  }
+}
+
+// The 8 x 8 block of rows[i][j] as columns: columns[j][i] = rows[i][j], in three rounds of
+// shuffles that interleave ever larger pieces of pairs of rows.
+template <typename Eight>
+DEFORMCONV_INLINE void transpose_eight(const Eight rows[8], Eight columns[8]) {
+  Eight pairs[8], quads[8];
+  for (int i = 0; i < 8; i += 2) {
+    pairs[i] = shuffle<0, 8, 1, 9, 4, 12, 5, 13>(rows[i], rows[i + 1]);
+    pairs[i + 1] = shuffle<2, 10, 3, 11, 6, 14, 7, 15>(rows[i], rows[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4) {
+    for (int second = 0; second < 2; ++second) {
+      const Eight& a = pairs[i + second];
+      const Eight& b = pairs[i + second + 2];
+      quads[i + 2 * second] = shuffle<0, 1, 8, 9, 4, 5, 12, 13>(a, b);
+      quads[i + 2 * second + 1] = shuffle<2, 3, 10, 11, 6, 7, 14, 15>(a, b);
+    }
+  }
+  for (int j = 0; j < 4; ++j) {
+    columns[j] = shuffle<0, 1, 2, 3, 8, 9, 10, 11>(quads[j], quads[j + 4]);
+    columns[j + 4] = shuffle<4, 5, 6, 7, 12, 13, 14, 15>(quads[j], quads[j + 4]);
+  }
+}
+
+// output[c * output_stride + p] = sums[p * channels + c] + bias[c] (bias null: none), for
+// p < pixels and c < channels: a task's sums into the output's channel planes. In float, blocks
+// of 8 x 8 are transposed in registers; the rest goes one by one.
+template <typename scalar_t, typename opmath_t>
+DEFORMCONV_INLINE void store_sums(const opmath_t* sums, int64_t pixels, int64_t channels,
+                                  const scalar_t* bias, scalar_t* output,
+                                  int64_t output_stride) {
+  const auto bias_of = [&](int64_t c) {
+    return bias != nullptr ? static_cast<opmath_t>(bias[c]) : opmath_t(0);
+  };
+  int64_t transposed = 0;
+  if constexpr (std::is_same_v<scalar_t, float> && std::is_same_v<opmath_t, float>) {
+    typedef float Eight __attribute__((vector_size(8 * sizeof(float))));
+    typedef float Unaligned
+        __attribute__((vector_size(8 * sizeof(float)), aligned(alignof(float)), may_alias));
+    for (; transposed + 8 <= pixels; transposed += 8) {
+      const int64_t p = transposed;
+      int64_t c = 0;
+      for (; c + 8 <= channels; c += 8) {
+        Eight rows[8], columns[8];
+        for (int i = 0; i < 8; ++i) {
+          rows[i] = *reinterpret_cast<const Unaligned*>(sums + (p + i) * channels + c);
+        }
+        transpose_eight(rows, columns);
+        for (int j = 0; j < 8; ++j) {
+          *reinterpret_cast<Unaligned*>(output + (c + j) * output_stride + p) =
+              columns[j] + bias_of(c + j);
+        }
+      }
+      for (; c < channels; ++c) {
+        for (int64_t i = p; i < p + 8; ++i) {
+          output[c * output_stride + i] = sums[i * channels + c] + bias_of(c);
+        }
+      }
+    }
+  }
+  for (int64_t c = 0; c < channels; ++c) {
+    for (int64_t p = transposed; p < pixels; ++p) {
+      output[c * output_stride + p] = static_cast<scalar_t>(sums[p * channels + c] + bias_of(c));
+    }
+  }
+}
+
+}  // namespace deformconv
