@@ -1,8 +1,9 @@
-// The op schemas (schemas.h), declared once. Kernels are registered per dispatch key next to
-// their code: cpu/ (CPU), cuda/ (CUDA), pytorch/autograd.cpp (Autograd), pytorch/autocast.cpp
-// (Autocast), pytorch/register_checks.cpp (_check_arguments), pytorch/register_branch_trace.cpp
-// (the branch trace), cpu/kernel_copies.cpp (_cpu_kernel_copies), and the fake kernels in Python (deformconv/ops.py), which run
-// _check_arguments.
+// The op schemas (schemas.h), declared once. Kernels are registered per dispatch key:
+// cpu/register_cpu.cpp (CPU), cuda/register_cuda.cpp (CUDA), pytorch/autograd.cpp and
+// pytorch/dcnv3_autograd.cpp (Autograd), pytorch/autocast.cpp (Autocast),
+// pytorch/register_checks.cpp (_check_arguments), pytorch/register_branch_trace.cpp (the branch
+// trace), cpu/kernel_copies.cpp (_cpu_kernel_copies), and the fake kernels in Python
+// (deformconv/ops/), which run _check_arguments.
 
 #include <torch/library.h>
 

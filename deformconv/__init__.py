@@ -44,8 +44,9 @@ except ImportError as error:
         "(pip install --no-build-isolation -e .), which builds _C there."
     ) from error
 from .convert import convert_to_deformable
-from .dcn_v3_v4_modules import DCNv3, DCNv4
-from .modules import (
+from .nn import (
+    DCNv3,
+    DCNv4,
     DeformConv2d,
     DeformConv2dPack,
     ModulatedDeformConv2d,

@@ -21,7 +21,7 @@ from torch import Tensor, nn
 
 import deformconv
 from .benchmark import time_interleaved
-from .modules import ModulatedDeformConv2dPack
+from .nn import ModulatedDeformConv2dPack
 
 
 class TorchvisionModulatedDeformConv2dPack(ModulatedDeformConv2dPack):

@@ -6,7 +6,7 @@ from typing import Iterable, List, Union
 import torch
 from torch import nn
 
-from .modules import DeformConv2d, DeformConv2dPack, ModulatedDeformConv2dPack
+from .nn import DeformConv2d, DeformConv2dPack, ModulatedDeformConv2dPack
 
 
 def _set_child(model: nn.Module, qualified_name: str, module: nn.Module) -> None:

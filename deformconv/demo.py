@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .modules import ModulatedDeformConv2dPack
+from .nn import ModulatedDeformConv2dPack
 
 IMAGE_SIZE = 32
 

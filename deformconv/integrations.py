@@ -27,7 +27,7 @@ import sys
 import types
 from typing import Dict
 
-from .dcn_v3_v4_modules import DCNv3, DCNv4
+from .nn import DCNv3, DCNv4
 from .ops import dcnv3, dcnv4
 
 

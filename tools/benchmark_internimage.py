@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 import deformconv
-import deformconv.dcn_v3_v4_modules as deformconv_modules
+import deformconv.nn.dcn_v3_v4 as deformconv_modules
 import deformconv.integrations
 from deformconv.benchmark import cpu_description, time_interleaved
 

@@ -11,7 +11,7 @@ namespace deformconv {
 namespace {
 
 // The argument checks as an op of their own, with no tensor data read, so that the Python fake
-// kernels (deformconv/ops.py) can run them on meta copies of fake tensors: torch.compile and
+// kernels (deformconv/ops/) can run them on meta copies of fake tensors: torch.compile and
 // torch.export then reject exactly what the op rejects, with the same messages. Returns the
 // output shape.
 std::vector<int64_t> check_arguments_op(

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .ops import dcnv3, dcnv4
+from ..ops import dcnv3, dcnv4
 
 class _ToChannelsLast(nn.Module):
     def forward(self, x: Tensor) -> Tensor:

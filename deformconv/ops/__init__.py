@@ -1,0 +1,7 @@
+"""The functional ops over torch.ops.deformconv, and the fake (meta) kernels of the ops, which
+importing this package registers."""
+
+from .dcnv3 import dcnv3, dcnv4
+from .deform_conv2d import deform_conv2d
+
+__all__ = ["dcnv3", "dcnv4", "deform_conv2d"]

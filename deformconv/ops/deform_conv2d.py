@@ -1,0 +1,111 @@
+"""deform_conv2d, DCN v1/v2 over torch.ops.deformconv, and the fake kernels of its ops."""
+
+from typing import List, Optional
+
+import torch
+from torch import Tensor
+
+from ._common import (IntOrPair, _check_devices, _has_static_shape, _on_meta, _output_size,
+                      _pair)
+
+
+def deform_conv2d(
+    input: Tensor,
+    offset: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor] = None,
+    stride: IntOrPair = 1,
+    padding: IntOrPair = 0,
+    dilation: IntOrPair = 1,
+    mask: Optional[Tensor] = None,
+    im2col_step: int = 0,
+) -> Tensor:
+    r"""Deformable convolution: DCN v1, or v2 ("modulated") when ``mask`` is given.
+
+    The same call as ``torchvision.ops.deform_conv2d``; groups and offset groups follow from the
+    shapes. For output pixel (n, o, ho, wo) and kernel tap k = i * kW + j in deform group g:
+
+    .. math::
+        out = bias_o + \sum_{c, i, j} weight_{o,c,i,j}\, mask_{n,g,k}\,
+              \mathrm{bilinear}(input_{n,c},\; ho\,s_h - p_h + i\,d_h + \Delta y_{n,g,k},\;
+                                         wo\,s_w - p_w + j\,d_w + \Delta x_{n,g,k})
+
+    Args:
+        input: (N, C_in, H, W).
+        offset: (N, 2 * offset_groups * kH * kW, H_out, W_out); channel 2k of a deform group is
+            the y displacement of tap k, channel 2k + 1 its x displacement.
+        weight: (C_out, C_in / groups, kH, kW).
+        bias: (C_out,) or None.
+        stride, padding, dilation: an int or a (height, width) pair.
+        mask: (N, offset_groups * kH * kW, H_out, W_out) modulation, or None for DCN v1.
+        im2col_step: images per im2col block; 0 (the default) picks as many as fit in a
+            64 MiB columns buffer. The result does not depend on it.
+
+    Returns:
+        (N, C_out, H_out, W_out) with H_out = (H + 2 p_h - (d_h (kH - 1) + 1)) // s_h + 1.
+    """
+    groups = 1
+    offset_groups = 1
+    if input.dim() == 4 and weight.dim() == 4 and offset.dim() == 4:
+        # Inferred as torchvision does; a shape that does not fit is reported by the op itself.
+        if weight.shape[1] > 0:
+            groups = max(1, input.shape[1] // weight.shape[1])
+        taps = weight.shape[2] * weight.shape[3]
+        if taps > 0:
+            offset_groups = max(1, offset.shape[1] // (2 * taps))
+    return torch.ops.deformconv.deform_conv2d(
+        input, offset, weight, mask, bias,
+        _pair("stride", stride), _pair("padding", padding), _pair("dilation", dilation),
+        groups, offset_groups, im2col_step,
+    )
+
+
+def _check_arguments(grad_output, input, offset, weight, mask, bias, *rest) -> List[int]:
+    """The op's own argument checks (C++, no tensor data read), on meta copies of the tensors
+    and outside any fake mode, so that fake tensors are rejected exactly as real ones are.
+    Returns the output shape."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily():
+        return torch.ops.deformconv._check_arguments(
+            *[_on_meta(t) for t in (grad_output, input, offset, weight, mask, bias)], *rest)
+
+
+@torch.library.register_fake("deformconv::deform_conv2d")
+def _deform_conv2d_fake(input, offset, weight, mask, bias, stride, padding, dilation, groups,
+                        offset_groups, im2col_step):
+    _check_devices("deform_conv2d", input, offset=offset, weight=weight, mask=mask, bias=bias)
+    if all(_has_static_shape(t) for t in (input, offset, weight, mask, bias)):
+        shape = _check_arguments(None, input, offset, weight, mask, bias, stride, padding,
+                                 dilation, groups, offset_groups, im2col_step)
+    else:
+        # Symbolic sizes (dynamic shapes): the shape formula; the checks ran when the graph was
+        # traced with concrete sizes, and run again in the real kernel.
+        shape = (input.shape[0], weight.shape[0],
+                 _output_size(input.shape[2], weight.shape[2], stride[0], padding[0],
+                              dilation[0]),
+                 _output_size(input.shape[3], weight.shape[3], stride[1], padding[1],
+                              dilation[1]))
+    return input.new_empty(shape)
+
+
+@torch.library.register_fake("deformconv::deform_conv2d_backward")
+def _deform_conv2d_backward_fake(grad_output, input, offset, weight, mask, stride, padding,
+                                 dilation, groups, offset_groups, im2col_step, output_mask):
+    _check_devices("deform_conv2d_backward", input, grad_output=grad_output, offset=offset,
+                   weight=weight, mask=mask)
+    if all(_has_static_shape(t) for t in (grad_output, input, offset, weight, mask)):
+        _check_arguments(grad_output, input, offset, weight, mask, None, stride, padding,
+                         dilation, groups, offset_groups, im2col_step)
+    want_input, want_offset, want_weight, want_mask, want_bias = output_mask
+    # As the real kernel: grad_input and grad_weight keep the memory format of input and
+    # weight, grad_offset and grad_mask are contiguous.
+    contiguous = torch.contiguous_format
+    return (
+        torch.empty_like(input) if want_input else None,
+        torch.empty_like(offset, memory_format=contiguous) if want_offset else None,
+        torch.empty_like(weight) if want_weight else None,
+        torch.empty_like(mask, memory_format=contiguous)
+        if want_mask and mask is not None else None,
+        weight.new_empty((weight.shape[0],)) if want_bias else None,
+    )
