@@ -1,0 +1,26 @@
+#pragma once
+
+// The CPU launchers of DCNv3 and DCNv4 (pytorch/dcnv3.h's Dcnv3Launchers): the forward
+// (dcnv3_forward_cpu.cpp) and the gradients (dcnv3_backward_cpu.cpp). Every task writes
+// outputs of its own, so the results, the input gradient included, do not depend on the
+// number of threads.
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+
+#include "../pytorch/dcnv3.h"
+
+namespace deformconv {
+
+void dcnv3_forward_cpu(const Dcnv3Geometry& g, const Dcnv3Fields& f, int64_t batch,
+                       const at::Tensor& input, const at::Tensor& offset, const at::Tensor& mask,
+                       at::Tensor& output);
+
+void dcnv3_gradients_cpu(const Dcnv3Geometry& g, const Dcnv3Fields& f, int64_t batch,
+                         const at::Tensor& grad_output, const at::Tensor& input,
+                         const at::Tensor& offset, const at::Tensor& mask,
+                         at::Tensor& grad_input, at::Tensor& grad_offset,
+                         at::Tensor& grad_mask);
+
+}  // namespace deformconv
