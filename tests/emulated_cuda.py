@@ -36,7 +36,10 @@ def load():
         extra_include_paths=[str(EMULATION / "include")],
         extra_cflags=["-O1" if sanitize else "-O2", "-DDEFORMCONV_CUDA_EMULATION",
                       "-include", str(EMULATION / "cuda_emulation.h")] + extra,
-        extra_ldflags=extra,
+        # A copy: cpp_extension appends to the list it is given, and the changed flags of a
+        # second load() would make it build and load another copy of the library, whose ops
+        # are registered already.
+        extra_ldflags=list(extra),
         is_python_module=False,
     )
     return torch.ops.deformconv_emulated
