@@ -1,10 +1,11 @@
 """The CUDA launchers and the CUDA kernels of the ops, executed on the CPU by emulation
 (tests/cuda_emulation, built by tests/emulated_cuda.py): the real csrc/cuda sources compiled as
-C++, every block, warp and lane of every launch run in turn, lanes meeting at warp shuffles.
+C++, every block and thread of every launch run in turn, lanes meeting at warp shuffles
+and threads at block barriers.
 Checked against the CPU op and the pure-PyTorch reference: forward and all gradients, dtypes,
 several windows per block, block and thread orders, grid caps, memory layouts, every
 output_mask, and the launch bookkeeping (current stream, device guard, launch check, the
-runtime's launch limits and shuffle rules)."""
+runtime's launch limits, shuffle and barrier rules)."""
 
 import itertools
 
@@ -286,6 +287,21 @@ def test_emulator_refuses_shuffles_that_a_gpu_cannot_complete(
         emulated, member_mask, lane_mask, exiting_thread, message):
     with pytest.raises(RuntimeError, match=message):
         emulated.probe_shuffle_xor(32, member_mask, lane_mask, 32, exiting_thread)
+    assert emulated.take_bookkeeping()[4] == 1
+
+
+@pytest.mark.parametrize("thread_order", [FORWARD, REVERSE, SHUFFLED])
+def test_emulator_barrier_orders_shared_memory_across_warps(emulated, thread_order):
+    # Each thread reads what its right neighbour wrote before the barrier; in forward order
+    # thread 0 reaches its read before thread 1 has written, unless the barrier holds it.
+    set_emulator(emulated, thread_order=thread_order, seed=3)
+    assert emulated.probe_barrier(96, -1) == [10 * ((t + 1) % 96) for t in range(96)]
+    assert emulated.take_bookkeeping()[4] == 0
+
+
+def test_emulator_refuses_a_barrier_that_a_thread_has_left(emulated):
+    with pytest.raises(RuntimeError, match="thread 40 has exited while others wait"):
+        emulated.probe_barrier(64, 40)
     assert emulated.take_bookkeeping()[4] == 1
 
 

@@ -6,10 +6,10 @@
 //
 // Under nvcc it is kernel<<<blocks, threads_per_block, 0, stream>>>(arguments...). The test
 // suite compiles the same .cu files as C++ with DEFORMCONV_CUDA_EMULATION defined
-// (tests/cuda_emulation), where it runs the kernel on the CPU, block by block and in each warp
-// lane by lane (lanes meet at warp shuffles), after checking the launch against the CUDA
-// runtime's limits: the launchers' indexing, shuffles and bookkeeping are then tested without a
-// GPU, with no rewriting of their text.
+// (tests/cuda_emulation), where it runs the kernel on the CPU, block by block and in each block
+// thread by thread (threads meet at warp shuffles and barriers), after checking the launch
+// against the CUDA runtime's limits: the launchers' indexing, shuffles, shared memory and
+// bookkeeping are then tested without a GPU, with no rewriting of their text.
 
 #if defined(DEFORMCONV_CUDA_EMULATION)
 #define DEFORMCONV_LAUNCH(kernel, blocks, threads_per_block, stream) \

@@ -11,12 +11,15 @@
 //     must cover any remainder);
 //   - an invalid launch leaves a pending error, as cudaGetLastError would, which the shim of
 //     C10_CUDA_KERNEL_LAUNCH_CHECK raises;
-//   - the lanes of a warp run as coroutines (ucontext) that meet at each __shfl_xor_sync, where
-//     the values are exchanged once every lane named in the mask has arrived; a lane that
-//     names an exited lane, or reads from a lane outside the mask, fails the launch, as it
-//     would hang or read garbage on a GPU.
+//   - the threads of a block run as coroutines (ucontext) that meet at each __shfl_xor_sync,
+//     where the values of a warp's lanes are exchanged once every lane named in the mask has
+//     arrived, and at each __syncthreads, passed once every thread of the block has arrived; a
+//     lane that names an exited lane, reads from a lane outside the mask, or a barrier that a
+//     thread has exited before, fails the launch, as it would hang or read garbage on a GPU;
+//   - __shared__ is thread_local storage: the threads of a block run on one CPU thread, and a
+//     block finds there what the previous one left, as uninitialised shared memory may hold.
 // Running the threads one at a time makes a plain add in place of an atomic add correct; what
-// emulation cannot see (timing, real concurrency, device atomics, shared memory) is left to a
+// emulation cannot see (timing, real concurrency, device atomics, bank conflicts) is left to a
 // GPU.
 
 #include <ucontext.h>
@@ -41,6 +44,7 @@
 #define __device__
 #define __host__
 #define __forceinline__ inline
+#define __shared__ static thread_local
 
 struct dim3 {
   unsigned int x, y, z;
@@ -134,83 +138,94 @@ inline void after_stack_switch(void*, const void**, size_t*) {}
 
 constexpr int kWarpSize = 32;
 
-// One warp of a launch: its lanes run as coroutines, each until it exits or reaches a shuffle,
-// and the shuffles are resolved when no lane can go further.
-class Warp {
+// One block of a launch: its threads run as coroutines, each until it exits or reaches a warp
+// shuffle or __syncthreads. When no thread can go further, the shuffles of each warp are
+// resolved; when no thread waits at a shuffle, the barrier is.
+class Block {
  public:
-  // Runs `body` once per lane, lane l with threadIdx `thread_indices[l]`, visiting the lanes in
-  // `order` at each step. Returns the error that makes the warp invalid, empty if none.
+  // Runs `body` once per thread, thread t with threadIdx `thread_indices[t]`, visiting the
+  // threads in `order` at each step. Returns the error that makes the block invalid, empty if
+  // none.
   std::string run(const std::vector<dim3>& thread_indices, const std::vector<int64_t>& order,
                   const std::function<void()>& body) {
-    lane_count_ = static_cast<int>(thread_indices.size());
+    thread_count_ = static_cast<int>(thread_indices.size());
+    if (threads_.size() < thread_indices.size()) {
+      threads_.resize(thread_indices.size());
+    }
     body_ = &body;
     error_.clear();
-    for (int l = 0; l < lane_count_; ++l) {
-      Lane& lane = lanes_[l];
-      lane.thread_index = thread_indices[l];
-      lane.state = State::kRunning;
-      if (!lane.stack) {
-        lane.stack.reset(new char[kStackBytes]);
+    for (int t = 0; t < thread_count_; ++t) {
+      Thread& thread = threads_[t];
+      thread.thread_index = thread_indices[t];
+      thread.state = State::kRunning;
+      if (!thread.stack) {
+        thread.stack.reset(new char[kStackBytes]);
       }
-      getcontext(&lane.context);
-      lane.context.uc_stack.ss_sp = lane.stack.get();
-      lane.context.uc_stack.ss_size = kStackBytes;
-      lane.context.uc_link = nullptr;
-      makecontext(&lane.context, &Warp::lane_entry, 0);
+      getcontext(&thread.context);
+      thread.context.uc_stack.ss_sp = thread.stack.get();
+      thread.context.uc_stack.ss_size = kStackBytes;
+      thread.context.uc_link = nullptr;
+      makecontext(&thread.context, &Block::thread_entry, 0);
     }
-    Warp* const outer = current_warp();
-    current_warp() = this;
+    Block* const outer = current_block();
+    current_block() = this;
     while (error_.empty()) {
-      for (const int64_t l : order) {
-        if (lanes_[l].state == State::kRunning) {
-          resume(static_cast<int>(l));
+      for (const int64_t t : order) {
+        if (threads_[t].state == State::kRunning) {
+          resume(static_cast<int>(t));
         }
         if (!error_.empty()) {
           break;
         }
       }
-      if (!error_.empty() || !resolve_shuffles()) {
+      if (!error_.empty() || !resolve_waits()) {
         break;
       }
     }
-    current_warp() = outer;
+    current_block() = outer;
     return error_;
   }
 
-  // What __shfl_xor_sync does in a lane of this warp.
+  // What __shfl_xor_sync does in a thread of this block.
   template <typename T>
   T shuffle_xor(unsigned member_mask, T value, int lane_mask, int width) {
     static_assert(sizeof(T) <= sizeof(uint64_t) && std::is_trivially_copyable_v<T>);
-    Lane& lane = lanes_[running_];
-    lane.state = State::kAtShuffle;
-    lane.member_mask = member_mask;
-    lane.lane_mask = lane_mask;
-    lane.width = width;
-    lane.value = 0;
-    std::memcpy(&lane.value, &value, sizeof(T));
+    Thread& thread = threads_[running_];
+    thread.state = State::kAtShuffle;
+    thread.member_mask = member_mask;
+    thread.lane_mask = lane_mask;
+    thread.width = width;
+    thread.value = 0;
+    std::memcpy(&thread.value, &value, sizeof(T));
     yield_to_scheduler();
     T result;
-    std::memcpy(&result, &lanes_[running_].value, sizeof(T));
+    std::memcpy(&result, &threads_[running_].value, sizeof(T));
     return result;
   }
 
-  // One per thread, its lanes' stacks kept from launch to launch.
-  static Warp& of_this_thread() {
-    static thread_local Warp warp;
-    return warp;
+  // What __syncthreads does in a thread of this block.
+  void barrier() {
+    threads_[running_].state = State::kAtBarrier;
+    yield_to_scheduler();
   }
 
-  // The warp whose lane is running on this thread, null outside a warp's run.
-  static Warp*& current_warp() {
-    static thread_local Warp* warp = nullptr;
-    return warp;
+  // One per thread, its threads' stacks kept from launch to launch.
+  static Block& of_this_thread() {
+    static thread_local Block block;
+    return block;
+  }
+
+  // The block whose thread is running on this thread, null outside a block's run.
+  static Block*& current_block() {
+    static thread_local Block* block = nullptr;
+    return block;
   }
 
  private:
-  enum class State { kRunning, kAtShuffle, kExited };
+  enum class State { kRunning, kAtShuffle, kAtBarrier, kExited };
   static constexpr size_t kStackBytes = size_t(1) << 18;
 
-  struct Lane {
+  struct Thread {
     ucontext_t context;
     std::unique_ptr<char[]> stack;
     dim3 thread_index;
@@ -221,48 +236,84 @@ class Warp {
     uint64_t value = 0;  // the value offered at a shuffle, then the value received
   };
 
-  static void lane_entry() {
-    Warp& warp = *current_warp();
-    after_stack_switch(nullptr, &warp.scheduler_stack_bottom_, &warp.scheduler_stack_size_);
+  static void thread_entry() {
+    Block& block = *current_block();
+    after_stack_switch(nullptr, &block.scheduler_stack_bottom_, &block.scheduler_stack_size_);
     try {
-      (*warp.body_)();
+      (*block.body_)();
     } catch (const std::exception& e) {
-      warp.error_ = std::string("exception in a lane: ") + e.what();
+      block.error_ = std::string("exception in a thread: ") + e.what();
     }
-    warp.lanes_[warp.running_].state = State::kExited;
+    block.threads_[block.running_].state = State::kExited;
     // Leaving this stack for good: no fake stack to keep.
-    before_stack_switch(nullptr, warp.scheduler_stack_bottom_, warp.scheduler_stack_size_);
-    setcontext(&warp.scheduler_);
+    before_stack_switch(nullptr, block.scheduler_stack_bottom_, block.scheduler_stack_size_);
+    setcontext(&block.scheduler_);
   }
 
-  void resume(int l) {
-    running_ = l;
-    threadIdx = lanes_[l].thread_index;
+  void resume(int t) {
+    running_ = t;
+    threadIdx = threads_[t].thread_index;
     void* fake_stack = nullptr;
-    before_stack_switch(&fake_stack, lanes_[l].stack.get(), kStackBytes);
-    swapcontext(&scheduler_, &lanes_[l].context);
+    before_stack_switch(&fake_stack, threads_[t].stack.get(), kStackBytes);
+    swapcontext(&scheduler_, &threads_[t].context);
     after_stack_switch(fake_stack, nullptr, nullptr);
   }
 
   void yield_to_scheduler() {
-    Lane& lane = lanes_[running_];
+    Thread& thread = threads_[running_];
     void* fake_stack = nullptr;
     before_stack_switch(&fake_stack, scheduler_stack_bottom_, scheduler_stack_size_);
-    swapcontext(&lane.context, &scheduler_);
+    swapcontext(&thread.context, &scheduler_);
     after_stack_switch(fake_stack, &scheduler_stack_bottom_, &scheduler_stack_size_);
   }
 
-  // Every lane has exited or waits at a shuffle: exchanges the values of the waiting lanes.
-  // False when none waits (the warp is done) or the shuffles are invalid (error_ says why).
-  bool resolve_shuffles() {
-    bool any_waiting = false;
+  // Every thread has exited or waits: the shuffles first, warp by warp, and the barrier once no
+  // thread waits at a shuffle. False when every thread has exited (the block is done) or the
+  // waits cannot complete (error_ says why).
+  bool resolve_waits() {
+    bool at_shuffle = false, at_barrier = false;
+    int exited = -1;
+    for (int t = 0; t < thread_count_; ++t) {
+      at_shuffle |= threads_[t].state == State::kAtShuffle;
+      at_barrier |= threads_[t].state == State::kAtBarrier;
+      if (threads_[t].state == State::kExited && exited < 0) {
+        exited = t;
+      }
+    }
+    if (at_shuffle) {
+      for (int first = 0; first < thread_count_; first += kWarpSize) {
+        if (!resolve_shuffles(first)) {
+          return false;
+        }
+      }
+      return true;
+    }
+    if (!at_barrier) {
+      return false;
+    }
+    // A GPU counts exited threads out of a barrier on some architectures and hangs on others;
+    // CUDA allows __syncthreads only where every thread of the block reaches it.
+    if (exited >= 0) {
+      return fail("__syncthreads: thread " + std::to_string(exited) +
+                  " has exited while others wait at the barrier");
+    }
+    for (int t = 0; t < thread_count_; ++t) {
+      threads_[t].state = State::kRunning;
+    }
+    return true;
+  }
+
+  // Exchanges the values of the threads of the warp that starts at thread `first` that wait at
+  // a shuffle. False when the shuffles are invalid.
+  bool resolve_shuffles(int first) {
+    const int lane_count = std::min(kWarpSize, thread_count_ - first);
+    Thread* const lanes = &threads_[first];
     uint64_t received[kWarpSize];
-    for (int l = 0; l < lane_count_; ++l) {
-      const Lane& lane = lanes_[l];
+    for (int l = 0; l < lane_count; ++l) {
+      const Thread& lane = lanes[l];
       if (lane.state != State::kAtShuffle) {
         continue;
       }
-      any_waiting = true;
       if ((lane.member_mask >> l & 1u) == 0) {
         return fail("__shfl_xor_sync: lane " + std::to_string(l) + " is not in its own mask");
       }
@@ -270,10 +321,11 @@ class Warp {
         if ((lane.member_mask >> other & 1u) == 0) {
           continue;
         }
-        if (other >= lane_count_ || lanes_[other].state != State::kAtShuffle ||
-            lanes_[other].member_mask != lane.member_mask) {
+        if (other >= lane_count || lanes[other].state != State::kAtShuffle ||
+            lanes[other].member_mask != lane.member_mask) {
           return fail("__shfl_xor_sync: lane " + std::to_string(l) + " waits for lane " +
-                      std::to_string(other) + ", which has exited or waits at another shuffle");
+                      std::to_string(other) +
+                      ", which has exited or waits at another shuffle or a barrier");
         }
       }
       // A source past the lane's own group of `width` lanes gives the lane its own value.
@@ -283,15 +335,15 @@ class Warp {
         return fail("__shfl_xor_sync: lane " + std::to_string(l) + " reads lane " +
                     std::to_string(source) + ", outside the mask");
       }
-      received[l] = in_group ? lanes_[source].value : lane.value;
+      received[l] = in_group ? lanes[source].value : lane.value;
     }
-    for (int l = 0; l < lane_count_; ++l) {
-      if (lanes_[l].state == State::kAtShuffle) {
-        lanes_[l].value = received[l];
-        lanes_[l].state = State::kRunning;
+    for (int l = 0; l < lane_count; ++l) {
+      if (lanes[l].state == State::kAtShuffle) {
+        lanes[l].value = received[l];
+        lanes[l].state = State::kRunning;
       }
     }
-    return any_waiting;
+    return true;
   }
 
   bool fail(std::string message) {
@@ -299,8 +351,8 @@ class Warp {
     return false;
   }
 
-  Lane lanes_[kWarpSize];
-  int lane_count_ = 0;
+  std::vector<Thread> threads_;
+  int thread_count_ = 0;
   int running_ = 0;
   const std::function<void()>* body_ = nullptr;
   ucontext_t scheduler_;
@@ -340,7 +392,7 @@ inline std::string check_configuration(int64_t grid_x, const dim3& grid, int64_t
   return "";
 }
 
-// Runs every block of the launch, and in each block every warp, lane by lane (Warp).
+// Runs every block of the launch, each as coroutine threads (Block).
 template <typename... Parameters>
 std::string run(void (*kernel)(Parameters...), const dim3& grid, const dim3& block,
                 std::remove_cv_t<std::remove_reference_t<Parameters>>... arguments) {
@@ -351,27 +403,22 @@ std::string run(void (*kernel)(Parameters...), const dim3& grid, const dim3& blo
   blockDim = block;
   const int64_t blocks = grid_x * grid.y * grid.z;
   const int64_t threads = int64_t(block.x) * block.y * block.z;
-  const int64_t warps = (threads + kWarpSize - 1) / kWarpSize;
   const std::function<void()> body = [&] { kernel(arguments...); };
-  Warp& warp = Warp::of_this_thread();
+  Block& emulated_block = Block::of_this_thread();
   std::vector<dim3> thread_indices;
+  for (int64_t t = 0; t < threads; ++t) {
+    thread_indices.push_back(dim3(static_cast<unsigned int>(t % block.x),
+                                  static_cast<unsigned int>(t / block.x % block.y),
+                                  static_cast<unsigned int>(t / block.x / block.y)));
+  }
   for (const int64_t b : visiting_order(blocks, s.block_order, random)) {
     blockIdx = dim3(static_cast<unsigned int>(b % grid_x),
                     static_cast<unsigned int>(b / grid_x % grid.y),
                     static_cast<unsigned int>(b / grid_x / grid.y));
-    for (const int64_t w : visiting_order(warps, s.thread_order, random)) {
-      thread_indices.clear();
-      for (int64_t t = w * kWarpSize; t < std::min(threads, (w + 1) * kWarpSize); ++t) {
-        thread_indices.push_back(dim3(static_cast<unsigned int>(t % block.x),
-                                      static_cast<unsigned int>(t / block.x % block.y),
-                                      static_cast<unsigned int>(t / block.x / block.y)));
-      }
-      const int64_t lanes = static_cast<int64_t>(thread_indices.size());
-      std::string error = warp.run(thread_indices, visiting_order(lanes, s.thread_order, random),
-                                   body);
-      if (!error.empty()) {
-        return error;
-      }
+    std::string error = emulated_block.run(
+        thread_indices, visiting_order(threads, s.thread_order, random), body);
+    if (!error.empty()) {
+      return error;
     }
   }
   return "";
@@ -424,6 +471,9 @@ inline std::string take_launch_error() {
 template <typename T>
 T __shfl_xor_sync(unsigned member_mask, T value, int lane_mask,
                   int width = ::cuda_emulation::kWarpSize) {
-  ::cuda_emulation::Warp* warp = ::cuda_emulation::Warp::current_warp();
-  return warp->shuffle_xor(member_mask, value, lane_mask, width);
+  return ::cuda_emulation::Block::current_block()->shuffle_xor(member_mask, value, lane_mask,
+                                                               width);
 }
+
+// The block-wide barrier.
+inline void __syncthreads() { ::cuda_emulation::Block::current_block()->barrier(); }

@@ -103,6 +103,33 @@ std::vector<int64_t> probe_shuffle_xor(int64_t threads, int64_t member_mask, int
   return received;
 }
 
+__global__ void barrier_kernel(int64_t* received, int64_t exiting_thread) {
+  constexpr int kMostThreads = 1024;
+  __shared__ int64_t offered[kMostThreads];
+  const int64_t thread = threadIdx.x;
+  if (thread == exiting_thread) {
+    return;
+  }
+  offered[thread] = 10 * thread;
+  __syncthreads();
+  received[thread] = offered[(thread + 1) % blockDim.x];
+  // What a next launch finds before its threads write: a read the barrier did not hold back
+  // sees -1.
+  __syncthreads();
+  offered[thread] = -1;
+}
+
+// One block of `threads` threads, each but `exiting_thread` offering 10 times its index in
+// shared memory and, past a barrier, reading its right neighbour's (-1: took no part), or the
+// launch error. For the tests of the emulator's barriers and shared memory.
+std::vector<int64_t> probe_barrier(int64_t threads, int64_t exiting_thread) {
+  std::vector<int64_t> received(static_cast<size_t>(threads), -1);
+  DEFORMCONV_LAUNCH(barrier_kernel, 1, threads, c10::cuda::getCurrentCUDAStream())(
+      received.data(), exiting_thread);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return received;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(deformconv_emulated, m) {
@@ -120,6 +147,7 @@ TORCH_LIBRARY(deformconv_emulated, m) {
   m.def("probe_launch(int blocks, int threads_per_block) -> int");
   m.def("probe_shuffle_xor(int threads, int member_mask, int lane_mask, int width, "
         "int exiting_thread) -> int[]");
+  m.def("probe_barrier(int threads, int exiting_thread) -> int[]");
 }
 
 TORCH_LIBRARY_IMPL(deformconv_emulated, CPU, m) {
@@ -138,6 +166,7 @@ TORCH_LIBRARY_IMPL(deformconv_emulated, CompositeExplicitAutograd, m) {
   m.impl("_take_branch_trace", TORCH_FN(take_branch_trace));
   m.impl("probe_launch", TORCH_FN(probe_launch));
   m.impl("probe_shuffle_xor", TORCH_FN(probe_shuffle_xor));
+  m.impl("probe_barrier", TORCH_FN(probe_barrier));
 }
 
 }  // namespace deformconv
