@@ -172,13 +172,62 @@ def emulated():
     return load()
 
 
+# The CUDA launchers' tiling (csrc/cuda/dcnv3_cuda.cu), to say which paths a shape takes.
+STAGED_BYTES = 32 * 1024  # kStagedBytes
+WARP = 32
+THREADS_PER_BLOCK = 256
+
+
+def shared_sample_bytes(dtype):
+    """sizeof(SharedSample<opmath_t>): an int64, an int and 7 values, 8-byte aligned."""
+    return 40 if opmath_bytes(dtype) == 4 else 72
+
+
+def expected_cuda_branches(group_channels, dtype, points, aligned):
+    wide = 16 // dtype.itemsize
+    width = wide if aligned and group_channels % wide == 0 else 1
+    vectors = group_channels // width
+    lanes = 1
+    while lanes < vectors and lanes < WARP:
+        lanes *= 2
+    names = {"dcnv3.cuda.channels.vectors_of_16_bytes" if width > 1
+             else "dcnv3.cuda.channels.one_at_a_time"}
+    if -(-vectors // lanes) > 1:
+        names.add("dcnv3.cuda.channels.several_passes")
+    if STAGED_BYTES // shared_sample_bytes(dtype) // (THREADS_PER_BLOCK // lanes) < points:
+        names.add("dcnv3.cuda.points.several_rounds")
+    return names
+
+
+CUDA_BRANCHES = {"dcnv3.cuda.channels.vectors_of_16_bytes", "dcnv3.cuda.channels.one_at_a_time",
+                 "dcnv3.cuda.channels.several_passes", "dcnv3.cuda.points.several_rounds",
+                 "dcnv3.cuda.backward.input_gradient",
+                 "dcnv3.cuda.backward.offset_mask_gradients"}
+
+
+def misaligned(tensor):
+    """The same values, contiguous, one element past a 16-byte boundary."""
+    storage = torch.empty(tensor.numel() + 1, dtype=tensor.dtype)
+    shifted = storage[1:].view(tensor.shape)
+    shifted.copy_(tensor)
+    return shifted
+
+
+# (group channels, input aligned to 16 bytes). 16: vectors of 16 bytes in every dtype. 12: a
+# vector lane of four idle in float32, one channel at a time in half precision. 5: one channel
+# at a time. 33: two passes of a warp's lanes. 1: one lane an item, 256 items a block, the
+# points staged in several rounds. 16 misaligned: one channel at a time.
+CUDA_CASES = [(16, True), (12, True), (5, True), (33, True), (1, True), (16, False)]
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("group_channels", [16, 12])
+@pytest.mark.parametrize("group_channels,aligned", CUDA_CASES,
+                         ids=[f"D{D}-{'aligned' if a else 'misaligned'}" for D, a in CUDA_CASES])
 @pytest.mark.parametrize("op", ["dcnv3", "dcnv4"])
-def test_emulated_cuda_paths(emulated, op, group_channels, dtype):
-    """The CUDA launchers under the emulator: the input gradient's kernel and the offset and
-    mask gradients' kernel, each run when asked for, every combination, against the float64
-    CPU op with every gradient."""
+def test_emulated_cuda_paths(emulated, op, group_channels, aligned, dtype):
+    """The CUDA launchers under the emulator, each of their paths forced by the group's channels
+    and the input's alignment and checked to have run: the forward, and the backward kernel for
+    every combination of requested gradients, against the float64 CPU op with every gradient."""
     geometry = geometry_of(group_channels)
     input, offset, mask = random_operands(2, 5, 7, geometry, seed=group_channels)
     if op == "dcnv3":
@@ -186,6 +235,8 @@ def test_emulated_cuda_paths(emulated, op, group_channels, dtype):
     else:
         exact = [input, pack_offset_mask(offset, mask, 2, padding_value=0.0)]
     operands = [t.to(dtype) for t in exact]
+    if not aligned:
+        operands[0] = misaligned(operands[0])
     rounded = [t.double() for t in operands]
     cpu_backward = getattr(torch.ops.deformconv, op + "_backward")
     cuda_forward = getattr(emulated, op)
@@ -195,15 +246,18 @@ def test_emulated_cuda_paths(emulated, op, group_channels, dtype):
     grad_output = torch.randn(expected.shape, generator=torch.Generator().manual_seed(1),
                               dtype=torch.float64)
     expected_grads = cpu_backward(grad_output, *rounded, *tail, [True] * len(exact))
-    assert_close_at(cuda_forward(*operands, *tail), expected, dtype, "output")
+    paths = expected_cuda_branches(group_channels, dtype, 9, aligned)
+    with branch_trace(emulated) as taken:
+        out = cuda_forward(*operands, *tail)
+    assert taken & CUDA_BRANCHES == paths, sorted(taken)
+    assert_close_at(out, expected, dtype, "output")
     for requested in requested_subsets(len(exact)):
         with branch_trace(emulated) as taken:
             grads = cuda_backward(grad_output.to(dtype), *operands, *tail, list(requested))
-        kernels = {"dcnv3.cuda.backward.input_pass"} if requested[0] else set()
+        kernel = {"dcnv3.cuda.backward.input_gradient"} if requested[0] else set()
         if any(requested[1:]):
-            kernels.add("dcnv3.cuda.backward.offset_mask_pass")
-        assert taken & {"dcnv3.cuda.backward.input_pass",
-                        "dcnv3.cuda.backward.offset_mask_pass"} == kernels, sorted(taken)
+            kernel.add("dcnv3.cuda.backward.offset_mask_gradients")
+        assert taken & CUDA_BRANCHES == paths | kernel, sorted(taken)
         for index, (want, grad, full) in enumerate(zip(requested, grads, expected_grads)):
             if want:
                 assert_close_at(grad, full, dtype, f"gradient {index} of {requested}")

@@ -1,8 +1,10 @@
 """Every CUDA kernel of every op once, forward and backward, in each dtype, on small operands:
 the program that tools/gpu_check.sh runs under compute-sanitizer (memcheck, racecheck), which
 slows each launch down a hundredfold. DCN v1 and v2, with conv and deform groups, a block of
-several windows and an empty batch; DCNv3 and DCNv4 with and without remove_center; every
-gradient asked for, then each alone. Prints one line per op and dtype.
+several windows and an empty batch; DCNv3 and DCNv4 with and without remove_center, on every
+path of their launchers (channel vectors of 16 bytes or one channel at a time, for a group's
+width or the input's alignment; several passes of a warp over a group's channels; the points
+staged in several rounds); every gradient asked for, then each alone. Prints one line per op and dtype.
 
     python tools/gpu_kernels_once.py
 """
@@ -35,10 +37,14 @@ def deform_conv2d_once(dtype, batch, channels, groups, offset_groups, side, with
                                                     output_mask)
 
 
-def dcnv3_once(dtype, op, remove_center):
+def dcnv3_once(dtype, op, remove_center, group_channels=16, misaligned=False):
     generator = torch.Generator().manual_seed(1)
-    groups, group_channels, points = 2, 16, 9 - int(remove_center)
+    groups, points = 2, 9 - int(remove_center)
     x = torch.randn(2, 7, 8, groups * group_channels, generator=generator).to("cuda", dtype)
+    if misaligned:
+        # The same values one element past the allocation's start: no 16-byte loads.
+        storage = torch.empty(x.numel() + 1, device="cuda", dtype=dtype)
+        x = storage[1:].view(x.shape).copy_(x)
     offset = (torch.randn(2, 7, 8, groups * points * 2, generator=generator) * 2).to(
         "cuda", dtype)
     mask = torch.rand(2, 7, 8, groups * points, generator=generator).to("cuda", dtype)
@@ -74,6 +80,10 @@ def main() -> int:
         for op in ("dcnv3", "dcnv4"):
             for remove_center in (False, True):
                 dcnv3_once(dtype, op, remove_center)
+            # One channel at a time (5), two passes (33), several rounds (1), misaligned.
+            for group_channels in (5, 33, 1):
+                dcnv3_once(dtype, op, False, group_channels)
+            dcnv3_once(dtype, op, False, misaligned=True)
             torch.cuda.synchronize()
             print(f"gpu_kernels_once: {op} {name} ok", flush=True)
     return 0

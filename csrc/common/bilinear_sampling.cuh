@@ -112,22 +112,66 @@ C10_HOST_DEVICE inline void corner_indices(const BilinearCell<opmath_t>& cell, i
   }
 }
 
-// The plan of a sample at (y, x) with modulation m (1 for DCN v1) in a height x width grid.
+// m * the bilinear weight of each corner of a cell, 0 for a corner outside the image.
 template <typename opmath_t>
-C10_HOST_DEVICE inline SamplingPlan<opmath_t> plan_at(opmath_t y, opmath_t x, opmath_t m,
-                                                     int64_t height, int64_t width) {
-  const BilinearCell<opmath_t> cell = locate_cell(y, x, height, width);
+C10_HOST_DEVICE inline void corner_weights(const BilinearCell<opmath_t>& cell, opmath_t m,
+                                           opmath_t weight[4]) {
   const opmath_t hy = opmath_t(1) - cell.ly;
   const opmath_t hx = opmath_t(1) - cell.lx;
   bool inside[4];
   corners_inside(cell, inside);
   const opmath_t corner_weight[4] = {hy * hx, hy * cell.lx, cell.ly * hx, cell.ly * cell.lx};
+  for (int corner = 0; corner < 4; ++corner) {
+    weight[corner] = inside[corner] ? m * corner_weight[corner] : opmath_t(0);
+  }
+}
+
+// The plan of a sample at (y, x) with modulation m (1 for DCN v1) in a height x width grid.
+template <typename opmath_t>
+C10_HOST_DEVICE inline SamplingPlan<opmath_t> plan_at(opmath_t y, opmath_t x, opmath_t m,
+                                                     int64_t height, int64_t width) {
+  const BilinearCell<opmath_t> cell = locate_cell(y, x, height, width);
   SamplingPlan<opmath_t> plan;
   corner_indices(cell, width, plan.index);
-  for (int corner = 0; corner < 4; ++corner) {
-    plan.weight[corner] = inside[corner] ? m * corner_weight[corner] : opmath_t(0);
-  }
+  corner_weights(cell, m, plan.weight);
   return plan;
+}
+
+// Everything the forward and both adjoints need of one sample, located once and shared by the
+// threads that handle its channels: a CUDA block stages these in shared memory, so it is
+// plain data without initialisers, as __shared__ storage requires, and compact (one grid index
+// and a bit per corner instead of four indices).
+template <typename opmath_t>
+struct SharedSample {
+  int64_t top_left;    // grid index of corner (y0, x0), valid only where `corners` says so
+  int corners;         // bit c set: corner c is in the image (corners_inside's order)
+  opmath_t weight[4];  // m * bilinear weight, 0 outside
+  opmath_t ly, lx;     // the sample's place in its cell (0 for a sample outside)
+  opmath_t mask;       // m
+};
+
+template <typename opmath_t>
+C10_HOST_DEVICE inline SharedSample<opmath_t> share_sample(opmath_t y, opmath_t x, opmath_t m,
+                                                          int64_t height, int64_t width) {
+  const BilinearCell<opmath_t> cell = locate_cell(y, x, height, width);
+  bool inside[4];
+  corners_inside(cell, inside);
+  SharedSample<opmath_t> sample;
+  sample.top_left = cell.y0 * width + cell.x0;
+  sample.corners = int(inside[0]) | int(inside[1]) << 1 | int(inside[2]) << 2 |
+      int(inside[3]) << 3;
+  corner_weights(cell, m, sample.weight);
+  sample.ly = cell.ly;
+  sample.lx = cell.lx;
+  sample.mask = m;
+  return sample;
+}
+
+// The grid index of corner `corner` (0 to 3, corners_inside's order) of a shared sample.
+template <typename opmath_t>
+C10_HOST_DEVICE inline int64_t corner_index(const SharedSample<opmath_t>& sample, int corner,
+                                            int64_t width) {
+  return sample.top_left + (corner & 1) + (corner >> 1) * width;
 }
 
 // m * bilinear(image, (y, x)) of one channel, `channel` as in the comment at the top, in the

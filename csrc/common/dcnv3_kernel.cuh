@@ -67,13 +67,6 @@ C10_HOST_DEVICE inline Dcnv3Sample dcnv3_sample_at(const Dcnv3Geometry& g, int64
   return s;
 }
 
-// The sample of flat index ((pixel * G) + group) * P + point, the order of the mask tensor.
-C10_HOST_DEVICE inline Dcnv3Sample dcnv3_sample(const Dcnv3Geometry& g, int64_t index) {
-  const int64_t point = index % g.points();
-  index /= g.points();
-  return dcnv3_sample_at(g, index / g.groups, index % g.groups, point);
-}
-
 // The kernel column i (along x) and row j (along y) of a point: points run column by column,
 // and with remove_center the centre (kw / 2, kh / 2) is skipped.
 C10_HOST_DEVICE inline void dcnv3_tap(const Dcnv3Geometry& g, int64_t point, int64_t& i,
@@ -140,35 +133,6 @@ C10_HOST_DEVICE inline void dcnv3_position(const Dcnv3Geometry& g, const Dcnv3Fi
       mask[s.pixel * f.mask_pixel_stride + s.group * f.mask_group_stride + s.point]);
 }
 
-template <typename scalar_t>
-C10_HOST_DEVICE inline SamplingPlan<at::opmath_type<scalar_t>> dcnv3_plan(
-    const Dcnv3Geometry& g, const Dcnv3Fields& f, const Dcnv3Sample& s, const scalar_t* offset,
-    const scalar_t* mask) {
-  using opmath_t = at::opmath_type<scalar_t>;
-  opmath_t y, x, m;
-  dcnv3_position(g, f, s, offset, mask, y, x, m);
-  return plan_at(y, x, m, g.height, g.width);
-}
-
-// Channel 0 of a sample's group at grid pixel 0 of its image, in a channels-last (N, H, W, C)
-// tensor; grid pixel q of channel c is at q * C + c from there.
-template <typename scalar_t>
-C10_HOST_DEVICE inline scalar_t* dcnv3_group_channels(const Dcnv3Geometry& g, scalar_t* data,
-                                                      const Dcnv3Sample& s) {
-  return data + s.n * g.in_pixels() * g.channels() + s.group * g.group_channels;
-}
-
-// Locates a sample for its offset and mask gradients (bilinear_sampling.cuh's three steps).
-template <typename scalar_t>
-C10_HOST_DEVICE inline OffsetMaskGrad<at::opmath_type<scalar_t>> dcnv3_start_grad(
-    const Dcnv3Geometry& g, const Dcnv3Fields& f, const Dcnv3Sample& s, const scalar_t* offset,
-    const scalar_t* mask) {
-  using opmath_t = at::opmath_type<scalar_t>;
-  opmath_t y, x, m;
-  dcnv3_position(g, f, s, offset, mask, y, x, m);
-  return start_position_grad(y, x, m, g.height, g.width);
-}
-
 // Where the offset and mask gradients of a (pixel, group)'s points start, either null when not
 // asked for: its first point's offset x and mask value.
 template <typename scalar_t>
@@ -201,18 +165,6 @@ C10_HOST_DEVICE inline void dcnv3_write_grad(
   if (group_grad_mask != nullptr) {
     group_grad_mask[point] = static_cast<scalar_t>(sums.m);
   }
-}
-
-// The same for a sample, either pointer null when not asked for.
-template <typename scalar_t>
-C10_HOST_DEVICE inline void dcnv3_finish_grad(
-    const Dcnv3Geometry& g, const Dcnv3Fields& f, const Dcnv3Sample& s,
-    at::opmath_type<scalar_t> m, const OffsetMaskGradSums<at::opmath_type<scalar_t>>& sums,
-    scalar_t* grad_offset, scalar_t* grad_mask) {
-  scalar_t *group_grad_offset, *group_grad_mask;
-  dcnv3_group_grads(f, s.pixel, s.group, grad_offset, grad_mask, group_grad_offset,
-                    group_grad_mask);
-  dcnv3_write_grad(g, s.point, m, sums, group_grad_offset, group_grad_mask);
 }
 
 }  // namespace deformconv

@@ -1,15 +1,30 @@
-// CUDA launchers of DCNv3: grid-stride kernels over dcnv3_kernel.cuh's element functions, on
-// the current stream, int64 indices. The forward and the input gradient run one thread per
-// (output pixel, group, channel), neighbouring threads on neighbouring channels of one sample
-// so that their reads and writes coalesce; the offset and mask gradients run one thread per
-// sample, summing its group's channels.
+// CUDA launchers of DCNv3, on the current stream, int64 indices.
+//
+// The work is split into items, the (output pixel, group) pairs of the batch, numbered
+// pixel * G + group, which is also where an item's D channels lie in the output. An item gets
+// `lanes` consecutive threads of one warp; lane l takes the vectors of kVector channels
+// l, l + lanes, ... of the group (a pass each), kVector channels being 16 bytes where the group's
+// channels and the tensors' alignment allow, else 1. Neighbouring lanes read neighbouring
+// vectors of a corner pixel, and neighbouring items the next group of the same pixel, so that
+// a warp's reads and writes coalesce.
+//
+// A block holds kThreadsPerBlock / lanes items. Before its threads sample, it locates each
+// sample (item, point) of a round of points once, in shared memory (SharedSample): the offsets
+// and the mask are read once, coalesced, and the sampling positions and corner weights are
+// computed once per sample rather than once per channel vector. The backward computes the
+// input gradient and the offset and mask gradients in one kernel, which reads the output's
+// gradient once for both; a sample's offset and mask gradients are dot products over its
+// group's channels, summed over the item's lanes with warp shuffles and written by lane 0.
 
 #include <ATen/Dispatch.h>
 #include <ATen/core/Tensor.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAStream.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <initializer_list>
+#include <type_traits>
 
 #include "../common/dcnv3_kernel.cuh"
 #include "../pytorch/branch_trace.h"
@@ -19,131 +34,321 @@
 namespace deformconv {
 namespace {
 
-// The (pixel, group) sample of output element `index`, channel `channel` within the group.
-C10_HOST_DEVICE inline Dcnv3Sample dcnv3_sample_of_element(const Dcnv3Geometry& g, int64_t index,
-                                                          int64_t& channel) {
-  channel = index % g.group_channels;
-  const int64_t pixel_group = index / g.group_channels;
-  return dcnv3_sample_at(g, pixel_group / g.groups, pixel_group % g.groups, 0);
+// Shared memory of a block's staged samples: a round holds as many as fit.
+constexpr int64_t kStagedBytes = 32 * 1024;
+
+template <typename opmath_t>
+constexpr int64_t kStagedSamples = kStagedBytes / sizeof(SharedSample<opmath_t>);
+
+// How a launch divides the work (see the top of the file).
+struct Dcnv3Tiling {
+  int64_t items;         // (output pixel, group) pairs of the batch
+  int64_t vectors;       // vectors of kVector channels in a group: D / kVector
+  int64_t passes;        // vectors each lane takes in turn: ceil(vectors / lanes)
+  int lanes;             // threads per item: a power of two of at most a warp
+  int items_per_block;   // kThreadsPerBlock / lanes
+  int points_per_round;  // points of each item staged at once
+};
+
+Dcnv3Tiling tiling_of(const Dcnv3Geometry& g, int64_t batch, int vector_width,
+                      int64_t staged_samples) {
+  Dcnv3Tiling t;
+  t.items = batch * g.out_pixels() * g.groups;
+  t.vectors = g.group_channels / vector_width;
+  t.lanes = 1;
+  while (t.lanes < t.vectors && t.lanes < kWarpSize) {
+    t.lanes *= 2;
+  }
+  t.passes = (t.vectors + t.lanes - 1) / t.lanes;
+  t.items_per_block = kThreadsPerBlock / t.lanes;
+  // As few rounds as fit, of points as even in number as can be.
+  const int64_t most_points = staged_samples / t.items_per_block;
+  const int64_t rounds = std::max<int64_t>(1, (g.points() + most_points - 1) / most_points);
+  t.points_per_round = static_cast<int>(std::max<int64_t>(1, (g.points() + rounds - 1) / rounds));
+  return t;
 }
 
+// kVector consecutive channels, loaded and stored in one access.
+template <typename scalar_t, int kVector>
+struct alignas(sizeof(scalar_t) * kVector) ChannelVector {
+  scalar_t value[kVector];
+};
+
+template <typename scalar_t, int kVector>
+__device__ inline ChannelVector<scalar_t, kVector> load_vector(const scalar_t* address) {
+  return *reinterpret_cast<const ChannelVector<scalar_t, kVector>*>(address);
+}
+
+// Channel 0 of an item's group at grid pixel 0 of its image, in a channels-last (N, H, W, G * D)
+// tensor.
+__device__ inline int64_t group_start(const Dcnv3Geometry& g, int64_t item) {
+  const int64_t image = item / g.groups / g.out_pixels();
+  return image * g.in_pixels() * g.channels() + item % g.groups * g.group_channels;
+}
+
+// Locates the samples of points [first_point, first_point + points) of the block's items, the
+// threads taking them in turn, into staged[slot * points_per_round + point - first_point].
 template <typename scalar_t>
-__global__ void dcnv3_forward_kernel(Dcnv3Geometry g, Dcnv3Fields f, int64_t total,
+__device__ inline void stage_round(const Dcnv3Geometry& g, const Dcnv3Fields& f,
+                                   const Dcnv3Tiling& t, int64_t first_item,
+                                   int64_t first_point, int points, const scalar_t* offset,
+                                   const scalar_t* mask,
+                                   SharedSample<at::opmath_type<scalar_t>>* staged) {
+  using opmath_t = at::opmath_type<scalar_t>;
+  for (int i = threadIdx.x; i < t.items_per_block * points; i += blockDim.x) {
+    const int slot = i / points;
+    const int point = i % points;
+    const int64_t item = first_item + slot;
+    if (item < t.items) {
+      const Dcnv3Sample s =
+          dcnv3_sample_at(g, item / g.groups, item % g.groups, first_point + point);
+      opmath_t y, x, m;
+      dcnv3_position(g, f, s, offset, mask, y, x, m);
+      staged[slot * t.points_per_round + point] = share_sample(y, x, m, g.height, g.width);
+    }
+  }
+}
+
+// Adds m * bilinear(sample) of kVector channels to `sum`: corners of zero weight are not read,
+// so that an infinite value where a sample takes no part cannot make NaN (as
+// sample_value_with_plan).
+template <typename scalar_t, int kVector>
+__device__ inline void add_sample(const SharedSample<at::opmath_type<scalar_t>>& sample,
+                                  const scalar_t* channels, int64_t channel_stride,
+                                  int64_t width, at::opmath_type<scalar_t>* sum) {
+  using opmath_t = at::opmath_type<scalar_t>;
+  opmath_t value[kVector] = {};
+  for (int corner = 0; corner < 4; ++corner) {
+    const opmath_t weight = sample.weight[corner];
+    if (weight != opmath_t(0)) {
+      const auto read = load_vector<scalar_t, kVector>(
+          channels + corner_index(sample, corner, width) * channel_stride);
+      for (int e = 0; e < kVector; ++e) {
+        value[e] += weight * static_cast<opmath_t>(read.value[e]);
+      }
+    }
+  }
+  for (int e = 0; e < kVector; ++e) {
+    sum[e] += value[e];
+  }
+}
+
+template <typename scalar_t, int kVector>
+__global__ void dcnv3_forward_kernel(Dcnv3Geometry g, Dcnv3Fields f, Dcnv3Tiling t,
                                      const scalar_t* input, const scalar_t* offset,
                                      const scalar_t* mask, scalar_t* output) {
   using opmath_t = at::opmath_type<scalar_t>;
-  DEFORMCONV_GRID_STRIDE_LOOP(index, total) {
-    int64_t channel;
-    Dcnv3Sample s = dcnv3_sample_of_element(g, index, channel);
-    const scalar_t* channels = dcnv3_group_channels(g, input, s) + channel;
-    opmath_t sum = 0;
-    for (s.point = 0; s.point < g.points(); ++s.point) {
-      sum += sample_value_with_plan(dcnv3_plan(g, f, s, offset, mask), channels, g.channels());
-    }
-    output[index] = static_cast<scalar_t>(sum);
-  }
-}
-
-// scatter_with_plan adds atomically (scatter_add under __CUDA_ARCH__), into a gradient of
-// at::opmath_type (Note [Input gradient sums in float32]).
-template <typename scalar_t>
-__global__ void dcnv3_input_grad_kernel(Dcnv3Geometry g, Dcnv3Fields f, int64_t total,
-                                        const scalar_t* grad_output, const scalar_t* offset,
-                                        const scalar_t* mask,
-                                        at::opmath_type<scalar_t>* grad_input) {
-  DEFORMCONV_GRID_STRIDE_LOOP(index, total) {
-    int64_t channel;
-    Dcnv3Sample s = dcnv3_sample_of_element(g, index, channel);
-    auto* grad_channels = dcnv3_group_channels(g, grad_input, s) + channel;
-    for (s.point = 0; s.point < g.points(); ++s.point) {
-      scatter_with_plan(dcnv3_plan(g, f, s, offset, mask), grad_output + index, 1, grad_channels,
-                        g.channels());
-    }
-  }
-}
-
-template <typename scalar_t>
-__global__ void dcnv3_offset_mask_grad_kernel(Dcnv3Geometry g, Dcnv3Fields f, int64_t samples,
-                                              const scalar_t* grad_output, const scalar_t* input,
-                                              const scalar_t* offset, const scalar_t* mask,
-                                              scalar_t* grad_offset, scalar_t* grad_mask) {
-  using opmath_t = at::opmath_type<scalar_t>;
-  DEFORMCONV_GRID_STRIDE_LOOP(index, samples) {
-    const Dcnv3Sample s = dcnv3_sample(g, index);
-    const auto acc = dcnv3_start_grad(g, f, s, offset, mask);
-    OffsetMaskGradSums<opmath_t> sums;
-    if (acc.cell.inside) {
-      const scalar_t* grad = grad_output + s.pixel * g.channels() + s.group * g.group_channels;
-      const scalar_t* channels = dcnv3_group_channels(g, input, s);
-      opmath_t dots[4] = {0, 0, 0, 0};
-      for (int64_t c = 0; c < g.group_channels; ++c) {
-        accumulate_corner_dots(acc, grad[c], channels + c, g.channels(), dots);
+  __shared__ SharedSample<opmath_t> staged[kStagedSamples<opmath_t>];
+  const int slot = threadIdx.x / t.lanes;
+  const int lane = threadIdx.x % t.lanes;
+  const int64_t points = g.points();
+  // Every thread runs every round of its block, active or not: the rounds end in barriers.
+  for (int64_t first_item = int64_t(blockIdx.x) * t.items_per_block; first_item < t.items;
+       first_item += int64_t(gridDim.x) * t.items_per_block) {
+    const int64_t item = first_item + slot;
+    for (int64_t pass = 0; pass < t.passes; ++pass) {
+      const int64_t vector = pass * t.lanes + lane;
+      const bool active = item < t.items && vector < t.vectors;
+      const int64_t channel = active ? group_start(g, item) + vector * kVector : 0;
+      opmath_t sum[kVector] = {};
+      for (int64_t first_point = 0; first_point < points; first_point += t.points_per_round) {
+        const int round_points = static_cast<int>(
+            points - first_point < t.points_per_round ? points - first_point : t.points_per_round);
+        __syncthreads();  // the previous round is read
+        stage_round(g, f, t, first_item, first_point, round_points, offset, mask, staged);
+        __syncthreads();
+        if (active) {
+          for (int point = 0; point < round_points; ++point) {
+            add_sample<scalar_t, kVector>(staged[slot * t.points_per_round + point],
+                                          input + channel, g.channels(), g.width, sum);
+          }
+        }
       }
-      sums = offset_mask_grad_sums_of_dots(acc.cell, dots);
+      if (active) {
+        ChannelVector<scalar_t, kVector> result;
+        for (int e = 0; e < kVector; ++e) {
+          result.value[e] = static_cast<scalar_t>(sum[e]);
+        }
+        *reinterpret_cast<ChannelVector<scalar_t, kVector>*>(
+            output + item * g.group_channels + vector * kVector) = result;
+      }
     }
-    dcnv3_finish_grad(g, f, s, acc.mask, sums, grad_offset, grad_mask);
   }
+}
+
+// The sum of `value` over the `lanes` threads of each item (a power of two, an item's lanes
+// aligned within their warp), in every one of them. Every thread of the warp calls it.
+template <typename opmath_t>
+__device__ inline opmath_t sum_over_lanes(opmath_t value, int lanes) {
+  for (int distance = lanes / 2; distance > 0; distance /= 2) {
+    value += __shfl_xor_sync(0xffffffffu, value, distance);
+  }
+  return value;
+}
+
+// grad_input (sums of at::opmath_type, Note [Input gradient sums in float32]), grad_offset and
+// grad_mask are null where not asked for. The input gradient adds atomically (scatter_add).
+template <typename scalar_t, int kVector>
+__global__ void dcnv3_backward_kernel(Dcnv3Geometry g, Dcnv3Fields f, Dcnv3Tiling t,
+                                      const scalar_t* grad_output, const scalar_t* input,
+                                      const scalar_t* offset, const scalar_t* mask,
+                                      at::opmath_type<scalar_t>* grad_input,
+                                      scalar_t* grad_offset, scalar_t* grad_mask) {
+  using opmath_t = at::opmath_type<scalar_t>;
+  __shared__ SharedSample<opmath_t> staged[kStagedSamples<opmath_t>];
+  const bool position_grads = grad_offset != nullptr || grad_mask != nullptr;
+  const int slot = threadIdx.x / t.lanes;
+  const int lane = threadIdx.x % t.lanes;
+  const int64_t points = g.points();
+  for (int64_t first_item = int64_t(blockIdx.x) * t.items_per_block; first_item < t.items;
+       first_item += int64_t(gridDim.x) * t.items_per_block) {
+    const int64_t item = first_item + slot;
+    const bool active_item = item < t.items;
+    const int64_t start = active_item ? group_start(g, item) : 0;
+    scalar_t *group_grad_offset = nullptr, *group_grad_mask = nullptr;
+    if (active_item) {
+      dcnv3_group_grads(f, item / g.groups, item % g.groups, grad_offset, grad_mask,
+                        group_grad_offset, group_grad_mask);
+    }
+    for (int64_t first_point = 0; first_point < points; first_point += t.points_per_round) {
+      const int round_points = static_cast<int>(
+          points - first_point < t.points_per_round ? points - first_point : t.points_per_round);
+      __syncthreads();  // the previous round is read
+      stage_round(g, f, t, first_item, first_point, round_points, offset, mask, staged);
+      __syncthreads();
+      for (int point = 0; point < round_points; ++point) {
+        // The dot products of the output's gradient with each corner's values (0 outside),
+        // as offset_mask_grad_sums_of_dots takes them.
+        opmath_t dots[4] = {0, 0, 0, 0};
+        for (int64_t pass = 0; pass < t.passes; ++pass) {
+          const int64_t vector = pass * t.lanes + lane;
+          if (!active_item || vector >= t.vectors) {
+            continue;
+          }
+          const SharedSample<opmath_t>& sample = staged[slot * t.points_per_round + point];
+          const auto grad_read = load_vector<scalar_t, kVector>(
+              grad_output + item * g.group_channels + vector * kVector);
+          opmath_t grad[kVector];
+          for (int e = 0; e < kVector; ++e) {
+            grad[e] = static_cast<opmath_t>(grad_read.value[e]);
+          }
+          const int64_t channel = start + vector * kVector;
+          for (int corner = 0; corner < 4; ++corner) {
+            const int64_t at = channel + corner_index(sample, corner, g.width) * g.channels();
+            const opmath_t weight = sample.weight[corner];
+            if (grad_input != nullptr && weight != opmath_t(0)) {
+              for (int e = 0; e < kVector; ++e) {
+                scatter_add(grad_input + at + e, weight * grad[e]);
+              }
+            }
+            if (position_grads && (sample.corners >> corner & 1)) {
+              const auto read = load_vector<scalar_t, kVector>(input + at);
+              for (int e = 0; e < kVector; ++e) {
+                dots[corner] += grad[e] * static_cast<opmath_t>(read.value[e]);
+              }
+            }
+          }
+        }
+        if (position_grads) {
+          for (int corner = 0; corner < 4; ++corner) {
+            dots[corner] = sum_over_lanes(dots[corner], t.lanes);
+          }
+          if (active_item && lane == 0) {
+            const SharedSample<opmath_t>& sample = staged[slot * t.points_per_round + point];
+            dcnv3_write_grad(g, first_point + point, sample.mask,
+                             offset_mask_grad_sums_of_dots(sample.ly, sample.lx, dots[0],
+                                                           dots[1], dots[2], dots[3]),
+                             group_grad_offset, group_grad_mask);
+          }
+        }
+      }
+    }
+  }
+}
+
+bool aligned_for_vectors(const at::Tensor& tensor) {
+  return reinterpret_cast<uintptr_t>(tensor.const_data_ptr()) % 16 == 0;
+}
+
+// Calls launch(std::integral_constant<int, kVector>{}, tiling) with the widest channel vector
+// that the group's channels and `tensors`' alignment allow: 16 bytes, or one channel.
+template <typename scalar_t, typename Launch>
+void with_channel_vectors(const Dcnv3Geometry& g, int64_t batch,
+                          std::initializer_list<const at::Tensor*> tensors, Launch&& launch) {
+  constexpr int kWide = 16 / sizeof(scalar_t);
+  constexpr int64_t kStaged = kStagedSamples<at::opmath_type<scalar_t>>;
+  const bool wide = g.group_channels % kWide == 0 &&
+      std::all_of(tensors.begin(), tensors.end(),
+                  [](const at::Tensor* t) { return aligned_for_vectors(*t); });
+  const Dcnv3Tiling t = tiling_of(g, batch, wide ? kWide : 1, kStaged);
+  record_branch(wide ? "dcnv3.cuda.channels.vectors_of_16_bytes"
+                     : "dcnv3.cuda.channels.one_at_a_time");
+  if (t.passes > 1) {
+    record_branch("dcnv3.cuda.channels.several_passes");
+  }
+  if (t.points_per_round < g.points()) {
+    record_branch("dcnv3.cuda.points.several_rounds");
+  }
+  if (wide) {
+    launch(std::integral_constant<int, kWide>{}, t);
+  } else {
+    launch(std::integral_constant<int, 1>{}, t);
+  }
+}
+
+int64_t blocks_of(const Dcnv3Tiling& t) {
+  return std::min<int64_t>(kMaxBlocks, (t.items + t.items_per_block - 1) / t.items_per_block);
 }
 
 void dcnv3_forward_cuda(const Dcnv3Geometry& g, const Dcnv3Fields& f, int64_t batch,
                         const at::Tensor& input, const at::Tensor& offset,
                         const at::Tensor& mask, at::Tensor& output) {
-  const int64_t total = batch * g.out_pixels() * g.channels();
   DEFORMCONV_DISPATCH(input.scalar_type(), "dcnv3_forward_cuda", [&] {
-    DEFORMCONV_LAUNCH(dcnv3_forward_kernel<scalar_t>, blocks_for(total), kThreadsPerBlock,
-                      c10::cuda::getCurrentCUDAStream())(
-        g, f, total, input.const_data_ptr<scalar_t>(), offset.const_data_ptr<scalar_t>(),
-        mask.const_data_ptr<scalar_t>(), output.mutable_data_ptr<scalar_t>());
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    with_channel_vectors<scalar_t>(g, batch, {&input, &output}, [&](auto width, auto t) {
+      auto* kernel = dcnv3_forward_kernel<scalar_t, decltype(width)::value>;
+      DEFORMCONV_LAUNCH(kernel, blocks_of(t), kThreadsPerBlock,
+                        c10::cuda::getCurrentCUDAStream())(
+          g, f, t, input.const_data_ptr<scalar_t>(), offset.const_data_ptr<scalar_t>(),
+          mask.const_data_ptr<scalar_t>(), output.mutable_data_ptr<scalar_t>());
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
   });
 }
 
-void dcnv3_input_grad_cuda(const Dcnv3Geometry& g, const Dcnv3Fields& f, int64_t batch,
-                           const at::Tensor& grad_output, const at::Tensor& offset,
-                           const at::Tensor& mask, at::Tensor& grad_input) {
-  const int64_t total = batch * g.out_pixels() * g.channels();
-  DEFORMCONV_DISPATCH(grad_output.scalar_type(), "dcnv3_input_grad_cuda", [&] {
-    // Note [Input gradient sums in float32]
-    at::Tensor sums = uninitialised_input_gradient_sums<scalar_t>(grad_input).zero_();
-    DEFORMCONV_LAUNCH(dcnv3_input_grad_kernel<scalar_t>, blocks_for(total), kThreadsPerBlock,
-                      c10::cuda::getCurrentCUDAStream())(
-        g, f, total, grad_output.const_data_ptr<scalar_t>(), offset.const_data_ptr<scalar_t>(),
-        mask.const_data_ptr<scalar_t>(), sums.mutable_data_ptr<at::opmath_type<scalar_t>>());
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    store_input_gradient_sums(sums, grad_input);
-  });
-}
-
-void dcnv3_offset_mask_grad_cuda(const Dcnv3Geometry& g, const Dcnv3Fields& f, int64_t batch,
-                                 const at::Tensor& grad_output, const at::Tensor& input,
-                                 const at::Tensor& offset, const at::Tensor& mask,
-                                 at::Tensor& grad_offset, at::Tensor& grad_mask) {
-  const int64_t samples = batch * g.out_pixels() * g.groups * g.points();
-  DEFORMCONV_DISPATCH(input.scalar_type(), "dcnv3_offset_mask_grad_cuda", [&] {
-    DEFORMCONV_LAUNCH(dcnv3_offset_mask_grad_kernel<scalar_t>, blocks_for(samples),
-                      kThreadsPerBlock, c10::cuda::getCurrentCUDAStream())(
-        g, f, samples, grad_output.const_data_ptr<scalar_t>(), input.const_data_ptr<scalar_t>(),
-        offset.const_data_ptr<scalar_t>(), mask.const_data_ptr<scalar_t>(),
-        mutable_data_or_null<scalar_t>(grad_offset), mutable_data_or_null<scalar_t>(grad_mask));
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  });
-}
-
-// The input gradient's kernel and the offset and mask gradients', each when asked for.
+// The input gradient and the offset and mask gradients, those asked for, in one kernel.
 void dcnv3_gradients_cuda(const Dcnv3Geometry& g, const Dcnv3Fields& f, int64_t batch,
                           const at::Tensor& grad_output, const at::Tensor& input,
                           const at::Tensor& offset, const at::Tensor& mask,
                           at::Tensor& grad_input, at::Tensor& grad_offset,
                           at::Tensor& grad_mask) {
   if (grad_input.defined()) {
-    record_branch("dcnv3.cuda.backward.input_pass");
-    dcnv3_input_grad_cuda(g, f, batch, grad_output, offset, mask, grad_input);
+    record_branch("dcnv3.cuda.backward.input_gradient");
   }
   if (grad_offset.defined() || grad_mask.defined()) {
-    record_branch("dcnv3.cuda.backward.offset_mask_pass");
-    dcnv3_offset_mask_grad_cuda(g, f, batch, grad_output, input, offset, mask, grad_offset,
-                                grad_mask);
+    record_branch("dcnv3.cuda.backward.offset_mask_gradients");
   }
+  DEFORMCONV_DISPATCH(grad_output.scalar_type(), "dcnv3_backward_cuda", [&] {
+    using opmath_t = at::opmath_type<scalar_t>;
+    // Note [Input gradient sums in float32]
+    at::Tensor sums;
+    if (grad_input.defined()) {
+      sums = uninitialised_input_gradient_sums<scalar_t>(grad_input).zero_();
+    }
+    with_channel_vectors<scalar_t>(g, batch, {&grad_output, &input}, [&](auto width, auto t) {
+      auto* kernel = dcnv3_backward_kernel<scalar_t, decltype(width)::value>;
+      DEFORMCONV_LAUNCH(kernel, blocks_of(t), kThreadsPerBlock,
+                        c10::cuda::getCurrentCUDAStream())(
+          g, f, t, grad_output.const_data_ptr<scalar_t>(), input.const_data_ptr<scalar_t>(),
+          offset.const_data_ptr<scalar_t>(), mask.const_data_ptr<scalar_t>(),
+          sums.defined() ? sums.mutable_data_ptr<opmath_t>() : nullptr,
+          mutable_data_or_null<scalar_t>(grad_offset),
+          mutable_data_or_null<scalar_t>(grad_mask));
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
+    if (grad_input.defined()) {
+      store_input_gradient_sums(sums, grad_input);
+    }
+  });
 }
 
 }  // namespace
