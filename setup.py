@@ -200,11 +200,11 @@ def sources(pattern):
 def extension(cpp_extension, with_cuda: bool):
     common = (
         ["csrc/deformconv.cpp", "csrc/python/module.cpp"]
-        + sources("csrc/pytorch/*.cpp")
+        + sources("csrc/core/*.cpp")
         + sources("csrc/cpu/*.cpp")
     )
     # No OpenMP flags: the kernels run in parallel regions that ATen compiled (Note [Parallel
-    # regions through ATen], csrc/pytorch/parallel_region.h), on every compiler and platform.
+    # regions through ATen], csrc/core/parallel_region.h), on every compiler and platform.
     # -fno-trapping-math: floating-point exceptions are never unmasked, and without it GCC
     # keeps loops with comparisons and conversions scalar (the DCNv3 samples' cells,
     # cpu/dcnv3_cpu.cpp); no value changes. -Wno-psabi, as torch's own build: GCC warns at

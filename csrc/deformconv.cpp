@@ -1,7 +1,7 @@
 // The op schemas (schemas.h), declared once. Kernels are registered per dispatch key:
-// cpu/register_cpu.cpp (CPU), cuda/register_cuda.cpp (CUDA), pytorch/autograd.cpp and
-// pytorch/dcnv3_autograd.cpp (Autograd), pytorch/autocast.cpp (Autocast),
-// pytorch/register_checks.cpp (_check_arguments), pytorch/register_branch_trace.cpp (the branch
+// cpu/register_cpu.cpp (CPU), cuda/register_cuda.cpp (CUDA), core/register_autograd.cpp
+// (Autograd), core/register_autocast.cpp (Autocast),
+// core/register_checks.cpp (_check_arguments), core/register_branch_trace.cpp (the branch
 // trace), cpu/kernel_copies.cpp (_cpu_kernel_copies), and the fake kernels in Python
 // (deformconv/ops/), which run _check_arguments.
 

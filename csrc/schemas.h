@@ -71,7 +71,7 @@ inline constexpr const char* kCheckDcnv3Arguments =
     "int dilation_h, int dilation_w, int group, int group_channels, float offset_scale, "
     "int im2col_step, bool remove_center) -> int[]";
 
-// Note [Branch trace] (pytorch/branch_trace.h): which paths the drivers and launchers take, for
+// Note [Branch trace] (core/branch_trace.h): which paths the drivers and launchers take, for
 // the tests. _start_branch_trace clears the record and turns it on; _take_branch_trace returns
 // the names recorded since, sorted, and turns it off.
 inline constexpr const char* kStartBranchTrace = "_start_branch_trace() -> ()";

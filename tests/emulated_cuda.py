@@ -28,10 +28,11 @@ def load():
     cpp_extension.load(
         name=f"deformconv_cuda_emulation_{torch_tag}" + ("_sanitized" if sanitize else ""),
         sources=[str(EMULATION / "emulated_ops.cpp"), str(ROOT / "csrc" / "cuda" / "ops_cuda.cpp"),
-                 str(ROOT / "csrc" / "pytorch" / "deform_conv2d.cpp"),
-                 str(ROOT / "csrc" / "pytorch" / "dcnv3.cpp"),
-                 str(ROOT / "csrc" / "pytorch" / "branch_trace.cpp"),
-                 str(ROOT / "csrc" / "pytorch" / "parallel_region.cpp")],
+                 *[str(ROOT / "csrc" / "core" / f"deform_conv2d_{part}.cpp")
+                   for part in ("checks", "tiling", "gemms", "forward", "backward")],
+                 str(ROOT / "csrc" / "core" / "dcnv3.cpp"),
+                 str(ROOT / "csrc" / "core" / "branch_trace.cpp"),
+                 str(ROOT / "csrc" / "core" / "parallel_region.cpp")],
         # Ahead of torch's own headers: the shims of c10/cuda.
         extra_include_paths=[str(EMULATION / "include")],
         extra_cflags=["-O1" if sanitize else "-O2", "-DDEFORMCONV_CUDA_EMULATION",

@@ -38,7 +38,7 @@ print(" ".join("-I" + path for path in cpp_extension.include_paths()))')
 export includes scratch
 for compiler in "aarch64-linux-gnu-g++" "clang++ --target=aarch64-linux-gnu"; do
   # Two at a time; each object file apart, named after its source.
-  printf '%s\0' "$repo"/csrc/cpu/*.cpp "$repo"/csrc/pytorch/*.cpp "$repo/csrc/deformconv.cpp" \
+  printf '%s\0' "$repo"/csrc/cpu/*.cpp "$repo"/csrc/core/*.cpp "$repo/csrc/deformconv.cpp" \
       "$repo/tests/cpp/test_vector_shuffle.cpp" \
     | COMPILER="$compiler" xargs -0 -P "$MAX_JOBS" -I{} bash -c '
         # shellcheck disable=SC2086

@@ -2,8 +2,8 @@
 
 // The CPU's launcher tables, which cpu/register_cpu.cpp hands to the device-neutral drivers.
 
-#include "../pytorch/dcnv3.h"
-#include "../pytorch/launchers.h"
+#include "../core/dcnv3.h"
+#include "../core/launchers.h"
 
 namespace deformconv {
 

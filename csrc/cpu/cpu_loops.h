@@ -12,8 +12,8 @@
 #include <type_traits>
 
 #include "../common/bilinear_sampling.cuh"
-#include "../pytorch/branch_trace.h"
-#include "../pytorch/parallel_region.h"
+#include "../core/branch_trace.h"
+#include "../core/parallel_region.h"
 #include "vector_shuffle.h"
 
 // x86-64 builds with GCC 12 or newer carry an AVX-512, an AVX2 and a baseline copy of each

@@ -9,7 +9,7 @@
 #include <type_traits>
 #include <vector>
 
-#include "../pytorch/launchers.h"
+#include "../core/launchers.h"
 #include "dcnv3_samples.h"
 #include "dcnv3_stages.h"
 

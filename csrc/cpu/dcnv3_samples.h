@@ -15,7 +15,7 @@
 #include <vector>
 
 #include "../common/dcnv3_kernel.cuh"
-#include "../pytorch/dcnv3.h"
+#include "../core/dcnv3.h"
 #include "cpu_loops.h"
 #include "located_samples.h"
 

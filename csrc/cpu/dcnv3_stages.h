@@ -1,6 +1,6 @@
 #pragma once
 
-// The CPU launchers of DCNv3 and DCNv4 (pytorch/dcnv3.h's Dcnv3Launchers): the forward
+// The CPU launchers of DCNv3 and DCNv4 (core/dcnv3.h's Dcnv3Launchers): the forward
 // (dcnv3_forward_cpu.cpp) and the gradients (dcnv3_backward_cpu.cpp). Every task writes
 // outputs of its own, so the results, the input gradient included, do not depend on the
 // number of threads.
@@ -9,7 +9,7 @@
 
 #include <cstdint>
 
-#include "../pytorch/dcnv3.h"
+#include "../core/dcnv3.h"
 
 namespace deformconv {
 

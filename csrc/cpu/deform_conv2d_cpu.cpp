@@ -1,6 +1,6 @@
 // The CPU's launcher table of DCN v1/v2: the stages of deform_conv2d_stages.h and the CPU's
 // policies (window budget, oneDNN GEMMs, a block of images per thread), which the
-// device-neutral driver (pytorch/deform_conv2d.h) runs.
+// device-neutral driver (core/deform_conv2d.h) runs.
 //
 // Each stage locates its samples a (deform group, tap) row at a time, as arrays over a stretch
 // of pixels (StretchSamples, window_tasks.h), and applies each sample to the consecutive

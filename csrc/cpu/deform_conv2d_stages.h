@@ -2,14 +2,14 @@
 
 // The CPU launchers of DCN v1/v2, one file per stage (im2col_cpu.cpp, fused_forward_cpu.cpp,
 // col2im_cpu.cpp, transpose_cpu.cpp) and the scratch memory (scratch_pool.cpp), which
-// deform_conv2d_cpu.cpp gathers into the CPU's launcher table (pytorch/launchers.h says what
+// deform_conv2d_cpu.cpp gathers into the CPU's launcher table (core/launchers.h says what
 // each does).
 
 #include <ATen/core/Tensor.h>
 
 #include <vector>
 
-#include "../pytorch/launchers.h"
+#include "../core/launchers.h"
 
 namespace deformconv {
 

@@ -15,6 +15,8 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
+#include <string_view>
 #include <vector>
 
 #include "deform_conv2d_stages.h"
@@ -126,7 +128,13 @@ void fused_forward_cpu(const DeformConv2dGeometry& g, int64_t batch, const at::T
   });
 }
 
+// The environment variable DEFORMCONV_FUSED_FORWARD=0, read at every call, leaves every
+// forward to im2col and the GEMMs (to compare the two, or to test the latter).
 bool fused_forward_pays_cpu(const DeformConv2dGeometry& g, at::ScalarType dtype) {
+  const char* setting = std::getenv("DEFORMCONV_FUSED_FORWARD");
+  if (setting != nullptr && std::string_view(setting) == "0") {
+    return false;
+  }
   constexpr int64_t kCachedWeightBytes = int64_t(4) << 20;
   const int64_t weight_bytes = g.out_channels * g.channels_per_group() * g.taps() *
       c10::elementSize(at::toOpMathType(dtype));

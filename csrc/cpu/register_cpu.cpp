@@ -6,8 +6,8 @@
 #include <optional>
 #include <tuple>
 
-#include "../pytorch/dcnv3.h"
-#include "../pytorch/deform_conv2d.h"
+#include "../core/dcnv3.h"
+#include "../core/deform_conv2d.h"
 #include "cpu_launchers.h"
 
 namespace deformconv {

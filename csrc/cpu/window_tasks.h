@@ -14,7 +14,7 @@
 #include <vector>
 
 #include "../common/deform_conv2d_kernel.cuh"
-#include "../pytorch/launchers.h"
+#include "../core/launchers.h"
 #include "cpu_loops.h"
 #include "located_samples.h"
 

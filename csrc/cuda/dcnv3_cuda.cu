@@ -27,7 +27,7 @@
 #include <type_traits>
 
 #include "../common/dcnv3_kernel.cuh"
-#include "../pytorch/branch_trace.h"
+#include "../core/branch_trace.h"
 #include "dcnv3_cuda.h"
 #include "launch.cuh"
 

@@ -9,8 +9,8 @@
 #include <array>
 #include <tuple>
 
-#include "../pytorch/dcnv3.h"
-#include "../pytorch/launchers.h"
+#include "../core/dcnv3.h"
+#include "../core/launchers.h"
 
 namespace deformconv {
 

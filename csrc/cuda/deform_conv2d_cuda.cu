@@ -17,7 +17,7 @@
 #include <type_traits>
 
 #include "../common/deform_conv2d_kernel.cuh"
-#include "../pytorch/branch_trace.h"
+#include "../core/branch_trace.h"
 #include "deform_conv2d_cuda.h"
 #include "launch.cuh"
 

@@ -12,7 +12,7 @@
 #include <optional>
 #include <tuple>
 
-#include "../pytorch/launchers.h"
+#include "../core/launchers.h"
 
 namespace deformconv {
 

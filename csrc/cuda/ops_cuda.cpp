@@ -5,7 +5,7 @@
 #include <ATen/Context.h>
 #include <c10/cuda/CUDAGuard.h>
 
-#include "../pytorch/deform_conv2d.h"
+#include "../core/deform_conv2d.h"
 #include "dcnv3_cuda.h"
 #include "deform_conv2d_cuda.h"
 

@@ -9,7 +9,7 @@
 #define DEFORMCONV_NARROW_INDEX_LIMIT (::cuda_emulation::settings().narrow_index_limit)
 #include "../../csrc/cuda/dcnv3_cuda.cu"
 #include "../../csrc/cuda/deform_conv2d_cuda.cu"
-#include "../../csrc/pytorch/branch_trace.h"
+#include "../../csrc/core/branch_trace.h"
 #include "../../csrc/schemas.h"
 
 namespace deformconv {

@@ -2,8 +2,10 @@
 // again raises, as for deform_conv2d (autograd.cpp).
 
 #include <torch/autograd.h>
-#include <torch/library.h>
 
+#include <utility>
+
+#include "autograd.h"
 #include "dcnv3.h"
 #include "gradient_slots.h"
 #include "op_handles.h"
@@ -14,19 +16,37 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
+// The integer fields of Dcnv3Arguments by name, so that the context keeps each under its own.
+constexpr std::pair<const char*, int64_t Dcnv3Arguments::*> kIntegerArguments[] = {
+    {"kernel_h", &Dcnv3Arguments::kernel_h},
+    {"kernel_w", &Dcnv3Arguments::kernel_w},
+    {"stride_h", &Dcnv3Arguments::stride_h},
+    {"stride_w", &Dcnv3Arguments::stride_w},
+    {"pad_h", &Dcnv3Arguments::pad_h},
+    {"pad_w", &Dcnv3Arguments::pad_w},
+    {"dilation_h", &Dcnv3Arguments::dilation_h},
+    {"dilation_w", &Dcnv3Arguments::dilation_w},
+    {"group", &Dcnv3Arguments::group},
+    {"group_channels", &Dcnv3Arguments::group_channels},
+    {"im2col_step", &Dcnv3Arguments::im2col_step},
+};
+
 void save_arguments(AutogradContext* ctx, const Dcnv3Arguments& a) {
-  ctx->saved_data["ints"] = std::vector<int64_t>{
-      a.kernel_h, a.kernel_w, a.stride_h,  a.stride_w,       a.pad_h,      a.pad_w,
-      a.dilation_h, a.dilation_w, a.group, a.group_channels, a.im2col_step};
+  for (const auto& [name, field] : kIntegerArguments) {
+    ctx->saved_data[name] = a.*field;
+  }
   ctx->saved_data["offset_scale"] = a.offset_scale;
   ctx->saved_data["remove_center"] = a.remove_center;
 }
 
 Dcnv3Arguments saved_arguments(AutogradContext* ctx) {
-  const std::vector<int64_t> i = ctx->saved_data["ints"].toIntVector();
-  return {i[0], i[1], i[2], i[3], i[4], i[5], i[6], i[7], i[8], i[9],
-          ctx->saved_data["offset_scale"].toDouble(), i[10],
-          ctx->saved_data["remove_center"].toBool()};
+  Dcnv3Arguments a;
+  for (const auto& [name, field] : kIntegerArguments) {
+    a.*field = ctx->saved_data[name].toInt();
+  }
+  a.offset_scale = ctx->saved_data["offset_scale"].toDouble();
+  a.remove_center = ctx->saved_data["remove_center"].toBool();
+  return a;
 }
 
 // The op of the call: dcnv3, or dcnv4 without a mask (Note [DCNv4 is DCNv3 without a mask
@@ -108,6 +128,8 @@ class Dcnv3BackwardFunction : public torch::autograd::Function<Dcnv3BackwardFunc
   }
 };
 
+}  // namespace
+
 at::Tensor dcnv3_autograd(const at::Tensor& input, const at::Tensor& offset,
                           const at::Tensor& mask, const Dcnv3Arguments& a) {
   return Dcnv3Function::apply(input, offset, optional_mask(mask), a);
@@ -128,15 +150,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dcnv3_backward_autograd(
                                    output_mask);
   const auto grads = gradients_in_slots(computed, output_mask);
   return {grads[0], grads[1], grads[2]};
-}
-
-}  // namespace
-
-TORCH_LIBRARY_IMPL(deformconv, Autograd, m) {
-  m.impl("dcnv3", TORCH_FN(dcnv3_kernel<dcnv3_autograd>));
-  m.impl("dcnv3_backward", TORCH_FN(dcnv3_backward_kernel<dcnv3_backward_autograd>));
-  m.impl("dcnv4", TORCH_FN(dcnv4_kernel<dcnv3_autograd>));
-  m.impl("dcnv4_backward", TORCH_FN(dcnv4_backward_kernel<dcnv3_backward_autograd>));
 }
 
 }  // namespace deformconv

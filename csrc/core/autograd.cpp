@@ -3,8 +3,8 @@
 // deform_conv2d_backward op, which computes only those that are needed.
 
 #include <torch/autograd.h>
-#include <torch/library.h>
 
+#include "autograd.h"
 #include "gradient_slots.h"
 #include "op_handles.h"
 
@@ -90,6 +90,8 @@ class DeformConv2dBackwardFunction
   }
 };
 
+}  // namespace
+
 at::Tensor deform_conv2d_autograd(const at::Tensor& input, const at::Tensor& offset,
                                   const at::Tensor& weight, const std::optional<at::Tensor>& mask,
                                   const std::optional<at::Tensor>& bias, c10::IntArrayRef stride,
@@ -98,8 +100,6 @@ at::Tensor deform_conv2d_autograd(const at::Tensor& input, const at::Tensor& off
   return DeformConv2dFunction::apply(input, offset, weight, mask, bias, stride, padding,
                                      dilation, groups, offset_groups, im2col_step);
 }
-
-}  // namespace
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
 deform_conv2d_backward_autograd(const at::Tensor& grad_output, const at::Tensor& input,
@@ -127,11 +127,6 @@ deform_conv2d_backward_autograd(const at::Tensor& grad_output, const at::Tensor&
   filled[3] = filled[3] && mask.has_value();
   const auto grads = gradients_in_slots(computed, filled);
   return {grads[0], grads[1], grads[2], grads[3], grads[4]};
-}
-
-TORCH_LIBRARY_IMPL(deformconv, Autograd, m) {
-  m.impl("deform_conv2d", TORCH_FN(deform_conv2d_autograd));
-  m.impl("deform_conv2d_backward", TORCH_FN(deform_conv2d_backward_autograd));
 }
 
 }  // namespace deformconv

@@ -1,0 +1,208 @@
+// The backward of deformable convolution (deform_conv2d.h): per block of images and window of
+// output pixels, the columns for the weight gradient, the GEMMs, then the columns gradient taken
+// back to the input, offset and mask.
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <utility>
+#include <vector>
+
+#include "branch_trace.h"
+#include "deform_conv2d.h"
+#include "deform_conv2d_gemms.h"
+#include "deform_conv2d_tiling.h"
+
+namespace deformconv {
+
+namespace {
+
+// The gradients the backward is asked for (output_mask; the mask's only where there is a mask).
+struct WantedGradients {
+  bool input, offset, weight, mask, bias;
+
+  // The gradient of the columns, which the input, offset and mask gradients come from.
+  bool columns() const { return input || offset || mask; }
+  // The input values, which all but the input gradient read.
+  bool input_values() const { return weight || offset || mask; }
+};
+
+// What a backward makes once and uses for every block of images.
+struct BackwardScratch {
+  WorkSplit w;
+  // The columns for the weight gradient, then (with bmm) the gradient of the columns.
+  at::Tensor columns;
+  // prepare_window's, for col2im.
+  at::Tensor workspace;
+  bool as_convolution;
+  // gemm_weight's; the convolution's backward takes it even for the weight gradient alone.
+  at::Tensor weight;
+  // The weight gradient in the order of weight_rows, summed over the windows.
+  at::Tensor grad_weight_rows;
+};
+
+BackwardScratch backward_scratch(const DeformConv2dLaunchers& launchers,
+                                 const DeformConv2dGeometry& g, const WantedGradients& want,
+                                 int64_t batch, int64_t im2col_step, const at::Tensor& input,
+                                 const at::Tensor& weight) {
+  BackwardScratch scratch;
+  scratch.w = split_work(g, batch, im2col_step, input.scalar_type(), launchers,
+                         kMinBackwardWindowPixels);
+  const WorkSplit& w = scratch.w;
+  scratch.columns = columns_buffer(launchers, g, w, input.options());
+  if (want.input) {
+    scratch.workspace = window_workspace(launchers, g, w, input.options());
+  }
+  scratch.as_convolution = gemms_as_convolutions(launchers, g, input);
+  record_branch(scratch.as_convolution ? "deform_conv2d.backward.onednn"
+                                       : "deform_conv2d.backward.bmm");
+  record_split(w, batch, "deform_conv2d.backward.blocks", "deform_conv2d.backward.windows");
+  if (scratch.as_convolution || want.columns()) {
+    scratch.weight = gemm_weight(launchers, g, weight, w, scratch.as_convolution);
+  }
+  if (want.weight) {
+    scratch.grad_weight_rows =
+        at::zeros({w.groups, w.out_per_group, w.rows_per_group}, weight.options());
+  }
+  return scratch;
+}
+
+// One block of images: its operands, and where its gradients go (undefined where not wanted).
+struct BackwardBlock {
+  int64_t first;
+  int64_t images;
+  at::Tensor input;        // channels-last, (images, H, W, C_in)
+  at::Tensor offset;
+  at::Tensor mask;
+  at::Tensor grad_output;  // (images, G, C_out / G, P)
+  // Channels-last and zeroed, for col2im to add into: grad_input's own memory when grad_input
+  // is channels-last, else a block-sized buffer copied into grad_input afterwards.
+  at::Tensor grad_input;
+  bool grad_input_in_place;
+  at::Tensor grad_offset;
+  at::Tensor grad_mask;
+};
+
+BackwardBlock backward_block(const DeformConv2dLaunchers& launchers,
+                             const DeformConv2dGeometry& g, const WantedGradients& want,
+                             const WorkSplit& w, int64_t first, int64_t images,
+                             const at::Tensor& grad_output, const at::Tensor& input,
+                             const at::Tensor& offset, const at::Tensor& mask,
+                             const at::Tensor& grad_input, const at::Tensor& grad_offset,
+                             const at::Tensor& grad_mask) {
+  BackwardBlock block;
+  block.first = first;
+  block.images = images;
+  if (want.input_values()) {
+    block.input = channels_last_block(launchers, input, first, images);
+  }
+  block.offset = offset.narrow(0, first, images);
+  if (mask.defined()) {
+    block.mask = mask.narrow(0, first, images);
+  }
+  block.grad_output =
+      grad_output.narrow(0, first, images).view({images, w.groups, w.out_per_group, w.pixels});
+  block.grad_input_in_place = false;
+  if (want.input) {
+    block.grad_input = grad_input.narrow(0, first, images).permute({0, 2, 3, 1});
+    block.grad_input_in_place = block.grad_input.is_contiguous();
+    if (!block.grad_input_in_place) {
+      block.grad_input =
+          launchers.scratch({images, g.in_height, g.in_width, g.in_channels}, input.options());
+    }
+    block.grad_input.zero_();
+  }
+  if (want.offset) {
+    block.grad_offset = grad_offset.narrow(0, first, images);
+  }
+  if (want.mask) {
+    block.grad_mask = grad_mask.narrow(0, first, images);
+  }
+  return block;
+}
+
+// The gradients of one window of a block: its columns (for the weight gradient), the GEMMs,
+// then the columns gradient taken back to the input, offset and mask.
+void backward_window(const DeformConv2dLaunchers& launchers, const DeformConv2dGeometry& g,
+                     const WantedGradients& want, BackwardScratch& scratch,
+                     BackwardBlock& block, const PixelWindow& window) {
+  // (images, G, C_out / G, window) inside grad_output: rows P apart.
+  const at::Tensor grad_output_window = block.grad_output.narrow(3, window.begin, window.pixels);
+  // Prepared for col2im, which im2col then shares; im2col alone and the offset and mask
+  // gradients locate their samples themselves.
+  const WindowSampling sampling = want.input
+      ? window_sampling(launchers, g, window, block.images, block.offset, block.mask,
+                        scratch.workspace)
+      : WindowSampling{block.offset, block.mask, at::Tensor()};
+  if (want.weight) {
+    launchers.im2col(g, window, block.images, block.input, sampling, scratch.columns);
+  }
+  std::vector<at::Tensor> window_results;
+  const at::Tensor grad_columns = window_gradient_gemms(
+      scratch.w, window, block.images, scratch.columns, grad_output_window, scratch.weight,
+      scratch.as_convolution, want.columns(), scratch.grad_weight_rows, window_results);
+  if (want.input) {
+    launchers.col2im(g, window, block.images, grad_columns, sampling, block.grad_input);
+  }
+  if (want.offset || want.mask) {
+    launchers.offset_mask_grad(g, window, block.images, grad_columns, block.input, sampling,
+                               block.grad_offset, block.grad_mask);
+  }
+  if (launchers.keep_window_results != nullptr) {
+    launchers.keep_window_results(std::move(window_results));
+  }
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> deform_conv2d_backward(
+    const DeformConv2dLaunchers& launchers, const at::Tensor& grad_output_arg,
+    const at::Tensor& input_arg, const at::Tensor& offset_arg, const at::Tensor& weight_arg,
+    const std::optional<at::Tensor>& mask_arg, c10::IntArrayRef stride,
+    c10::IntArrayRef padding, c10::IntArrayRef dilation, int64_t groups, int64_t offset_groups,
+    int64_t im2col_step, std::array<bool, 5> output_mask) {
+  const DeformConv2dGeometry g = check_deform_conv2d_backward_arguments(
+      grad_output_arg, input_arg, offset_arg, weight_arg, mask_arg, stride, padding, dilation,
+      groups, offset_groups, im2col_step);
+  const int64_t batch = input_arg.size(0);
+  const at::Tensor grad_output = grad_output_arg.contiguous();
+  const at::Tensor offset = offset_arg.contiguous();
+  const at::Tensor mask = mask_arg.has_value() ? mask_arg->contiguous() : at::Tensor();
+  const WantedGradients want{output_mask[0], output_mask[1], output_mask[2],
+                             output_mask[3] && mask.defined(), output_mask[4]};
+
+  // The input and weight gradients keep the memory format of input and weight; the offset and
+  // mask gradients are contiguous, and written in full, so they need no zero fill.
+  at::Tensor grad_input = want.input ? at::empty_like(input_arg) : at::Tensor();
+  at::Tensor grad_offset = want.offset ? at::empty_like(offset) : at::Tensor();
+  at::Tensor grad_weight = want.weight ? at::empty_like(weight_arg) : at::Tensor();
+  at::Tensor grad_mask = want.mask ? at::empty_like(mask) : at::Tensor();
+  at::Tensor grad_bias = want.bias ? grad_output.sum({0, 2, 3}) : at::Tensor();
+  if (batch == 0 || !(want.columns() || want.weight)) {
+    if (want.input) grad_input.zero_();
+    if (want.weight) grad_weight.zero_();
+    return {grad_input, grad_offset, grad_weight, grad_mask, grad_bias};
+  }
+
+  BackwardScratch scratch =
+      backward_scratch(launchers, g, want, batch, im2col_step, input_arg, weight_arg);
+  const int64_t step = scratch.w.step;
+  for (int64_t first = 0; first < batch; first += step) {
+    BackwardBlock block =
+        backward_block(launchers, g, want, scratch.w, first, std::min(step, batch - first),
+                       grad_output, input_arg, offset, mask, grad_input, grad_offset, grad_mask);
+    for (const PixelWindow& window : windows_of(scratch.w)) {
+      backward_window(launchers, g, want, scratch, block, window);
+    }
+    if (want.input && !block.grad_input_in_place) {
+      copy_from_channels_last(launchers, block.grad_input,
+                              grad_input.narrow(0, block.first, block.images));
+    }
+  }
+  if (want.weight) {
+    store_weight_gradient(launchers, g, scratch.grad_weight_rows, grad_weight);
+  }
+  return {grad_input, grad_offset, grad_weight, grad_mask, grad_bias};
+}
+
+}  // namespace deformconv

@@ -1,0 +1,217 @@
+// The forward of deformable convolution (deform_conv2d.h): fused where the launchers have it
+// and it pays, else im2col and the GEMMs, window by window, over stages, whole images per thread
+// or windows per thread.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/ThreadLocalState.h>
+
+#include <algorithm>
+#include <atomic>
+#include <vector>
+
+#include "branch_trace.h"
+#include "deform_conv2d.h"
+#include "deform_conv2d_gemms.h"
+#include "deform_conv2d_tiling.h"
+#include "parallel_region.h"
+
+namespace deformconv {
+
+namespace {
+
+// Note [Whole images per thread]
+// A forward with the automatic im2col_step runs in one parallel region where it can: with a
+// batch that gives every thread at least two images, each thread takes whole images, one block
+// of one image at a time; with fewer images and the GEMMs as convolutions, each block's windows
+// are shared out instead, if there are at least two per thread (a window's bmm, for grouped
+// convolutions, runs slower on one thread than on all). A thread runs its images' or windows'
+// work by itself (im2col, the GEMM, the output copy) in a columns buffer of its own. A block
+// then has one barrier, at its end, instead of several per window, each of which makes every
+// thread wait for the slowest (a thread whose core another process shares, say), and the
+// threads take the images or windows one at a time from a shared counter, so that a slowed
+// thread takes fewer. The ATen and oneDNN calls inside run on the calling thread alone, and
+// oneDNN then reorders the weight for each GEMM (a weight-sized buffer per thread): with a
+// single window per thread, whose shares could not even out anyway, a forward keeps its
+// stages. Each pixel's output is the same as in a block and window of its own.
+enum class ForwardParallelism { kStages, kImages, kWindows };
+
+ForwardParallelism forward_parallelism(const DeformConv2dLaunchers& launchers, int64_t batch,
+                                       int64_t im2col_step, int64_t windows,
+                                       bool as_convolution) {
+  const int64_t threads = at::get_num_threads();
+  if (!launchers.images_per_thread || im2col_step != 0 || threads == 1 ||
+      at::in_parallel_region()) {
+    return ForwardParallelism::kStages;
+  }
+  if (batch >= 2 * threads) {
+    return ForwardParallelism::kImages;
+  }
+  return as_convolution && windows >= 2 * threads ? ForwardParallelism::kWindows
+                                                  : ForwardParallelism::kStages;
+}
+
+// Runs run(i, columns) for i in [0, count) in one parallel region, each thread with a columns
+// buffer of its own, taking the next i from a shared counter: a thread slowed down by another
+// process runs fewer. Every thread runs in the caller's thread-local state, which worker
+// threads do not inherit: below autograd, as a kernel runs, and seen by the profiler that
+// watches the caller, allocations included.
+template <typename Function>
+void run_with_columns_per_thread(const DeformConv2dLaunchers& launchers,
+                                 const DeformConv2dGeometry& g, const WorkSplit& w,
+                                 const at::TensorOptions& options, int64_t count,
+                                 const Function& run) {
+  std::atomic<int64_t> next{0};
+  const at::ThreadLocalState caller_state;
+  run_on_every_thread([&] {
+    at::ThreadLocalStateGuard caller_state_guard(caller_state);
+    at::Tensor columns = columns_buffer(launchers, g, w, options);
+    for (int64_t i = next.fetch_add(1); i < count; i = next.fetch_add(1)) {
+      run(i, columns);
+    }
+  });
+}
+
+// One window of a block: its columns, then their GEMM into the block's output,
+// (images * G, C_out / G, P).
+void forward_window(const DeformConv2dLaunchers& launchers, const DeformConv2dGeometry& g,
+                    const WorkSplit& w, const PixelWindow& window, int64_t images,
+                    const at::Tensor& input_block, const at::Tensor& offset_block,
+                    const at::Tensor& mask_block, const at::Tensor& weight_gemm,
+                    const std::optional<at::Tensor>& bias, bool as_convolution,
+                    at::Tensor& columns, const at::Tensor& output_block) {
+  // Nothing prepared: im2col locates each sample as it reads it.
+  launchers.im2col(g, window, images, input_block,
+                   WindowSampling{offset_block, mask_block, {}}, columns);
+  // (images * G, C_out / G, window) inside the output: rows P apart.
+  at::Tensor output_window = output_block.narrow(2, window.begin, window.pixels);
+  multiply_window(w, window, images, columns, weight_gemm, bias, as_convolution, output_window);
+}
+
+// The forward of images [first, first + images), one block: channels-last input, then its
+// windows, in turn, or shared out among the threads (each with a columns buffer of its own)
+// when windows_per_thread.
+void forward_block(const DeformConv2dLaunchers& launchers, const DeformConv2dGeometry& g,
+                   const WorkSplit& w, const at::Tensor& input, const at::Tensor& offset,
+                   const at::Tensor& mask, const at::Tensor& weight_gemm,
+                   const std::optional<at::Tensor>& bias, bool as_convolution, int64_t first,
+                   int64_t images, at::Tensor& columns, at::Tensor& output,
+                   bool windows_per_thread) {
+  const at::Tensor input_block = channels_last_block(launchers, input, first, images);
+  const at::Tensor offset_block = offset.narrow(0, first, images);
+  const at::Tensor mask_block = mask.defined() ? mask.narrow(0, first, images) : at::Tensor();
+  const at::Tensor output_block =
+      output.narrow(0, first, images).view({images * w.groups, w.out_per_group, w.pixels});
+  const std::vector<PixelWindow> windows = windows_of(w);
+  if (!windows_per_thread) {
+    for (const PixelWindow& window : windows) {
+      forward_window(launchers, g, w, window, images, input_block, offset_block, mask_block,
+                     weight_gemm, bias, as_convolution, columns, output_block);
+    }
+    return;
+  }
+  run_with_columns_per_thread(
+      launchers, g, w, input.options(), static_cast<int64_t>(windows.size()),
+      [&](int64_t i, at::Tensor& thread_columns) {
+        forward_window(launchers, g, w, windows[i], images, input_block, offset_block,
+                       mask_block, weight_gemm, bias, as_convolution, thread_columns,
+                       output_block);
+      });
+}
+
+// Whether the forward runs fused (launchers' fused_forward, Note [Fused forward] in
+// cpu/fused_forward_cpu.cpp): where the launchers have it and find it pays.
+bool fused_forward_applies(const DeformConv2dLaunchers& launchers, const DeformConv2dGeometry& g,
+                           at::ScalarType dtype) {
+  return launchers.fused_forward != nullptr && launchers.fused_forward_pays(g, dtype);
+}
+
+// The weight as the fused forward takes it: (G, K, C_in / G, C_out / G), in at::opmath_type.
+at::Tensor weight_taps(const DeformConv2dGeometry& g, const at::Tensor& weight) {
+  return weight.reshape({g.groups, g.out_channels / g.groups, g.channels_per_group(), g.taps()})
+      .permute({0, 3, 2, 1})
+      .to(at::toOpMathType(weight.scalar_type()))
+      .contiguous();
+}
+
+// The fused forward, a block of images at a time.
+void fused_forward(const DeformConv2dLaunchers& launchers, const DeformConv2dGeometry& g,
+                   const WorkSplit& w, const at::Tensor& input, const at::Tensor& offset,
+                   const at::Tensor& mask, const at::Tensor& weight,
+                   const std::optional<at::Tensor>& bias, at::Tensor& output) {
+  const at::Tensor taps = weight_taps(g, weight);
+  const at::Tensor bias_values = bias.has_value() ? bias->contiguous() : at::Tensor();
+  const int64_t batch = input.size(0);
+  for (int64_t first = 0; first < batch; first += w.step) {
+    const int64_t images = std::min(w.step, batch - first);
+    at::Tensor output_block = output.narrow(0, first, images);
+    launchers.fused_forward(g, images, channels_last_block(launchers, input, first, images),
+                            offset.narrow(0, first, images),
+                            mask.defined() ? mask.narrow(0, first, images) : at::Tensor(), taps,
+                            bias_values, output_block);
+  }
+}
+
+}  // namespace
+
+at::Tensor deform_conv2d_forward(
+    const DeformConv2dLaunchers& launchers, const at::Tensor& input_arg,
+    const at::Tensor& offset_arg, const at::Tensor& weight_arg,
+    const std::optional<at::Tensor>& mask_arg, const std::optional<at::Tensor>& bias,
+    c10::IntArrayRef stride, c10::IntArrayRef padding, c10::IntArrayRef dilation, int64_t groups,
+    int64_t offset_groups, int64_t im2col_step) {
+  const DeformConv2dGeometry g =
+      check_deform_conv2d_arguments(input_arg, offset_arg, weight_arg, mask_arg, bias, stride,
+                                    padding, dilation, groups, offset_groups, im2col_step);
+  const at::Tensor offset = offset_arg.contiguous();
+  const at::Tensor mask = mask_arg.has_value() ? mask_arg->contiguous() : at::Tensor();
+
+  const int64_t batch = input_arg.size(0);
+  at::Tensor output =
+      at::empty({batch, g.out_channels, g.out_height, g.out_width}, input_arg.options());
+  if (batch == 0) {
+    return output;
+  }
+  const WorkSplit w = split_work(g, batch, im2col_step, input_arg.scalar_type(), launchers,
+                                 kMinForwardWindowPixels);
+  if (fused_forward_applies(launchers, g, input_arg.scalar_type())) {
+    record_branch("deform_conv2d.forward.fused");
+    fused_forward(launchers, g, w, input_arg, offset, mask, weight_arg, bias, output);
+    return output;
+  }
+  const bool as_convolution = gemms_as_convolutions(launchers, g, input_arg);
+  record_branch(as_convolution ? "deform_conv2d.forward.onednn" : "deform_conv2d.forward.bmm");
+  const ForwardParallelism parallelism = forward_parallelism(
+      launchers, batch, im2col_step, static_cast<int64_t>(windows_of(w).size()), as_convolution);
+  if (parallelism == ForwardParallelism::kImages) {
+    record_branch("deform_conv2d.forward.images_per_thread");
+    const WorkSplit image_split =
+        split_work(g, 1, 1, input_arg.scalar_type(), launchers, kMinForwardWindowPixels);
+    record_split(image_split, 1, "deform_conv2d.forward.blocks",
+                 "deform_conv2d.forward.windows");
+    const at::Tensor weight_gemm =
+        gemm_weight(launchers, g, weight_arg, image_split, as_convolution);
+    run_with_columns_per_thread(
+        launchers, g, image_split, input_arg.options(), batch,
+        [&](int64_t n, at::Tensor& columns) {
+          forward_block(launchers, g, image_split, input_arg, offset, mask, weight_gemm, bias,
+                        as_convolution, n, 1, columns, output, false);
+        });
+    return output;
+  }
+  const bool windows_per_thread = parallelism == ForwardParallelism::kWindows;
+  record_branch(windows_per_thread ? "deform_conv2d.forward.windows_per_thread"
+                                   : "deform_conv2d.forward.stages");
+  record_split(w, batch, "deform_conv2d.forward.blocks", "deform_conv2d.forward.windows");
+  // Shared by the windows in turn; each thread has its own when windows_per_thread.
+  at::Tensor columns =
+      windows_per_thread ? at::Tensor() : columns_buffer(launchers, g, w, input_arg.options());
+  const at::Tensor weight_gemm = gemm_weight(launchers, g, weight_arg, w, as_convolution);
+  for (int64_t first = 0; first < batch; first += w.step) {
+    forward_block(launchers, g, w, input_arg, offset, mask, weight_gemm, bias, as_convolution,
+                  first, std::min(w.step, batch - first), columns, output, windows_per_thread);
+  }
+  return output;
+}
+
+}  // namespace deformconv
