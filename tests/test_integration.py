@@ -294,3 +294,38 @@ def test_cpu_is_bitwise_deterministic():
         torch.use_deterministic_algorithms(previous)
     for run in runs[1:]:
         assert all(torch.equal(a, b) for a, b in zip(run, runs[0]))
+
+
+@pytest.mark.parametrize("op", ["dcnv3", "dcnv4"])
+def test_cpu_autocast_runs_dcnv3_and_dcnv4_in_float32(op):
+    # Operands of mixed dtypes, as autocast makes them (a bfloat16 projection's offsets, a
+    # float32 softmax's mask): outside autocast the op refuses them, under it it runs in float32.
+    from dcnv3_reference import pack_offset_mask, random_operands
+    geometry = ((3, 3), (1, 1), (1, 1), (1, 1), 2, 8)
+    input, offset, mask = [t.float() for t in random_operands(2, 5, 6, geometry)]
+    tail = (3, 3, 1, 1, 1, 1, 1, 1, 2, 8, 1.0, 0, False)
+    if op == "dcnv3":
+        operands = [input.bfloat16(), offset.bfloat16(), mask]
+    else:
+        operands = [input.bfloat16(), pack_offset_mask(offset, mask, 2, padding_value=0.0)]
+    function = getattr(deformconv, op)
+    with pytest.raises(TypeError, match="to have the dtype of input"):
+        function(*operands, *tail)
+    leaves = [t.clone().requires_grad_() for t in operands]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = function(*leaves, *tail)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, function(*[t.detach().float() for t in leaves], *tail))
+    out.sum().backward()
+    assert [t.grad.dtype for t in leaves] == [t.dtype for t in operands]
+
+
+def test_dcnv3_module_trains_under_cpu_autocast():
+    module = deformconv.DCNv3(16, group=2)
+    x = torch.randn(2, 6, 7, 16)
+    expected = module(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = module(x)
+    assert (out.float() - expected).abs().max() < 0.05 * expected.abs().max()
+    out.float().sum().backward()
+    assert all(p.grad is not None for p in module.parameters())

@@ -1,8 +1,11 @@
-// Autocast policy: deformable convolution runs in float32 under autocast and returns float32,
-// like the ops on autocast's float32 list. Bilinear weights and the input-gradient scatter lose
-// too much in float16/bfloat16 to be worth the speed; a caller who wants half precision calls
-// the op on half tensors outside autocast. The casts are recorded by autograd, so gradients
-// come back in the dtypes of the original tensors.
+// Autocast policy: every op runs in float32 under autocast and returns float32, like the ops on
+// autocast's float32 list. Bilinear weights and the input-gradient scatter lose too much in
+// float16/bfloat16 to be worth the speed; a caller who wants half precision calls the op on
+// half tensors outside autocast. Under autocast the operands often come in mixed dtypes (a
+// half-precision projection's offsets beside a float32 softmax's mask), which the ops refuse
+// outside autocast. The casts are recorded by autograd, so gradients come back in the dtypes of
+// the original tensors. The backward ops need no autocast kernel: autograd calls them on the
+// float32 operands it saved.
 
 #include <ATen/autocast_mode.h>
 #include <torch/library.h>
@@ -12,31 +15,39 @@
 namespace deformconv {
 namespace {
 
+// The autocast kernel of the op whose handle `op` returns, of signature Signature: the op
+// below autocast, every tensor operand cast to float32 (other arguments pass unchanged).
+template <c10::DispatchKey autocast_key, c10::DeviceType device_type, auto op, typename Signature>
+struct InFloat32;
+
+template <c10::DispatchKey autocast_key, c10::DeviceType device_type, auto op, typename Result,
+          typename... Arguments>
+struct InFloat32<autocast_key, device_type, op, Result(Arguments...)> {
+  static Result call(Arguments... arguments) {
+    c10::impl::ExcludeDispatchKeyGuard no_autocast(autocast_key);
+    return op().call(at::autocast::cached_cast(at::kFloat, arguments, device_type)...);
+  }
+};
+
 template <c10::DispatchKey autocast_key, c10::DeviceType device_type>
-at::Tensor deform_conv2d_autocast(const at::Tensor& input, const at::Tensor& offset,
-                                  const at::Tensor& weight, const std::optional<at::Tensor>& mask,
-                                  const std::optional<at::Tensor>& bias, c10::IntArrayRef stride,
-                                  c10::IntArrayRef padding, c10::IntArrayRef dilation,
-                                  int64_t groups, int64_t offset_groups, int64_t im2col_step) {
-  c10::impl::ExcludeDispatchKeyGuard no_autocast(autocast_key);
-  const auto to_float = [](const auto& tensor) {
-    return at::autocast::cached_cast(at::kFloat, tensor, device_type);
-  };
-  return deform_conv2d_op().call(to_float(input), to_float(offset), to_float(weight),
-                                 to_float(mask), to_float(bias), stride, padding, dilation,
-                                 groups, offset_groups, im2col_step);
+void register_autocast(torch::Library& m) {
+  m.impl("deform_conv2d",
+         TORCH_FN((InFloat32<autocast_key, device_type, deform_conv2d_op,
+                             DeformConv2dSignature>::call)));
+  m.impl("dcnv3",
+         TORCH_FN((InFloat32<autocast_key, device_type, dcnv3_op, Dcnv3Signature>::call)));
+  m.impl("dcnv4",
+         TORCH_FN((InFloat32<autocast_key, device_type, dcnv4_op, Dcnv4Signature>::call)));
 }
 
 }  // namespace
 
 TORCH_LIBRARY_IMPL(deformconv, AutocastCUDA, m) {
-  m.impl("deform_conv2d",
-         TORCH_FN((deform_conv2d_autocast<c10::DispatchKey::AutocastCUDA, c10::DeviceType::CUDA>)));
+  register_autocast<c10::DispatchKey::AutocastCUDA, c10::DeviceType::CUDA>(m);
 }
 
 TORCH_LIBRARY_IMPL(deformconv, AutocastCPU, m) {
-  m.impl("deform_conv2d",
-         TORCH_FN((deform_conv2d_autocast<c10::DispatchKey::AutocastCPU, c10::DeviceType::CPU>)));
+  register_autocast<c10::DispatchKey::AutocastCPU, c10::DeviceType::CPU>(m);
 }
 
 }  // namespace deformconv
