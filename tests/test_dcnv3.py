@@ -1,6 +1,7 @@
 """DCNv3 (deformconv.dcnv3) against its conventions (docs/dcnv3_dcnv4.md): hand-computed
-vectors, a readable pure-PyTorch reference written from them, gradcheck, the CUDA launchers run by the
-emulator (tests/cuda_emulation), the four dtypes, argument errors, TorchScript and opcheck."""
+vectors, a readable pure-PyTorch reference written from them, gradcheck, the four dtypes,
+non-finite values, the backward's passes, argument errors. The PyTorch workflows and the
+emulated CUDA launchers, for both ops: test_dcn_v3_v4_workflows.py."""
 
 import math
 import warnings
@@ -371,69 +372,6 @@ def test_wrong_dtype_raises_type_error():
         run(deformconv.dcnv3, input, offset, mask.float(), geometry)
 
 
-def test_double_backward_raises():
-    geometry = GEOMETRIES[1]
-    operands = [t.requires_grad_() for t in random_operands(1, 4, 4, geometry)]
-    out = run(deformconv.dcnv3, *operands, geometry)
-    (grad_input,) = torch.autograd.grad(out.sum(), operands[0], create_graph=True)
-    with pytest.raises(NotImplementedError, match="double backward"):
-        grad_input.sum().backward()
-
-
-def test_torchscript():
-    def call(input: torch.Tensor, offset: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        return deformconv.dcnv3(input, offset, mask, 3, 3, 1, 1, 1, 1, 1, 1, 2, 3, 1.0, 256,
-                                False)
-
-    scripted = torch.jit.script(call)
-    operands = random_operands(1, 4, 4, GEOMETRIES[1])
-    assert torch.equal(scripted(*operands), call(*operands))
-
-
-def test_opcheck():
-    geometry = GEOMETRIES[2]
-    operands = [t.requires_grad_() for t in random_operands(2, 5, 6, geometry, dtype=torch.float32)]
-    (kh, kw), (sh, sw), (ph, pw), (dh, dw), G, D = geometry
-    torch.library.opcheck(torch.ops.deformconv.dcnv3.default,
-                          (*operands, kh, kw, sh, sw, ph, pw, dh, dw, G, D, 0.5, 0, False))
-
-
 @pytest.fixture(scope="module")
 def emulated():
     return load()
-
-
-@pytest.mark.parametrize("geometry", GEOMETRIES)
-def test_emulated_cuda_matches_cpu(emulated, geometry):
-    emulated.configure(2, 2, 3, 1234, 7, 0, False)  # shuffled blocks and threads, 3 blocks
-    operands = random_operands(2, 5, 6, geometry, remove_center=geometry[0] == (3, 3))
-    remove_center = geometry[0] == (3, 3)
-    results = []
-    for op in (deformconv.dcnv3, emulated.dcnv3):
-        out = run(op, *operands, geometry, offset_scale=0.5, remove_center=remove_center)
-        (kh, kw), (sh, sw), (ph, pw), (dh, dw), G, D = geometry
-        backward = (torch.ops.deformconv.dcnv3_backward if op is deformconv.dcnv3
-                    else emulated.dcnv3_backward)
-        grads = backward(torch.ones_like(out) * 0.5 + out, *operands, kh, kw, sh, sw, ph, pw,
-                         dh, dw, G, D, 0.5, 0, remove_center, [True, True, True])
-        results.append([out, *grads])
-    counts = emulated.take_bookkeeping()
-    assert counts[0] > 0 and counts[1] == counts[0] and sum(counts[2:]) == 0
-    emulated.configure(0, 0, 0, 0, 7, 0, False)
-    for a, b in zip(*results):
-        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
-
-
-def test_torch_compile_fullgraph_and_export():
-    geometry = GEOMETRIES[1]
-    operands = random_operands(2, 4, 5, geometry, dtype=torch.float32)
-
-    class Core(torch.nn.Module):
-        def forward(self, input, offset, mask):
-            return deformconv.dcnv3(input, offset, mask, 3, 3, 1, 1, 1, 1, 1, 1, 2, 3, 0.5)
-
-    expected = Core()(*operands)
-    compiled = torch.compile(Core(), fullgraph=True, dynamic=True)
-    torch.testing.assert_close(compiled(*operands), expected)
-    program = torch.export.export(Core(), tuple(operands))
-    torch.testing.assert_close(program.module()(*operands), expected)

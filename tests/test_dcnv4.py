@@ -1,7 +1,7 @@
 """DCNv4 (deformconv.dcnv4) against its conventions (docs/dcnv3_dcnv4.md, DCNv4's packed
 offset_mask): the V5 vector, the hand-computed DCNv3 vectors packed into offset_mask, DCNv3's pure-PyTorch reference over packed
-operands whose padding is NaN, gradcheck, the CUDA launchers run by the emulator, argument
-errors, TorchScript, opcheck, torch.compile and torch.export."""
+operands whose padding is NaN, gradcheck and argument errors. The PyTorch workflows and the
+emulated CUDA launchers, for both ops: test_dcn_v3_v4_workflows.py."""
 
 import pytest
 import torch
@@ -10,7 +10,6 @@ import deformconv
 from dcnv3_reference import (FORMULA_VECTORS, GEOMETRIES, dcnv3_reference, formula_operands,
                              pack_offset_mask, random_operands, spec_vectors_input,
                              unpack_offset_mask)
-from emulated_cuda import load
 
 
 def run(op, input, offset_mask, geometry, offset_scale=1.0, remove_center=False,
@@ -127,78 +126,3 @@ def test_bad_arguments_raise(change, error, pattern):
     change(arguments)
     with pytest.raises(error, match="dcnv4\\(\\): expected " + pattern):
         deformconv.dcnv4(**arguments)
-
-
-def test_double_backward_raises():
-    geometry = GEOMETRIES[1]
-    input, offset, mask = random_operands(1, 4, 4, geometry)
-    operands = [input.requires_grad_(), pack_offset_mask(offset, mask, 2).requires_grad_()]
-    out = run(deformconv.dcnv4, *operands, geometry)
-    (grad_input,) = torch.autograd.grad(out.sum(), operands[0], create_graph=True)
-    with pytest.raises(NotImplementedError, match="dcnv4: double backward"):
-        grad_input.sum().backward()
-
-
-def test_torchscript():
-    def call(input: torch.Tensor, offset_mask: torch.Tensor) -> torch.Tensor:
-        return deformconv.dcnv4(input, offset_mask, 3, 3, 1, 1, 1, 1, 1, 1, 2, 3, 1.0, 256,
-                                False)
-
-    scripted = torch.jit.script(call)
-    input, offset, mask = random_operands(1, 4, 4, GEOMETRIES[1])
-    offset_mask = pack_offset_mask(offset, mask, 2)
-    assert torch.equal(scripted(input, offset_mask), call(input, offset_mask))
-
-
-def test_opcheck():
-    geometry = GEOMETRIES[2]
-    input, offset, mask = random_operands(2, 5, 6, geometry, dtype=torch.float32)
-    operands = [input.requires_grad_(),
-                pack_offset_mask(offset, mask, geometry[4], padding_value=0.0).requires_grad_()]
-    (kh, kw), (sh, sw), (ph, pw), (dh, dw), G, D = geometry
-    torch.library.opcheck(torch.ops.deformconv.dcnv4.default,
-                          (*operands, kh, kw, sh, sw, ph, pw, dh, dw, G, D, 0.5, 0, False))
-
-
-def test_torch_compile_fullgraph_and_export():
-    geometry = GEOMETRIES[1]
-    input, offset, mask = random_operands(2, 4, 5, geometry, dtype=torch.float32)
-    offset_mask = pack_offset_mask(offset, mask, 2, padding_value=0.0)
-
-    class Core(torch.nn.Module):
-        def forward(self, input, offset_mask):
-            return deformconv.dcnv4(input, offset_mask, 3, 3, 1, 1, 1, 1, 1, 1, 2, 3, 0.5)
-
-    expected = Core()(input, offset_mask)
-    compiled = torch.compile(Core(), fullgraph=True, dynamic=True)
-    torch.testing.assert_close(compiled(input, offset_mask), expected)
-    program = torch.export.export(Core(), (input, offset_mask))
-    torch.testing.assert_close(program.module()(input, offset_mask), expected)
-
-
-@pytest.fixture(scope="module")
-def emulated():
-    return load()
-
-
-@pytest.mark.parametrize("geometry", GEOMETRIES)
-def test_emulated_cuda_matches_cpu(emulated, geometry):
-    emulated.configure(2, 2, 3, 4321, 7, 0, False)  # shuffled blocks and threads, 3 blocks
-    remove_center = geometry[0] == (3, 3)
-    input, offset, mask = random_operands(2, 5, 6, geometry, remove_center=remove_center)
-    offset_mask = pack_offset_mask(offset, mask, geometry[4])
-    (kh, kw), (sh, sw), (ph, pw), (dh, dw), G, D = geometry
-    results = []
-    for forward, backward in ((deformconv.dcnv4, torch.ops.deformconv.dcnv4_backward),
-                              (emulated.dcnv4, emulated.dcnv4_backward)):
-        out = run(forward, input, offset_mask, geometry, offset_scale=2.0,
-                  remove_center=remove_center)
-        grads = backward(torch.ones_like(out) * 0.5 + out, input, offset_mask, kh, kw, sh, sw,
-                         ph, pw, dh, dw, G, D, 2.0, 0, remove_center, [True, True])
-        results.append([out, *grads])
-    counts = emulated.take_bookkeeping()
-    assert counts[0] > 0 and counts[1] == counts[0] and sum(counts[2:]) == 0
-    emulated.configure(0, 0, 0, 0, 7, 0, False)
-    assert torch.isfinite(results[0][0]).all()
-    for a, b in zip(*results):
-        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12, equal_nan=False)
