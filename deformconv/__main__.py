@@ -54,11 +54,11 @@ def main(argv=None) -> int:
     if parsed.command == "info":
         return info()
     if parsed.command == "benchmark":
-        from .benchmark import main as benchmark_main
+        from .benchmarks.cli import main as benchmark_main
 
         return benchmark_main(rest)
     if parsed.command == "benchmark-training":
-        from .benchmark_training import main as training_main
+        from .benchmarks.training import main as training_main
 
         return training_main(rest)
     from .demo import main as demo_main

@@ -50,12 +50,20 @@ def dcnv3_with_grid_sample(input: Tensor, offset: Tensor, mask: Tensor, kernel_h
     N, H, W = input.shape[0], input.shape[1], input.shape[2]
     Ho, Wo = offset.shape[1], offset.shape[2]
     G, D = group, group_channels
-    taps = [(i, j) for i in range(kernel_w) for j in range(kernel_h)
-            if not (remove_center and (i, j) == (kernel_w // 2, kernel_h // 2))]
-    P = len(taps)
-    options = dict(dtype=input.dtype, device=input.device)
-    grid_x = torch.tensor([i * dilation_w for i, _ in taps], **options)
-    grid_y = torch.tensor([j * dilation_h for _, j in taps], **options)
+    # Positions in at least float32, rounded to the input's dtype only as grid_sample's grid:
+    # a half-precision sum of a pixel index and an offset would be off by a fraction of a pixel.
+    options = dict(dtype=torch.promote_types(input.dtype, torch.float32), device=input.device)
+    # The taps column by column (i along x outer), the centre left out with remove_center; from
+    # arange rather than a Python list, which a traced export would record as a constant.
+    tap_i = torch.arange(kernel_w, **options).repeat_interleave(kernel_h)
+    tap_j = torch.arange(kernel_h, **options).repeat(kernel_w)
+    if remove_center:
+        centre = kernel_w // 2 * kernel_h + kernel_h // 2
+        tap_i = torch.cat([tap_i[:centre], tap_i[centre + 1:]])
+        tap_j = torch.cat([tap_j[:centre], tap_j[centre + 1:]])
+    P = kernel_h * kernel_w - int(remove_center)
+    grid_x = tap_i * dilation_w
+    grid_y = tap_j * dilation_h
     centre_w = dilation_w * (kernel_w - 1) // 2
     centre_h = dilation_h * (kernel_h - 1) // 2
     base_x = torch.arange(Wo, **options) * stride_w + (centre_w - pad_w - centre_w * offset_scale)
@@ -64,7 +72,7 @@ def dcnv3_with_grid_sample(input: Tensor, offset: Tensor, mask: Tensor, kernel_h
     y = base_y.view(1, -1, 1, 1, 1) + (grid_y + offset[..., 1]) * offset_scale
     # align_corners=False puts pixel centre x at (2 x + 1) / W - 1.
     grid = torch.stack([(2 * x + 1) / W - 1, (2 * y + 1) / H - 1], dim=-1)
-    grid = grid.permute(0, 3, 1, 2, 4, 5).reshape(N * G, Ho * Wo, P, 2)
+    grid = grid.permute(0, 3, 1, 2, 4, 5).reshape(N * G, Ho * Wo, P, 2).to(input.dtype)
     images = input.reshape(N, H, W, G, D).permute(0, 3, 4, 1, 2).reshape(N * G, D, H, W)
     samples = F.grid_sample(images, grid, mode="bilinear", padding_mode="zeros",
                             align_corners=False)  # (N G, D, Ho Wo, P)

@@ -3,12 +3,13 @@
 import importlib.util
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
 
 from deformconv.__main__ import main
-from deformconv.benchmark import busy_core
+from deformconv.benchmarks.timing import busy_core
 
 
 def test_help_lists_the_commands(capsys):
@@ -133,7 +134,7 @@ def test_benchmark_on_cuda_without_a_gpu_says_so(capsys):
 def test_cpu_description_records_isa_caps(monkeypatch):
     """The benchmark's setup says which ISA caps the environment sets, and calls the kernels
     AVX2 on an AVX-512 CPU only when every contender's are capped at AVX2."""
-    from deformconv.benchmark import cpu_description
+    from deformconv.benchmarks.environment import cpu_description
 
     for name in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS"):
         monkeypatch.delenv(name, raising=False)
@@ -150,3 +151,30 @@ def test_cpu_description_records_isa_caps(monkeypatch):
     expected = "AVX2" if everything_capped and capped["vector_isa"] == "AVX-512" \
         else capped["vector_isa"]
     assert capped["kernels_isa"] == expected
+
+
+def test_report_rewrites_the_marked_tables_from_their_json(tmp_path):
+    # The committed runs of docs/ through the generator: the tables of docs/performance.md are
+    # what it writes, so a document holding them unchanged comes back unchanged.
+    docs = Path(__file__).resolve().parent.parent / "docs"
+    document = tmp_path / "performance.md"
+    for source in docs.glob("*.json"):
+        (tmp_path / source.name).write_text(source.read_text())
+    committed = (docs / "performance.md").read_text()
+    document.write_text(committed)
+    assert main(["benchmark", "--report", str(document)]) == 0
+    assert document.read_text() == committed
+    # A stale table is rewritten from its file, and the text around it is left alone.
+    report = json.loads((docs / "benchmark.json").read_text())
+    document.write_text("before\n<!-- table: benchmark.json -->\n| stale |\n"
+                        "<!-- end table -->\nafter\n")
+    assert main(["benchmark", "--report", str(document)]) == 0
+    lines = document.read_text().split("\n")
+    assert lines[0] == "before" and lines[-2] == "after"
+    rows = lines[2:lines.index("<!-- end table -->")]
+    assert len(rows) == 2 + len(report["results"])
+    c3 = next(row for row in rows if row.startswith("| c3 |"))
+    medians = report["results"][0]["median_seconds"]
+    assert f"| {medians['deformconv forward'] * 1e3:.1f} |" in c3
+    ours_over_dense = medians["deformconv forward"] / medians["dense forward"]
+    assert f"| {ours_over_dense:.2f}× |" in c3

@@ -29,7 +29,8 @@ import torch.nn.functional as F
 import deformconv
 import deformconv.nn.dcn_v3_v4 as deformconv_modules
 import deformconv.integrations
-from deformconv.benchmark import cpu_description, time_interleaved
+from deformconv.benchmarks.environment import cpu_description
+from deformconv.benchmarks.timing import time_interleaved
 
 INTERNIMAGE_T = dict(channels=64, depths=[4, 4, 18, 4], groups=[4, 8, 16, 32],
                      offset_scale=1.0, mlp_ratio=4.0, post_norm=False, layer_scale=None)

@@ -20,8 +20,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import deformconv
-from .benchmark import time_interleaved
-from .nn import ModulatedDeformConv2dPack
+from .timing import time_interleaved
+from ..nn import ModulatedDeformConv2dPack
 
 
 class TorchvisionModulatedDeformConv2dPack(ModulatedDeformConv2dPack):

@@ -1,0 +1,110 @@
+"""``python -m deformconv benchmark``: deformconv against torchvision and a dense convolution.
+
+For each shape, in one process and interleaved (each repeat times every contender once, so
+drifts in clock speed or load hit all of them alike), after warm-up: forward, and forward +
+backward, of deformconv, ``torchvision.ops.deform_conv2d`` on the same tensors (when installed)
+and a dense ``F.conv2d`` of the same geometry, and deformconv's GEMMs alone (gemm_steps); on the
+CPU in float32 also the forward of ONNX Runtime's own DeformConv kernel (when onnxruntime is
+installed), a one-node model given the same tensors and thread count. Reports medians, the
+ratios, the GFLOP/s of the GEMM part, and the peak memory allocated during one forward and
+during one forward and backward, with the CPU's model and vector ISA. DCNv3 and DCNv4 run
+against the grid_sample formulation, and against the memory roofline: their compulsory bytes
+at the bandwidth of a large device-to-device copy measured in the same run. On the CPU (the
+default) steps are timed by the wall clock and memory by the profiler; with ``--device cuda``,
+by CUDA events around each step and by ``torch.cuda.max_memory_allocated``, on the training
+batches of GPU_SHAPES. ``--busy-core`` keeps one core busy with a spinning process for the
+run, as a data-loader worker would. ``--report`` writes the tables of docs/performance.md from
+the JSON files of earlier runs instead. A benchmark, not a test: nothing here asserts a time.
+"""
+
+import argparse
+import json
+from typing import List, Optional
+
+import torch
+
+import deformconv
+
+from .environment import cpu_description
+from .report import plot, print_result, update_tables
+from .run import benchmark_shape, scaling
+from .shapes import DEFAULT_SHAPES, SHAPES, Dcnv3Shape
+from .timing import busy_core, copy_bandwidth
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m deformconv benchmark",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=None,
+                        help="default: the device's set, "
+                        f"cpu: {' '.join(DEFAULT_SHAPES['cpu'])}; "
+                        f"cuda: {' '.join(DEFAULT_SHAPES['cuda'])}")
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch.set_num_threads (default: torch's choice)")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="cuda: the current GPU, timed with CUDA events")
+    parser.add_argument("--dtype", choices=["float32", "float64", "float16", "bfloat16"],
+                        default="float32")
+    parser.add_argument("--im2col-step", type=int, default=0)
+    parser.add_argument("--v1", action="store_true", help="DCN v1 (no mask); default v2")
+    parser.add_argument("--no-torchvision", action="store_true")
+    parser.add_argument("--scaling", action="store_true",
+                        help="also report scaling with batch, area and im2col_step")
+    parser.add_argument("--busy-core", action="store_true",
+                        help="keep one core busy with a spinning process during the run")
+    parser.add_argument("--output", default="benchmark.json", help="JSON results file")
+    parser.add_argument("--plot", default="benchmark.png", help="PNG chart of the ratios "
+                        "(needs matplotlib; '' to skip)")
+    parser.add_argument("--report", metavar="DOCUMENT", default=None,
+                        help="measure nothing: rewrite the tables of the markdown DOCUMENT "
+                        "(docs/performance.md) from the JSON files each names")
+    args = parser.parse_args(argv)
+    if args.report:
+        print(f"rewrote {update_tables(args.report)} tables of {args.report}")
+        return 0
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device is visible")
+    if args.device == "cuda" and not deformconv.cuda_compiled():
+        parser.error("--device cuda: this build of deformconv holds no CUDA kernels "
+                     "(python -m deformconv info says why)")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    shapes = args.shapes or DEFAULT_SHAPES[args.device]
+    if args.device == "cuda":
+        # float32 timed as float32: no contender's cuBLAS or cuDNN call may round to TF32.
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+
+    setup = {**cpu_description(), "device": args.device, "busy_core": args.busy_core,
+             "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
+             "cuda": torch.version.cuda if args.device == "cuda" else None,
+             "cudnn": torch.backends.cudnn.version() if args.device == "cuda" else None,
+             "threads": torch.get_num_threads(), "torch": torch.__version__,
+             "deformconv": deformconv.__version__, "dtype": args.dtype,
+             "modulated": not args.v1, "repeats": args.repeats, "warmup": args.warmup,
+             "im2col_step": args.im2col_step,
+             "tf32": ({"matmul": torch.backends.cuda.matmul.allow_tf32,
+                       "cudnn": torch.backends.cudnn.allow_tf32}
+                      if args.device == "cuda" else None)}
+    if any(isinstance(SHAPES[name], Dcnv3Shape) for name in shapes):
+        setup["copy_bandwidth"] = copy_bandwidth(args.device, args.repeats, args.warmup)
+    print("setup:", json.dumps(setup))
+    results = []
+    report = {"setup": setup, "results": results}
+    with busy_core(args.busy_core):
+        for index, name in enumerate(shapes, 1):
+            print(f"[{index}/{len(shapes)}] {name} ...", flush=True)
+            results.append(benchmark_shape(SHAPES[name], args, setup.get("copy_bandwidth")))
+            print_result(results[-1])
+        if args.scaling:
+            print("\nscaling:")
+            report["scaling"] = scaling(args)
+    with open(args.output, "w") as f:
+        json.dump(report, f, indent=1)
+    print(f"\nwrote {args.output}")
+    if args.plot:
+        plot(results, args.plot, setup)
+        print(f"wrote {args.plot}")
+    return 0

@@ -1,0 +1,144 @@
+"""What deformconv is timed against: torchvision's op and a dense convolution of the same
+geometry for DCN v1/v2, ONNX Runtime's DeformConv kernel on the CPU, deformconv's GEMMs alone,
+and the grid_sample formulation of DCNv3/DCNv4 (the one deformconv.onnx exports)."""
+
+from typing import Callable, Dict, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+
+import deformconv
+from deformconv.onnx import dcnv3_in_standard_onnx_ops
+
+from .shapes import Dcnv3Shape, Shape, pack_offset_mask
+
+def contenders(shape: Shape, tensors, im2col_step: int) -> Dict[str, Callable]:
+    x, offset, weight, bias, mask = tensors
+    geometry = dict(stride=shape.stride, padding=shape.padding)
+    runs = {
+        "deformconv": lambda x, o, w, b, m: deformconv.deform_conv2d(
+            x, o, w, b, mask=m, im2col_step=im2col_step, **geometry),
+        "dense": lambda x, o, w, b, m: F.conv2d(x, w, b, groups=shape.groups, **geometry),
+    }
+    try:
+        from torchvision.ops import deform_conv2d as torchvision_deform_conv2d
+    except ImportError:
+        pass
+    else:
+        runs["torchvision"] = lambda x, o, w, b, m: torchvision_deform_conv2d(
+            x, o, w, b, mask=m, **geometry)
+    return runs
+
+
+def dcnv3_contenders(shape: Dcnv3Shape, tensors) -> Dict[str, Tuple[Callable, list]]:
+    """Each contender with the inputs its model feeds it: DCNv3 and the grid_sample formulation
+    (deformconv.onnx's, which samples with F.grid_sample as the originals' pure-PyTorch DCNv3
+    does) the offsets and mask that InternImage's DCNv3 makes, DCNv4 the packed offset_mask
+    that FlashInternImage's DCNv4 makes in one Linear layer (pack_offset_mask)."""
+    group, group_channels, scale = shape.group, shape.channels // shape.group, 1.0
+    geometry = (3, 3, 1, 1, 1, 1, 1, 1, group, group_channels, scale)
+    input, offset, mask = tensors
+    return {
+        "dcnv3": (lambda input, offset, mask: deformconv.dcnv3(input, offset, mask, *geometry),
+                  [input, offset, mask]),
+        "dcnv4": (lambda input, offset_mask: deformconv.dcnv4(input, offset_mask, *geometry),
+                  [input, pack_offset_mask(offset, mask, group)]),
+        "grid_sample formulation": (
+            lambda input, offset, mask: dcnv3_in_standard_onnx_ops(input, offset, mask,
+                                                                   *geometry, False),
+            [input, offset, mask]),
+    }
+
+
+def onnxruntime_forward(shape: Shape, tensors) -> Optional[Callable[[], object]]:
+    """The forward of ONNX Runtime's DeformConv CPU kernel on the same float32 tensors, as a
+    one-node model (opset 19) with torch's thread count; None without onnx and onnxruntime."""
+    try:
+        import numpy as np
+        import onnxruntime
+        from onnx import TensorProto, helper
+    except ImportError:
+        return None
+    x, offset, weight, bias, mask = tensors
+    names = ["X", "W", "offset", "B"] + (["mask"] if mask is not None else [])
+    values = [x, weight, offset, bias] + ([mask] if mask is not None else [])
+    node = helper.make_node(
+        "DeformConv", names, ["Y"], kernel_shape=[shape.kernel, shape.kernel],
+        strides=[shape.stride] * 2, pads=[shape.padding] * 4, dilations=[1, 1],
+        group=shape.groups, offset_group=shape.offset_groups)
+    graph = helper.make_graph(
+        [node], "deform_conv",
+        [helper.make_tensor_value_info(name, TensorProto.FLOAT, list(value.shape))
+         for name, value in zip(names, values)],
+        [helper.make_tensor_value_info("Y", TensorProto.FLOAT, None)])
+    # IR version 9 is the one of opset 19, which every onnxruntime since 1.15 reads.
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 19)], ir_version=9)
+    options = onnxruntime.SessionOptions()
+    options.intra_op_num_threads = torch.get_num_threads()
+    options.inter_op_num_threads = 1
+    # Its pool's threads would otherwise spin for a while after each run, taking the cores from
+    # the contender timed next.
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    session = onnxruntime.InferenceSession(model.SerializeToString(), options,
+                                           providers=["CPUExecutionProvider"])
+    feeds = {name: np.ascontiguousarray(value.numpy()) for name, value in zip(names, values)}
+
+    def forward():
+        return session.run(None, feeds)[0]
+
+    return forward
+
+
+def gemm_steps(shape: Shape, dtype: torch.dtype,
+               device: str = "cpu") -> Dict[str, Callable[[], None]]:
+    """The GEMMs of deformconv's im2col formulation alone, whole-size, on random columns in its
+    layout (per image and conv group, pixels x taps * channels), in the form deformconv runs
+    them: forward, the output; backward, the columns gradient and the weight gradient. On the
+    CPU in float32 with one conv group that form is a 1x1 convolution over the columns viewed
+    as a channels-last image (oneDNN), elsewhere batched matrix products (bmm). No im2col +
+    GEMM implementation can beat them, so they measure how much of the gap to a dense
+    convolution is sampling and how much is the GEMMs themselves."""
+    out_h, out_w = shape.output_size()
+    pixels = out_h * out_w
+    matrices = shape.batch * shape.groups
+    rows = shape.in_channels // shape.groups * shape.kernel * shape.kernel
+    out_per_group = shape.out_channels // shape.groups
+    options = dict(device=device, dtype=dtype)
+    columns = torch.randn(matrices, pixels, rows).to(**options)
+    weight = torch.randn(shape.groups, out_per_group, rows).to(**options)
+    grad_output = torch.randn(matrices, out_per_group, pixels).to(**options)
+    as_convolution = (device == "cpu" and dtype == torch.float32 and shape.groups == 1
+                      and torch.backends.mkldnn.is_available()
+                      and torch.backends.mkldnn.enabled)
+    if as_convolution:
+        image = columns.permute(0, 2, 1).unsqueeze(2)  # (N, rows, 1, pixels), channels-last
+        weight_1x1 = weight.view(shape.out_channels, rows, 1, 1)
+        grad_image = grad_output.unsqueeze(2)
+
+        def forward():
+            torch.mkldnn_convolution(image, weight_1x1, None, [0, 0], [1, 1], [1, 1], 1)
+
+        def forward_backward():
+            forward()
+            torch.ops.aten.convolution_backward(grad_image, image, weight_1x1, None, [1, 1],
+                                                [0, 0], [1, 1], False, [0, 0], 1,
+                                                [True, True, False])
+
+        return {"GEMMs alone forward": forward,
+                "GEMMs alone forward+backward": forward_backward}
+
+    weight = weight.repeat(shape.batch, 1, 1)
+    # Results go to buffers allocated once: the allocation of a fresh columns-sized buffer
+    # (page faults) is not GEMM work.
+    output, grad_weight = torch.empty_like(grad_output), torch.empty_like(weight)
+    grad_columns = torch.empty_like(columns)
+
+    def forward():
+        torch.bmm(weight, columns.transpose(1, 2), out=output)
+
+    def forward_backward():
+        forward()
+        torch.bmm(grad_output.transpose(1, 2), weight, out=grad_columns)
+        torch.bmm(grad_output, columns, out=grad_weight)
+
+    return {"GEMMs alone forward": forward, "GEMMs alone forward+backward": forward_backward}

@@ -1,0 +1,186 @@
+"""The report of a run: printed per shape, and the chart of the ratios."""
+
+import sys
+from typing import List
+
+import torch
+
+def print_result(result: dict, out=sys.stdout) -> None:
+    medians = result["median_seconds"]
+    print(f"\n{result['shape']['name']}: {result['describe']}", file=out)
+    for name, seconds in medians.items():
+        print(f"  {name:40s} {seconds * 1e3:9.2f} ms", file=out)
+    for name, ratio in result["ratios"].items():
+        print(f"  {name:58s} {ratio:6.2f}x", file=out)
+    for phase, rate in result.get("gemm_gflops_per_second", {}).items():
+        print(f"  GEMM GFLOP/s, deformconv {phase:18s} {rate:7.1f}", file=out)
+    for name, size in result["peak_forward_bytes"].items():
+        print(f"  peak forward memory, {name:24s} {size / 2**20:8.1f} MiB", file=out)
+    for name, size in result.get("peak_forward_backward_bytes", {}).items():
+        print(f"  peak forward+backward memory, {name:15s} {size / 2**20:8.1f} MiB", file=out)
+    for name, fraction in result.get("roofline", {}).get("fraction", {}).items():
+        print(f"  memory roofline reached, {name:30s} {fraction:6.1%}", file=out)
+    for name, value in result.get("agreement", {}).items():
+        print(f"  {name:40s} {value:.2e}", file=out)
+
+
+# Dashed lines of the chart: the targets of deformconv's performance issues. On the CPU, against
+# dense convolution on the single-image shapes: forward at most 1.3x, forward+backward at most
+# 1.5x. On a GPU: forward at most 1.5x dense, torchvision at least 3x slower, the grid_sample
+# formulation of DCNv3 at least 20x slower.
+TARGET_LINES = {"cpu": [(1 / 1.3, "tab:green"), (1 / 1.5, "tab:red")],
+                "cuda": [(1 / 1.5, "tab:red"), (3.0, "tab:green"), (20.0, "tab:blue")]}
+
+
+def plot(results: List[dict], path: str, setup: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [r["shape"]["name"] for r in results]
+    series = sorted({key for r in results for key in r["ratios"]})
+    figure, axis = plt.subplots(figsize=(max(6, 1.6 * len(names)), 4.5))
+    width = 0.8 / max(1, len(series))
+    for i, key in enumerate(series):
+        values = [r["ratios"].get(key, float("nan")) for r in results]
+        # Bars from parity (1) to the ratio, up where deformconv is faster, down where slower.
+        axis.bar([x + i * width for x in range(len(names))], [v - 1 for v in values], width,
+                 bottom=1.0, label=key)
+    # Logarithmic: ratios span 0.2x to 40x, and 1/2 is as far below 1 as 2 is above.
+    axis.set_yscale("log")
+    known = [v for r in results for v in r["ratios"].values()]
+    axis.set_ylim(min(known + [1.0]) / 1.5, max(known + [1.0]) * 4)
+    axis.axhline(1.0, color="black", linewidth=0.8)
+    for target, colour in TARGET_LINES[setup["device"]]:
+        axis.axhline(target, color=colour, linewidth=0.8, linestyle="--")
+    axis.set_xticks([x + width * (len(series) - 1) / 2 for x in range(len(names))])
+    axis.set_xticklabels(names)
+    axis.set_ylabel("time of other / time of deformconv (higher: deformconv faster)")
+    where = (setup["gpu"] if setup["device"] == "cuda"
+             else f"{setup['vector_isa']} CPU"
+             + (f" running {setup['kernels_isa']} kernels"
+                if setup["kernels_isa"] != setup["vector_isa"] else "")
+             + f", {setup['threads']} threads"
+             + (", one core busy" if setup["busy_core"] else ""))
+    axis.set_title(f"deformconv on {where}, torch {torch.__version__}")
+    axis.legend(fontsize=7, ncol=3, loc="upper left")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
+# The tables of docs/performance.md, generated from the JSON files of the runs they report.
+# A table sits between "<!-- table: FILE -->" and "<!-- end table -->", FILE being the JSON
+# file beside the document; update_tables rewrites every such table from its file.
+
+def _mib(size: int, digits: int) -> str:
+    return f"{size / 2**20:.{digits}f}"
+
+
+def deform_conv2d_table(report: dict) -> List[str]:
+    """DCN v1/v2 against torchvision, dense convolution, the GEMMs alone and ONNX Runtime."""
+    rows = ["| shape | N | C_in→C_out | H×W | stride | groups | offset groups | ours fwd (ms) | "
+            "ours fwd+bwd (ms) | torchvision / ours, fwd | torchvision / ours, fwd+bwd | "
+            "ours / dense, fwd | ours / dense, fwd+bwd | GEMMs alone / dense, fwd / fwd+bwd | "
+            "ONNX Runtime / ours, fwd | peak fwd MiB (ours / tv / dense) |",
+            "|---" * 16 + "|"]
+    for result in report["results"]:
+        shape, medians, ratios = result["shape"], result["median_seconds"], result["ratios"]
+        if "in_channels" not in shape:
+            continue
+
+        def ratio(key):
+            return f"{ratios[key]:.2f}×" if key in ratios else "–"
+
+        def over_dense(name, phase):
+            return medians[f"{name} {phase}"] / medians[f"dense {phase}"]
+
+        peaks = result["peak_forward_bytes"]
+        rows.append(
+            f"| {shape['name']} | {shape['batch']} | {shape['in_channels']}→"
+            f"{shape['out_channels']} | {shape['height']}×{shape['width']} | {shape['stride']} | "
+            f"{shape['groups']} | {shape['offset_groups']} | "
+            f"{medians['deformconv forward'] * 1e3:.1f} | "
+            f"{medians['deformconv forward+backward'] * 1e3:.1f} | "
+            f"{ratio('torchvision/deformconv forward')} | "
+            f"{ratio('torchvision/deformconv forward+backward')} | "
+            f"{over_dense('deformconv', 'forward'):.2f}× | "
+            f"{over_dense('deformconv', 'forward+backward'):.2f}× | "
+            f"{over_dense('GEMMs alone', 'forward'):.2f}× / "
+            f"{over_dense('GEMMs alone', 'forward+backward'):.2f}× | "
+            f"{ratio('onnxruntime/deformconv forward')} | "
+            f"{_mib(peaks['deformconv'], 0)} / "
+            f"{_mib(peaks['torchvision'], 0) if 'torchvision' in peaks else '–'} / "
+            f"{_mib(peaks['dense'], 0)} |")
+    return rows
+
+
+def dcnv3_table(report: dict) -> List[str]:
+    """DCNv3 and DCNv4 against the grid_sample formulation."""
+    rows = ["| shape | H×W×C | group | dcnv3 fwd / fwd+bwd (ms) | grid_sample fwd / fwd+bwd "
+            "(ms) | grid_sample / dcnv3, fwd | grid_sample / dcnv3, fwd+bwd | grid_sample / "
+            "dcnv4, fwd | grid_sample / dcnv4, fwd+bwd | peak fwd MiB (dcnv3 / dcnv4 / "
+            "grid_sample) |",
+            "|---" * 10 + "|"]
+    for result in report["results"]:
+        shape, medians, ratios = result["shape"], result["median_seconds"], result["ratios"]
+        if "group" not in shape:
+            continue
+        peaks = result["peak_forward_bytes"]
+        formulation = "grid_sample formulation"
+        rows.append(
+            f"| {shape['name']} | {shape['size']}×{shape['size']}×{shape['channels']} | "
+            f"{shape['group']} | {medians['dcnv3 forward'] * 1e3:.2f} / "
+            f"{medians['dcnv3 forward+backward'] * 1e3:.2f} | "
+            f"{medians[f'{formulation} forward'] * 1e3:.2f} / "
+            f"{medians[f'{formulation} forward+backward'] * 1e3:.2f} | "
+            + " | ".join(f"{ratios[f'{formulation}/{op} {phase}']:.1f}×"
+                         for op in ("dcnv3", "dcnv4") for phase in ("forward",
+                                                                    "forward+backward"))
+            + f" | {_mib(peaks['dcnv3'], 1)} / {_mib(peaks['dcnv4'], 1)} / "
+            f"{_mib(peaks[formulation], 1)} |")
+    return rows
+
+
+def internimage_table(report: dict) -> List[str]:
+    """tools/benchmark_internimage.py's report: the whole model on both DCNv3 cores."""
+    medians, speedups = report["median_seconds"], report["speedups"]
+    core, share = report["core_seconds_in_forward"], report["core_share_of_forward"]
+    rows = ["| | original pure-PyTorch DCNv3 | deformconv | original / deformconv |",
+            "|---|---|---|---|"]
+    for step in ("forward", "training step"):
+        rows.append(f"| {step} | {medians[f'original {step}'] * 1e3:.0f} ms | "
+                    f"{medians[f'deformconv {step}'] * 1e3:.0f} ms | {speedups[step]:.2f}× |")
+    rows.append(f"| DCNv3 core, within the forward | {core['original'] * 1e3:.1f} ms "
+                f"({share['original']:.0%} of it) | {core['deformconv'] * 1e3:.1f} ms "
+                f"({share['deformconv']:.0%} of it) | "
+                f"{speedups['DCNv3 core in the forward']:.1f}× |")
+    return rows
+
+
+def table_of(report: dict) -> List[str]:
+    if "speedups" in report:
+        return internimage_table(report)
+    if any("group" in result["shape"] for result in report["results"]):
+        return dcnv3_table(report)
+    return deform_conv2d_table(report)
+
+
+def update_tables(document: str) -> int:
+    """Rewrites every marked table of the markdown file `document` from its JSON file; returns
+    how many it rewrote."""
+    import json
+    import re
+    from pathlib import Path
+
+    path = Path(document)
+    text = path.read_text()
+    marked = re.compile(r"(<!-- table: (\S+) -->\n)(.*?)(<!-- end table -->)", re.S)
+
+    def rewrite(match):
+        report = json.loads((path.parent / match.group(2)).read_text())
+        return match.group(1) + "\n".join(table_of(report)) + "\n" + match.group(4)
+
+    updated, count = marked.subn(rewrite, text)
+    path.write_text(updated)
+    return count

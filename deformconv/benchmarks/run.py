@@ -1,0 +1,143 @@
+"""One shape's report: every contender's medians, the ratios, peak memory, the GEMMs' rate,
+DCNv3/DCNv4 against the memory roofline; and the scaling report."""
+
+from dataclasses import asdict
+from typing import Dict, Optional
+
+import torch
+
+from .contenders import contenders, dcnv3_contenders, gemm_steps, onnxruntime_forward
+from .shapes import Dcnv3Shape, Shape, make_dcnv3_tensors, make_tensors
+from .timing import (forward_backward_step, forward_step, peak_forward_backward_bytes,
+                     peak_forward_bytes, time_interleaved)
+
+def tensor_bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def dcnv3_roofline(runs, medians: Dict[str, float], bytes_per_second: float) -> dict:
+    """The compulsory bytes of DCNv3 and DCNv4, each tensor read or written once: forward, the
+    inputs and the output; forward+backward, also the output's gradient and each input's
+    gradient, twice the forward's. The roofline time is those bytes at the copy bandwidth; the
+    fraction is roofline time / measured time (1: as fast as the memory allows). Small shapes
+    whose tensors stay in the GPU's L2 cache from one repeat to the next can exceed 1."""
+    report = {"compulsory_bytes": {}, "fraction": {}}
+    for name in ("dcnv3", "dcnv4"):
+        run, inputs = runs[name]
+        with torch.no_grad():
+            forward_bytes = tensor_bytes(inputs) + tensor_bytes([run(*inputs)])
+        for phase, compulsory in (("forward", forward_bytes),
+                                  ("forward+backward", 2 * forward_bytes)):
+            report["compulsory_bytes"][f"{name} {phase}"] = compulsory
+            report["fraction"][f"{name} {phase}"] = (
+                compulsory / bytes_per_second / medians[f"{name} {phase}"])
+    return report
+
+
+def benchmark_dcnv3_shape(shape: Dcnv3Shape, args, bandwidth: Optional[dict]) -> dict:
+    dtype = getattr(torch, args.dtype)
+    tensors = make_dcnv3_tensors(shape, dtype, device=args.device)
+    runs = dcnv3_contenders(shape, tensors)
+    steps = {}
+    for name, (run, inputs) in runs.items():
+        steps[f"{name} forward"] = forward_step(run, inputs)
+        steps[f"{name} forward+backward"] = forward_backward_step(run, inputs)
+    with torch.no_grad():
+        ours = runs["dcnv3"][0](*tensors)
+        agreement = {f"{name} max abs difference": (run(*inputs) - ours).abs().max().item()
+                     for name, (run, inputs) in runs.items() if name != "dcnv3"}
+    medians = time_interleaved(steps, args.repeats, args.warmup, args.device)
+    result = {"shape": asdict(shape), "describe": shape.describe(), "median_seconds": medians,
+              "ratios": {}, "peak_forward_bytes": {}, "agreement": agreement}
+    for phase in ("forward", "forward+backward"):
+        peer = medians[f"grid_sample formulation {phase}"]
+        for name in ("dcnv3", "dcnv4"):
+            result["ratios"][f"grid_sample formulation/{name} {phase}"] = (
+                peer / medians[f"{name} {phase}"])
+    for name, (run, inputs) in runs.items():
+        result["peak_forward_bytes"][name] = peak_forward_bytes(run, inputs, args.device)
+    grid_sample_peak = result["peak_forward_bytes"]["grid_sample formulation"]
+    for name in ("dcnv3", "dcnv4"):
+        result["ratios"][f"grid_sample formulation/{name} peak forward memory"] = (
+            grid_sample_peak / result["peak_forward_bytes"][name])
+    if bandwidth is not None:
+        result["roofline"] = dcnv3_roofline(runs, medians, bandwidth["bytes_per_second"])
+    return result
+
+
+def benchmark_shape(shape: Shape, args, bandwidth: Optional[dict] = None) -> dict:
+    """One shape's report; bandwidth (copy_bandwidth's) gives DCNv3/DCNv4 their roofline."""
+    if isinstance(shape, Dcnv3Shape):
+        return benchmark_dcnv3_shape(shape, args, bandwidth)
+    dtype = getattr(torch, args.dtype)
+    tensors = make_tensors(shape, dtype, modulated=not args.v1, device=args.device)
+    runs = contenders(shape, tensors, args.im2col_step)
+    if args.no_torchvision:
+        runs.pop("torchvision", None)
+    steps = {}
+    for name, run in runs.items():
+        steps[f"{name} forward"] = forward_step(run, tensors)
+        steps[f"{name} forward+backward"] = forward_backward_step(run, tensors)
+    steps.update(gemm_steps(shape, dtype, args.device))
+    onnxruntime_step = (onnxruntime_forward(shape, tensors)
+                        if args.device == "cpu" and dtype == torch.float32 else None)
+    agreement = {}
+    if onnxruntime_step is not None:
+        steps["onnxruntime forward"] = onnxruntime_step
+        with torch.no_grad():
+            ours = runs["deformconv"](*tensors)
+        agreement["onnxruntime max abs difference"] = (
+            torch.from_numpy(onnxruntime_step()) - ours).abs().max().item()
+    medians = time_interleaved(steps, args.repeats, args.warmup, args.device)
+    result = {"shape": asdict(shape), "describe": shape.describe(), "median_seconds": medians,
+              "ratios": {}, "gemm_gflops_per_second": {}, "peak_forward_bytes": {},
+              "agreement": agreement}
+    for phase in ("forward", "forward+backward"):
+        ours = medians[f"deformconv {phase}"]
+        for other in ("torchvision", "dense", "GEMMs alone", "onnxruntime"):
+            if f"{other} {phase}" in medians:
+                result["ratios"][f"{other}/deformconv {phase}"] = (
+                    medians[f"{other} {phase}"] / ours)
+        # forward: one GEMM; forward+backward: three (output, columns gradient, weight gradient).
+        gemms = 1 if phase == "forward" else 3
+        result["gemm_gflops_per_second"][phase] = gemms * shape.gemm_flops() / ours / 1e9
+    result["peak_forward_backward_bytes"] = {}
+    for name, run in runs.items():
+        result["peak_forward_bytes"][name] = peak_forward_bytes(run, tensors, args.device)
+        result["peak_forward_backward_bytes"][name] = peak_forward_backward_bytes(
+            run, tensors, args.device)
+    if "torchvision" in runs:
+        peaks = result["peak_forward_backward_bytes"]
+        result["ratios"]["torchvision/deformconv peak forward+backward memory"] = (
+            peaks["torchvision"] / peaks["deformconv"])
+    return result
+
+
+def scaling(args) -> dict:
+    """Time against batch and image area (should be linear), peak memory against
+    im2col_step (bounded by the step, not the batch)."""
+    dtype = getattr(torch, args.dtype)
+    report = {"batch": {}, "area": {}, "im2col_step_peak_bytes": {}}
+    for batch in (1, 2, 4, 8):
+        shape = Shape("scaling", batch, 64, 64, 40, 40)
+        tensors = make_tensors(shape, dtype, True, device=args.device)
+        step = forward_backward_step(contenders(shape, tensors, 0)["deformconv"], tensors)
+        report["batch"][batch] = time_interleaved({"x": step}, args.repeats, args.warmup,
+                                                    args.device)["x"]
+        print(f"  batch {batch}: forward+backward {report['batch'][batch] * 1e3:.2f} ms")
+    for side in (20, 40, 80):
+        shape = Shape("scaling", 1, 64, 64, side, side)
+        tensors = make_tensors(shape, dtype, True, device=args.device)
+        step = forward_backward_step(contenders(shape, tensors, 0)["deformconv"], tensors)
+        report["area"][side * side] = time_interleaved({"x": step}, args.repeats,
+                                                       args.warmup, args.device)["x"]
+        print(f"  {side}x{side}: forward+backward {report['area'][side * side] * 1e3:.2f} ms")
+    shape = Shape("scaling", 16, 64, 64, 40, 40)
+    tensors = make_tensors(shape, dtype, True, device=args.device)
+    for step_size in (1, 2, 4, 8, 16):
+        run = contenders(shape, tensors, step_size)["deformconv"]
+        peak = peak_forward_bytes(run, tensors, args.device)
+        report["im2col_step_peak_bytes"][step_size] = peak
+        print(f"  batch 16, im2col_step {step_size:2d}: peak forward memory "
+              f"{peak / 2**20:.1f} MiB")
+    return report
