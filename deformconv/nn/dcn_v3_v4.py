@@ -147,7 +147,9 @@ class DCNv3(nn.Module):
             nn.init.zeros_(layer.bias)
 
     def forward(self, input: Tensor) -> Tensor:
-        if input.dim() != 4 or input.shape[3] != self.channels:
+        # Not while a trace records the graph: its shapes are tensors there, the check a
+        # constant of the trace.
+        if not torch.jit.is_tracing() and (input.dim() != 4 or input.shape[3] != self.channels):
             raise ValueError(f"DCNv3: expected input of shape (N, H, W, {self.channels}), but "
                              f"got {list(input.shape)}")
         N, H, W, _ = input.shape
@@ -203,14 +205,15 @@ class DCNv4(nn.Module):
         self.without_pointwise = without_pointwise
         self.K = group * (kernel_size * kernel_size - self.remove_center)
 
-        self.offset_mask_dw: Optional[nn.Conv2d] = None
+        # Submodules that may be None: TorchScript compiles a None attribute as a constant.
+        self.offset_mask_dw = None
         if dw_kernel_size is not None:
             self.offset_mask_dw = nn.Conv2d(channels, channels, dw_kernel_size, stride=1,
                                             padding=(dw_kernel_size - 1) // 2, groups=channels)
         # The original pads the 3 K channels to a multiple of 8 for its vector loads.
         self.offset_mask = nn.Linear(channels, int(math.ceil(self.K * 3 / 8) * 8))
-        self.value_proj: Optional[nn.Linear] = None
-        self.output_proj: Optional[nn.Linear] = None
+        self.value_proj = None
+        self.output_proj = None
         if not without_pointwise:
             self.value_proj = nn.Linear(channels, channels)
             self.output_proj = nn.Linear(channels, channels, bias=output_bias)
@@ -229,7 +232,8 @@ class DCNv4(nn.Module):
                     nn.init.zeros_(layer.bias)
 
     def forward(self, input: Tensor, shape: Optional[Tuple[int, int]] = None) -> Tensor:
-        if input.dim() != 3 or input.shape[2] != self.channels:
+        tracing = torch.jit.is_tracing()  # as in DCNv3.forward
+        if not tracing and (input.dim() != 3 or input.shape[2] != self.channels):
             raise ValueError(f"DCNv4: expected input of shape (N, L, {self.channels}), but "
                              f"got {list(input.shape)}")
         N, L, C = input.shape
@@ -237,7 +241,7 @@ class DCNv4(nn.Module):
             H = W = int(math.sqrt(L))
         else:
             H, W = shape
-        if H * W != L:
+        if not tracing and H * W != L:
             raise ValueError(f"DCNv4: expected shape (H, W) with H * W = L = {L}, but got "
                              f"{(H, W)}" + ("" if shape is not None else
                                             " (L is not a square: pass shape=(H, W))"))
