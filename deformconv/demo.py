@@ -71,6 +71,10 @@ class SmallCNN(nn.Module):
 
 
 def progress(prefix: str, done: int, total: int, extra: str = "") -> None:
+    """A bar redrawn in place on a terminal; nothing where the output is a file or a pipe,
+    whose reader would get every redraw (the epoch's summary line follows either way)."""
+    if not sys.stdout.isatty():
+        return
     width = 30
     filled = int(width * done / total)
     sys.stdout.write(f"\r{prefix} [{'#' * filled}{'.' * (width - filled)}] {done}/{total} {extra}")
@@ -212,7 +216,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             history[name]["loss"].append(totals[name] / batches)
             history[name]["test_accuracy"].append(
                 accuracy(model, test_images, test_labels, args.device))
-        print("  test accuracy: " + ", ".join(
+        print(f"epoch {epoch}/{args.epochs}: loss " + ", ".join(
+            f"{n} {history[n]['loss'][-1]:.3f}" for n in models) + "; test accuracy " + ", ".join(
             f"{n} {history[n]['test_accuracy'][-1]:.2%}" for n in models))
 
     print(f"\ntrained {args.epochs} epochs in {time.time() - start:.0f} s")
