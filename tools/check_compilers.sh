@@ -16,6 +16,7 @@
 # of the current Python (requirements-dev.txt).
 set -euo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
+. "$repo/tools/copy_tracked_files.sh"
 scratch=$(mktemp -d)
 trap 'rm -rf "$scratch"' EXIT
 export MAX_JOBS="${MAX_JOBS:-2}"
@@ -54,7 +55,7 @@ build_in() {
   local name=$1
   shift
   mkdir -p "$scratch/$name"
-  git -C "$repo" ls-files -z | (cd "$repo" && xargs -0 cp --parents -t "$scratch/$name")
+  copy_tracked_files "$repo" "$scratch/$name"
   (cd "$scratch/$name" && env "$@" python setup.py build_ext --inplace > build.log 2>&1) \
     || { tail -40 "$scratch/$name/build.log"; exit 1; }
 }

@@ -13,9 +13,10 @@ if ! grep -qw avx512f /proc/cpuinfo 2>/dev/null; then
   exit 0
 fi
 repo=$(cd "$(dirname "$0")/.." && pwd)
+. "$repo/tools/copy_tracked_files.sh"
 scratch=$(mktemp -d)
 trap 'rm -rf "$scratch"' EXIT
-git -C "$repo" ls-files -z | (cd "$repo" && xargs -0 cp --parents -t "$scratch")
+copy_tracked_files "$repo" "$scratch"
 
 cd "$scratch"
 export MAX_JOBS="${MAX_JOBS:-2}"

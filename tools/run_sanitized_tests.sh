@@ -7,9 +7,10 @@
 # Needs the build and test dependencies of the current Python (requirements-dev.txt).
 set -euo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
+. "$repo/tools/copy_tracked_files.sh"
 scratch=$(mktemp -d)
 trap 'rm -rf "$scratch"' EXIT
-git -C "$repo" ls-files -z | (cd "$repo" && xargs -0 cp --parents -t "$scratch")
+copy_tracked_files "$repo" "$scratch"
 
 cd "$scratch"
 export DEFORMCONV_SANITIZE=1 MAX_JOBS="${MAX_JOBS:-2}"
