@@ -58,7 +58,7 @@ from .ops import dcnv3, dcnv4, deform_conv2d
 
 def cuda_compiled() -> bool:
     """Whether this build of deformconv holds CUDA kernels (whether or not a GPU is present)."""
-    return torch._C._dispatch_has_kernel_for_dispatch_key("deformconv::deform_conv2d", "CUDA")
+    return torch.ops.deformconv.deform_conv2d.default.has_kernel_for_dispatch_key("CUDA")
 
 
 __all__ = [
