@@ -86,15 +86,19 @@ __device__ inline int64_t group_start(const Dcnv3Geometry& g, int64_t item) {
   return image * g.in_pixels() * g.channels() + item % g.groups * g.group_channels;
 }
 
-// Locates the samples of points [first_point, first_point + points) of the block's items, the
-// threads taking them in turn, into staged[slot * points_per_round + point - first_point].
+// Stages the round of points that starts at first_point: once the previous round's readers are
+// done, the threads locate the samples of the block's items at its points, taking them in turn,
+// into staged[slot * points_per_round + point - first_point], and wait for one another.
+// Returns the round's number of points. Every thread of the block calls it.
 template <typename scalar_t>
-__device__ inline void stage_round(const Dcnv3Geometry& g, const Dcnv3Fields& f,
-                                   const Dcnv3Tiling& t, int64_t first_item,
-                                   int64_t first_point, int points, const scalar_t* offset,
-                                   const scalar_t* mask,
-                                   SharedSample<at::opmath_type<scalar_t>>* staged) {
+__device__ inline int stage_round(const Dcnv3Geometry& g, const Dcnv3Fields& f,
+                                  const Dcnv3Tiling& t, int64_t first_item, int64_t first_point,
+                                  const scalar_t* offset, const scalar_t* mask,
+                                  SharedSample<at::opmath_type<scalar_t>>* staged) {
   using opmath_t = at::opmath_type<scalar_t>;
+  const int64_t left = g.points() - first_point;
+  const int points = static_cast<int>(left < t.points_per_round ? left : t.points_per_round);
+  __syncthreads();
   for (int i = threadIdx.x; i < t.items_per_block * points; i += blockDim.x) {
     const int slot = i / points;
     const int point = i % points;
@@ -107,6 +111,8 @@ __device__ inline void stage_round(const Dcnv3Geometry& g, const Dcnv3Fields& f,
       staged[slot * t.points_per_round + point] = share_sample(y, x, m, g.height, g.width);
     }
   }
+  __syncthreads();
+  return points;
 }
 
 // Adds m * bilinear(sample) of kVector channels to `sum`: corners of zero weight are not read,
@@ -142,7 +148,7 @@ __global__ void dcnv3_forward_kernel(Dcnv3Geometry g, Dcnv3Fields f, Dcnv3Tiling
   const int slot = threadIdx.x / t.lanes;
   const int lane = threadIdx.x % t.lanes;
   const int64_t points = g.points();
-  // Every thread runs every round of its block, active or not: the rounds end in barriers.
+  // Every thread runs every round of its block, active or not: staging a round holds barriers.
   for (int64_t first_item = int64_t(blockIdx.x) * t.items_per_block; first_item < t.items;
        first_item += int64_t(gridDim.x) * t.items_per_block) {
     const int64_t item = first_item + slot;
@@ -152,11 +158,8 @@ __global__ void dcnv3_forward_kernel(Dcnv3Geometry g, Dcnv3Fields f, Dcnv3Tiling
       const int64_t channel = active ? group_start(g, item) + vector * kVector : 0;
       opmath_t sum[kVector] = {};
       for (int64_t first_point = 0; first_point < points; first_point += t.points_per_round) {
-        const int round_points = static_cast<int>(
-            points - first_point < t.points_per_round ? points - first_point : t.points_per_round);
-        __syncthreads();  // the previous round is read
-        stage_round(g, f, t, first_item, first_point, round_points, offset, mask, staged);
-        __syncthreads();
+        const int round_points =
+            stage_round(g, f, t, first_item, first_point, offset, mask, staged);
         if (active) {
           for (int point = 0; point < round_points; ++point) {
             add_sample<scalar_t, kVector>(staged[slot * t.points_per_round + point],
@@ -211,11 +214,8 @@ __global__ void dcnv3_backward_kernel(Dcnv3Geometry g, Dcnv3Fields f, Dcnv3Tilin
                         group_grad_offset, group_grad_mask);
     }
     for (int64_t first_point = 0; first_point < points; first_point += t.points_per_round) {
-      const int round_points = static_cast<int>(
-          points - first_point < t.points_per_round ? points - first_point : t.points_per_round);
-      __syncthreads();  // the previous round is read
-      stage_round(g, f, t, first_item, first_point, round_points, offset, mask, staged);
-      __syncthreads();
+      const int round_points =
+          stage_round(g, f, t, first_item, first_point, offset, mask, staged);
       for (int point = 0; point < round_points; ++point) {
         // The dot products of the output's gradient with each corner's values (0 outside),
         // as offset_mask_grad_sums_of_dots takes them.
