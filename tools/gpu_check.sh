@@ -10,15 +10,17 @@
 #   4. benchmark  python -m deformconv benchmark --device cuda in float32 (TF32 off), float16
 #              and bfloat16, on its training batches (GPU_SHAPES) with DCNv3/DCNv4 against
 #              the memory roofline; and a ResNet-50 training step with DCN v2 (batch 32,
-#              bf16 autocast) against torchvision's op and the plain ResNet-50.
+#              bf16 autocast) against torchvision's op and the plain ResNet-50;
+#   5. ncu     Nsight Compute's achieved DRAM bandwidth and SM throughput of the main kernels
+#              (tools/gpu_profile_once.py), clocks left as they are, into ncu.csv.
 # Everything it writes goes into OUTDIR, at most 8 files: log.txt (every stage's output),
-# summary.json (each stage's status and wall time, the GPU, torch, CUDA), benchmark-*.json and
-# one PNG. It always ends with a line "gpu_check: ..." that sums the stages up, and exits 0 only
+# summary.json (each stage's status and wall time, the GPU, torch, CUDA), benchmark-*.json, ncu.csv
+# and one PNG. It always ends with a line "gpu_check: ..." that sums the stages up, and exits 0 only
 # if every stage passed.
 # Without a GPU it says so and exits 0, having measured nothing; with --rehearse it runs every
 # stage it can without one, to try the script itself there: the same build (for compute
 # capability 9.0, with nvcc), the CUDA tests (which skip), and a CPU benchmark of two shapes,
-# each with four times the budget.
+# each with four times the budget (compute-sanitizer and ncu need the GPU).
 #   bash tools/gpu_check.sh [--rehearse] [OUTDIR, default gpu-check]
 set -uo pipefail
 rehearse=0
@@ -36,7 +38,7 @@ log="$out/log.txt"
 
 start=$(date +%s)
 declare -A status seconds
-stages=(build tests sanitizer benchmark)
+stages=(build tests sanitizer benchmark ncu)
 for stage in "${stages[@]}"; do status[$stage]="not run"; seconds[$stage]=0; done
 
 summarise() {
@@ -134,7 +136,27 @@ benchmark() {
   done
 }
 
-export -f build gpu_tests sanitizer benchmark
+# One row per kernel and metric; --print-units base keeps every value in bytes, seconds or %.
+profile() {
+  if [ "$has_gpu" != 1 ]; then
+    echo "no GPU: ncu not run"
+    return 0
+  fi
+  local report rc=0
+  report=$(mktemp)
+  ncu --clock-control none --nvtx --nvtx-include "profiled/" \
+    --kernel-name regex:"dcnv3|im2col|col2im|offset_mask" --csv --print-units base \
+    --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,\
+dram__throughput.avg.pct_of_peak_sustained_elapsed,sm__throughput.avg.pct_of_peak_sustained_elapsed,\
+sm__warps_active.avg.pct_of_peak_sustained_active,launch__registers_per_thread \
+    "$python" tools/gpu_profile_once.py > "$report" || rc=$?
+  cat "$report"
+  grep '^"' "$report" > "$out/ncu.csv" || rc=1
+  rm -f "$report"
+  return $rc
+}
+
+export -f build gpu_tests sanitizer benchmark profile
 export python rehearse has_gpu out
 # So that what Python prints reaches the log as it is printed.
 export PYTHONUNBUFFERED=1
@@ -143,8 +165,9 @@ export PYTHONUNBUFFERED=1
 scale=$(( rehearse && ! has_gpu ? 4 : 1 ))
 run_stage build $(( 200 * scale )) bash -ec build || exit 1
 run_stage tests $(( 120 * scale )) bash -ec gpu_tests
-run_stage sanitizer $(( 90 * scale )) bash -ec sanitizer
+run_stage sanitizer $(( 80 * scale )) bash -ec sanitizer
 run_stage benchmark $(( 70 * scale )) bash -ec benchmark
+run_stage ncu $(( 30 * scale )) bash -ec profile
 for stage in "${stages[@]}"; do
   [ "${status[$stage]}" = passed ] || exit 1
 done
