@@ -65,6 +65,25 @@ def benchmark_dcnv3_shape(shape: Dcnv3Shape, args, bandwidth: Optional[dict]) ->
     return result
 
 
+def drop_unsupported_contenders(runs: Dict[str, object], tensors) -> Dict[str, str]:
+    """Removes the peers that do not implement the operands' dtype on their device (torchvision's
+    op has no bfloat16 kernel, for one) and returns why each was dropped; deformconv itself must
+    run."""
+    unsupported = {}
+    for name in [name for name in runs if name != "deformconv"]:
+        try:
+            with torch.no_grad():
+                runs[name](*tensors)
+        except (NotImplementedError, RuntimeError) as error:
+            # torch's dispatch macros word it so, on either device; anything else is a failure.
+            if "not implemented for" not in str(error):
+                raise
+            unsupported[name] = str(error).splitlines()[-1]
+            del runs[name]
+            print(f"  {name}: not run: {unsupported[name]}")
+    return unsupported
+
+
 def benchmark_shape(shape: Shape, args, bandwidth: Optional[dict] = None) -> dict:
     """One shape's report; bandwidth (copy_bandwidth's) gives DCNv3/DCNv4 their roofline."""
     if isinstance(shape, Dcnv3Shape):
@@ -74,6 +93,7 @@ def benchmark_shape(shape: Shape, args, bandwidth: Optional[dict] = None) -> dic
     runs = contenders(shape, tensors, args.im2col_step)
     if args.no_torchvision:
         runs.pop("torchvision", None)
+    unsupported = drop_unsupported_contenders(runs, tensors)
     steps = {}
     for name, run in runs.items():
         steps[f"{name} forward"] = forward_step(run, tensors)
@@ -91,7 +111,7 @@ def benchmark_shape(shape: Shape, args, bandwidth: Optional[dict] = None) -> dic
     medians = time_interleaved(steps, args.repeats, args.warmup, args.device)
     result = {"shape": asdict(shape), "describe": shape.describe(), "median_seconds": medians,
               "ratios": {}, "gemm_gflops_per_second": {}, "peak_forward_bytes": {},
-              "agreement": agreement}
+              "agreement": agreement, "unsupported": unsupported}
     for phase in ("forward", "forward+backward"):
         ours = medians[f"deformconv {phase}"]
         for other in ("torchvision", "dense", "GEMMs alone", "onnxruntime"):
