@@ -33,6 +33,8 @@ if [ "$has_gpu" != 1 ] && [ "$rehearse" = 0 ]; then
 fi
 out=$(mkdir -p "${1:-gpu-check}" && cd "${1:-gpu-check}" && pwd)
 cd "$(dirname "$0")/.."
+# tools/*.py import deformconv from the checkout, which Python does not put on sys.path itself.
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 log="$out/log.txt"
 : > "$log"
 
@@ -105,16 +107,26 @@ gpu_tests() {
   "$python" -m pytest -q -p no:cacheprovider -m cuda -rs tests
 }
 
+# memcheck fails on any error. racecheck also reports hazards inside cuBLAS's own GEMM kernels
+# (nvjet_*, seen on an H200), which are not deformconv's to judge: the stage fails on a hazard
+# in a deformconv kernel, or if racecheck did not run to its summary.
 sanitizer() {
   if [ "$has_gpu" != 1 ]; then
     echo "no GPU: compute-sanitizer not run"
     return 0
   fi
-  local tool
-  for tool in memcheck racecheck; do
-    compute-sanitizer --tool "$tool" --error-exitcode 1 "$python" tools/gpu_kernels_once.py \
-      || return 1
-  done
+  compute-sanitizer --tool memcheck --error-exitcode 1 "$python" tools/gpu_kernels_once.py \
+    || return 1
+  local report rc=0 ours
+  report=$(mktemp)
+  compute-sanitizer --tool racecheck "$python" tools/gpu_kernels_once.py > "$report" 2>&1 || rc=$?
+  cat "$report"
+  grep -q "RACECHECK SUMMARY" "$report" || rc=1
+  ours=$(grep "Race reported" "$report" \
+    | grep -cE "dcnv3_|im2col_kernel|col2im_kernel|offset_mask_grad_kernel" || true)
+  rm -f "$report"
+  echo "racecheck: $ours hazards in deformconv's kernels"
+  [ "$rc" = 0 ] && [ "$ours" = 0 ]
 }
 
 benchmark() {
@@ -163,10 +175,10 @@ export PYTHONUNBUFFERED=1
 
 # A rehearsal runs on a machine of a few cores, not the GPU machine's 16: four times the time.
 scale=$(( rehearse && ! has_gpu ? 4 : 1 ))
-run_stage build $(( 200 * scale )) bash -ec build || exit 1
-run_stage tests $(( 120 * scale )) bash -ec gpu_tests
-run_stage sanitizer $(( 80 * scale )) bash -ec sanitizer
-run_stage benchmark $(( 70 * scale )) bash -ec benchmark
+run_stage build $(( 260 * scale )) bash -ec build || exit 1
+run_stage tests $(( 60 * scale )) bash -ec gpu_tests
+run_stage sanitizer $(( 60 * scale )) bash -ec sanitizer
+run_stage benchmark $(( 90 * scale )) bash -ec benchmark
 run_stage ncu $(( 30 * scale )) bash -ec profile
 for stage in "${stages[@]}"; do
   [ "${status[$stage]}" = passed ] || exit 1

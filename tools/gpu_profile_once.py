@@ -1,47 +1,63 @@
-"""The main CUDA kernels once each, forward and backward, at one realistic training shape: the
-program that tools/gpu_check.sh runs under Nsight Compute (ncu) to read each kernel's achieved
-DRAM bandwidth and SM throughput. DCNv3 and DCNv4 at FlashInternImage-T's stage 2 (batch 64)
-in float32 and bfloat16; DCN v2 at ResNet-50's c4 stage (batch 8) in float32. One warm-up call
-of each comes first, outside the NVTX range that ncu is told to profile.
+"""The main CUDA kernels once each, forward and backward with every gradient, at one realistic
+training shape: the program that tools/gpu_check.sh runs under Nsight Compute (ncu) to read each
+kernel's achieved DRAM bandwidth and SM throughput. DCNv3 and DCNv4 at FlashInternImage-T's
+stage 2 (batch 64) in float32 and bfloat16; DCN v2 at ResNet-50's c4 stage (batch 8) in
+float32. The ops are called directly, not through autograd, whose engine runs the backward on
+a thread of its own, outside the NVTX range that ncu is told to profile. One warm-up call of
+each comes first, outside that range.
 
     python tools/gpu_profile_once.py
 """
 
 import torch
 
-import deformconv
-from deformconv.benchmarks.contenders import dcnv3_contenders
-from deformconv.benchmarks.shapes import SHAPES, make_dcnv3_tensors, make_tensors
+from deformconv.benchmarks.shapes import SHAPES, make_dcnv3_tensors, make_tensors, pack_offset_mask
+
+ops = torch.ops.deformconv
 
 
-def forward_backward(run, operands):
-    operands = [t.detach().requires_grad_(t.is_floating_point()) for t in operands]
-    out = run(*operands)
-    out.backward(torch.randn_like(out))
-
-
-def main():
+def dcnv3_calls(dtype):
+    shape = SHAPES["fit-stage2-batch64"]
+    input, offset, mask = make_dcnv3_tensors(shape, dtype, device="cuda")
+    tail = (3, 3, 1, 1, 1, 1, 1, 1, shape.group, shape.channels // shape.group, 1.0, 0, False)
+    name = str(dtype).removeprefix("torch.")
     calls = []
-    for dtype in [torch.float32, torch.bfloat16]:
-        shape = SHAPES["fit-stage2-batch64"]
-        tensors = make_dcnv3_tensors(shape, dtype, device="cuda")
-        for name, (run, operands) in dcnv3_contenders(shape, tensors).items():
-            if name in ("dcnv3", "dcnv4"):
-                calls.append((f"{name} {dtype}", run, operands))
+    for op, operands in (("dcnv3", [input, offset, mask]),
+                         ("dcnv4", [input, pack_offset_mask(offset, mask, shape.group)])):
+        forward, backward = getattr(ops, op), getattr(ops, op + "_backward")
+        grad_output = torch.randn_like(input)
+        every_gradient = [True] * len(operands)
+        calls.append((f"{op} {name} forward", lambda f=forward, o=operands: f(*o, *tail)))
+        calls.append((f"{op} {name} backward",
+                      lambda b=backward, o=operands, m=every_gradient: b(grad_output, *o, *tail,
+                                                                          m)))
+    return calls
+
+
+def deform_conv2d_calls():
     shape = SHAPES["c4-batch8"]
     x, offset, weight, bias, mask = make_tensors(shape, torch.float32, modulated=True,
                                                  device="cuda")
-    calls.append(("deform_conv2d float32",
-                  lambda x, o, w, b, m: deformconv.deform_conv2d(x, o, w, b, padding=1, mask=m),
-                  [x, offset, weight, bias, mask]))
+    geometry = ([1, 1], [1, 1], [1, 1], 1, 1, 0)
+    out = ops.deform_conv2d(x, offset, weight, mask, bias, *geometry)
+    grad_output = torch.randn_like(out)
+    return [("deform_conv2d float32 forward",
+             lambda: ops.deform_conv2d(x, offset, weight, mask, bias, *geometry)),
+            ("deform_conv2d float32 backward",
+             lambda: ops.deform_conv2d_backward(grad_output, x, offset, weight, mask, *geometry,
+                                                [True] * 5))]
+
+
+def main():
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    for _, run, operands in calls:
-        forward_backward(run, operands)
+    calls = dcnv3_calls(torch.float32) + dcnv3_calls(torch.bfloat16) + deform_conv2d_calls()
+    for _, call in calls:
+        call()
     torch.cuda.synchronize()
-    for name, run, operands in calls:
+    for name, call in calls:
         torch.cuda.nvtx.range_push("profiled")
-        forward_backward(run, operands)
+        call()
         torch.cuda.synchronize()
         torch.cuda.nvtx.range_pop()
         print("profiled", name)
