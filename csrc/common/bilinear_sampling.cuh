@@ -19,6 +19,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #if defined(__CUDACC__)
 #include <ATen/cuda/Atomic.cuh>
@@ -209,6 +210,27 @@ C10_HOST_DEVICE inline void scatter_add(scalar_t* address, scalar_t value) {
 #else
   *address += value;
 #endif
+}
+
+// Adds kCount consecutive values into a gradient buffer, as scatter_add adds one. On Hopper and
+// later (compute capability 9.0) float sums add 16 bytes in one atomic (atomicAdd on float4),
+// a quarter of the atomic operations in L2 of one add per channel: those operations bound
+// DCNv3's backward on an H200. `address` is then 16-byte aligned.
+template <int kCount, typename scalar_t>
+C10_HOST_DEVICE inline void scatter_add_run(scalar_t* address, const scalar_t* values) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if constexpr (std::is_same_v<scalar_t, float> && kCount % 4 == 0) {
+    for (int i = 0; i < kCount; i += 4) {
+      atomicAdd(reinterpret_cast<float4*>(address + i),
+                make_float4(values[i], values[i + 1], values[i + 2], values[i + 3]));
+    }
+  } else
+#endif
+  {
+    for (int i = 0; i < kCount; ++i) {
+      scatter_add(address + i, values[i]);
+    }
+  }
 }
 
 // The adjoint of sample_with_plan at one corner, for `channels` consecutive channels (1 on the

@@ -190,7 +190,7 @@ __device__ inline opmath_t sum_over_lanes(opmath_t value, int lanes) {
 }
 
 // grad_input (sums of at::opmath_type, Note [Input gradient sums in float32]), grad_offset and
-// grad_mask are null where not asked for. The input gradient adds atomically (scatter_add).
+// grad_mask are null where not asked for. The input gradient adds atomically (scatter_add_run).
 template <typename scalar_t, int kVector>
 __global__ void dcnv3_backward_kernel(Dcnv3Geometry g, Dcnv3Fields f, Dcnv3Tiling t,
                                       const scalar_t* grad_output, const scalar_t* input,
@@ -237,9 +237,11 @@ __global__ void dcnv3_backward_kernel(Dcnv3Geometry g, Dcnv3Fields f, Dcnv3Tilin
             const int64_t at = channel + corner_index(sample, corner, g.width) * g.channels();
             const opmath_t weight = sample.weight[corner];
             if (grad_input != nullptr && weight != opmath_t(0)) {
+              opmath_t weighted[kVector];
               for (int e = 0; e < kVector; ++e) {
-                scatter_add(grad_input + at + e, weight * grad[e]);
+                weighted[e] = weight * grad[e];
               }
+              scatter_add_run<kVector>(grad_input + at, weighted);
             }
             if (position_grads && (sample.corners >> corner & 1)) {
               const auto read = load_vector<scalar_t, kVector>(input + at);
@@ -334,7 +336,10 @@ void dcnv3_gradients_cuda(const Dcnv3Geometry& g, const Dcnv3Fields& f, int64_t 
     if (grad_input.defined()) {
       sums = uninitialised_input_gradient_sums<scalar_t>(grad_input).zero_();
     }
-    with_channel_vectors<scalar_t>(g, batch, {&grad_output, &input}, [&](auto width, auto t) {
+    // The sums too: vectors of them are added in one atomic (scatter_add_run).
+    const at::Tensor& sums_or_input = sums.defined() ? sums : input;
+    with_channel_vectors<scalar_t>(g, batch, {&grad_output, &input, &sums_or_input},
+                                   [&](auto width, auto t) {
       auto* kernel = dcnv3_backward_kernel<scalar_t, decltype(width)::value>;
       DEFORMCONV_LAUNCH(kernel, blocks_of(t), kThreadsPerBlock,
                         c10::cuda::getCurrentCUDAStream())(
