@@ -12,9 +12,9 @@
 #              the memory roofline; and a ResNet-50 training step with DCN v2 (batch 32,
 #              bf16 autocast) against torchvision's op and the plain ResNet-50;
 #   5. ncu     Nsight Compute's achieved DRAM bandwidth and SM throughput of the main kernels
-#              (tools/gpu_profile_once.py), clocks left as they are, into ncu.csv.
+#              (tools/gpu_profile_once.py), clocks left as they are, into ncu.json.
 # Everything it writes goes into OUTDIR, at most 8 files: log.txt (every stage's output),
-# summary.json (each stage's status and wall time, the GPU, torch, CUDA), benchmark-*.json, ncu.csv
+# summary.json (each stage's status and wall time, the GPU, torch, CUDA), benchmark-*.json, ncu.json
 # and one PNG. It always ends with a line "gpu_check: ..." that sums the stages up, and exits 0 only
 # if every stage passed.
 # Without a GPU it says so and exits 0, having measured nothing; with --rehearse it runs every
@@ -148,7 +148,8 @@ benchmark() {
   done
 }
 
-# One row per kernel and metric; --print-units base keeps every value in bytes, seconds or %.
+# ncu's sections for the main kernels, one NVTX range per call (tools/gpu_profile_once.py), summed
+# per kernel and call into ncu.json (tools/ncu_summary.py); the full CSV goes into the log.
 profile() {
   if [ "$has_gpu" != 1 ]; then
     echo "no GPU: ncu not run"
@@ -156,14 +157,12 @@ profile() {
   fi
   local report rc=0
   report=$(mktemp)
-  ncu --clock-control none --nvtx --nvtx-include "profiled/" \
-    --kernel-name regex:"dcnv3|im2col|col2im|offset_mask" --csv --print-units base \
-    --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,\
-dram__throughput.avg.pct_of_peak_sustained_elapsed,sm__throughput.avg.pct_of_peak_sustained_elapsed,\
-sm__warps_active.avg.pct_of_peak_sustained_active,launch__registers_per_thread \
+  ncu --clock-control none --nvtx --kernel-name regex:"dcnv3|im2col|col2im|offset_mask" \
+    --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \
+    --section LaunchStats --csv --print-units base \
     "$python" tools/gpu_profile_once.py > "$report" || rc=$?
   cat "$report"
-  grep '^"' "$report" > "$out/ncu.csv" || rc=1
+  "$python" tools/ncu_summary.py "$report" "$out/ncu.json" || rc=1
   rm -f "$report"
   return $rc
 }
@@ -175,11 +174,11 @@ export PYTHONUNBUFFERED=1
 
 # A rehearsal runs on a machine of a few cores, not the GPU machine's 16: four times the time.
 scale=$(( rehearse && ! has_gpu ? 4 : 1 ))
-run_stage build $(( 260 * scale )) bash -ec build || exit 1
+run_stage build $(( 240 * scale )) bash -ec build || exit 1
 run_stage tests $(( 60 * scale )) bash -ec gpu_tests
 run_stage sanitizer $(( 60 * scale )) bash -ec sanitizer
 run_stage benchmark $(( 90 * scale )) bash -ec benchmark
-run_stage ncu $(( 30 * scale )) bash -ec profile
+run_stage ncu $(( 45 * scale )) bash -ec profile
 for stage in "${stages[@]}"; do
   [ "${status[$stage]}" = passed ] || exit 1
 done
