@@ -178,3 +178,28 @@ def test_report_rewrites_the_marked_tables_from_their_json(tmp_path):
     assert f"| {medians['deformconv forward'] * 1e3:.1f} |" in c3
     ours_over_dense = medians["deformconv forward"] / medians["dense forward"]
     assert f"| {ours_over_dense:.2f}× |" in c3
+
+
+def test_report_picks_the_table_a_marker_names(tmp_path):
+    # A GPU run holds DCN v2 and DCNv3 shapes: the marker's kind picks each one's table, and
+    # DCNv3's has the memory-roofline columns of a run that measured the copy bandwidth.
+    docs = Path(__file__).resolve().parent.parent / "docs"
+    source = docs / "benchmark_h200_float32.json"
+    (tmp_path / source.name).write_text(source.read_text())
+    report = json.loads(source.read_text())
+    document = tmp_path / "performance.md"
+    document.write_text(f"<!-- table: {source.name} deform_conv2d -->\n<!-- end table -->\n"
+                        f"<!-- table: {source.name} dcnv3 -->\n<!-- end table -->\n")
+    assert main(["benchmark", "--report", str(document)]) == 0
+    text = document.read_text()
+    dcn_v2, dcnv3 = text.split(f"<!-- table: {source.name} dcnv3 -->")
+    shapes = [result["shape"] for result in report["results"]]
+    assert dcn_v2.count("\n| ") - 1 == sum("in_channels" in shape for shape in shapes)
+    assert dcnv3.count("\n| ") - 1 == sum("group" in shape for shape in shapes)
+    assert "DRAM roofline reached" in dcnv3
+    stage2 = next(r for r in report["results"] if r["shape"]["name"] == "fit-stage2-batch64")
+    fraction = stage2["roofline"]["fraction"]["dcnv3 forward"]
+    assert f"| {fraction:.1%} / " in dcnv3
+    document.write_text(f"<!-- table: {source.name} nonsense -->\n<!-- end table -->\n")
+    with pytest.raises(ValueError, match="table kind 'nonsense'"):
+        main(["benchmark", "--report", str(document)])

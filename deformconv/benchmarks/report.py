@@ -1,7 +1,7 @@
 """The report of a run: printed per shape, and the chart of the ratios."""
 
 import sys
-from typing import List
+from typing import List, Optional
 
 import torch
 
@@ -71,7 +71,9 @@ def plot(results: List[dict], path: str, setup: dict) -> None:
 
 # The tables of docs/performance.md, generated from the JSON files of the runs they report.
 # A table sits between "<!-- table: FILE -->" and "<!-- end table -->", FILE being the JSON
-# file beside the document; update_tables rewrites every such table from its file.
+# file beside the document; update_tables rewrites every such table from its file. A run of
+# both kinds of shape (the GPU's) gives two tables: "<!-- table: FILE deform_conv2d -->" and
+# "<!-- table: FILE dcnv3 -->" pick one.
 
 def _mib(size: int, digits: int) -> str:
     return f"{size / 2**20:.{digits}f}"
@@ -116,19 +118,24 @@ def deform_conv2d_table(report: dict) -> List[str]:
 
 
 def dcnv3_table(report: dict) -> List[str]:
-    """DCNv3 and DCNv4 against the grid_sample formulation."""
-    rows = ["| shape | H×W×C | group | dcnv3 fwd / fwd+bwd (ms) | grid_sample fwd / fwd+bwd "
-            "(ms) | grid_sample / dcnv3, fwd | grid_sample / dcnv3, fwd+bwd | grid_sample / "
-            "dcnv4, fwd | grid_sample / dcnv4, fwd+bwd | peak fwd MiB (dcnv3 / dcnv4 / "
-            "grid_sample) |",
-            "|---" * 10 + "|"]
-    for result in report["results"]:
+    """DCNv3 and DCNv4 against the grid_sample formulation; on a GPU, also the share of the
+    memory roofline each reaches."""
+    results = [result for result in report["results"] if "group" in result["shape"]]
+    with_roofline = any("roofline" in result for result in results)
+    header = ("| shape | H×W×C | group | dcnv3 fwd / fwd+bwd (ms) | grid_sample fwd / fwd+bwd "
+              "(ms) | grid_sample / dcnv3, fwd | grid_sample / dcnv3, fwd+bwd | grid_sample / "
+              "dcnv4, fwd | grid_sample / dcnv4, fwd+bwd | peak fwd MiB (dcnv3 / dcnv4 / "
+              "grid_sample) |")
+    columns = 10
+    if with_roofline:
+        header += " DRAM roofline reached, dcnv3 fwd / fwd+bwd | dcnv4 fwd / fwd+bwd |"
+        columns += 2
+    rows = [header, "|---" * columns + "|"]
+    for result in results:
         shape, medians, ratios = result["shape"], result["median_seconds"], result["ratios"]
-        if "group" not in shape:
-            continue
         peaks = result["peak_forward_bytes"]
         formulation = "grid_sample formulation"
-        rows.append(
+        row = (
             f"| {shape['name']} | {shape['size']}×{shape['size']}×{shape['channels']} | "
             f"{shape['group']} | {medians['dcnv3 forward'] * 1e3:.2f} / "
             f"{medians['dcnv3 forward+backward'] * 1e3:.2f} | "
@@ -139,6 +146,27 @@ def dcnv3_table(report: dict) -> List[str]:
                                                                     "forward+backward"))
             + f" | {_mib(peaks['dcnv3'], 1)} / {_mib(peaks['dcnv4'], 1)} / "
             f"{_mib(peaks[formulation], 1)} |")
+        if with_roofline:
+            fraction = result["roofline"]["fraction"]
+            row += "".join(f" {fraction[f'{op} forward']:.1%} / "
+                           f"{fraction[f'{op} forward+backward']:.1%} |"
+                           for op in ("dcnv3", "dcnv4"))
+        rows.append(row)
+    return rows
+
+
+def training_table(report: dict) -> List[str]:
+    """benchmark-training's report: one training step of ResNet-50 with DCN v2 layers, on
+    deformconv's op and torchvision's, and of the plain ResNet-50."""
+    setup, medians, ratios = report["setup"], report["median_seconds"], report["ratios"]
+    rows = ["| batch × image | autocast | deformconv step (ms) | torchvision step (ms) | plain "
+            "ResNet-50 step (ms) | torchvision / deformconv | deformconv / plain |",
+            "|---" * 7 + "|"]
+    rows.append(f"| {setup['batch']} × {setup['size']}² | {setup['autocast']} | "
+                f"{medians['deformconv'] * 1e3:.1f} | {medians['torchvision'] * 1e3:.1f} | "
+                f"{medians['plain'] * 1e3:.1f} | "
+                f"{ratios['torchvision/deformconv step']:.2f}× | "
+                f"{ratios['deformconv/plain step']:.2f}× |")
     return rows
 
 
@@ -158,9 +186,45 @@ def internimage_table(report: dict) -> List[str]:
     return rows
 
 
-def table_of(report: dict) -> List[str]:
+def kernels_table(report: dict) -> List[str]:
+    """tools/ncu_summary.py's JSON: Nsight Compute's figures for each kernel, per launch; the
+    call column only where the report tells calls apart."""
+    kernels = report["kernels"]
+    with_calls = len({kernel["call"] for kernel in kernels}) > 1
+    figures = [("DRAM throughput", "dram_throughput_percent"),
+               ("SM throughput", "sm_throughput_percent"),
+               ("L2 throughput", "l2_throughput_percent"),
+               ("L2 hit rate", "l2_hit_rate_percent"),
+               ("achieved occupancy", "achieved_occupancy_percent")]
+    header = "| kernel |" + (" call |" if with_calls else "") + " launches | µs per launch |"
+    header += "".join(f" {title} |" for title, _ in figures) + " registers per thread |"
+    rows = [header, "|---" * (4 + len(figures) + with_calls) + "|"]
+    for kernel in kernels:
+        row = f"| `{kernel['kernel']}` |" + (f" {kernel['call']} |" if with_calls else "")
+        row += (f" {kernel['launches']} | "
+                f"{kernel['duration_seconds'] / kernel['launches'] * 1e6:.0f} |")
+        row += "".join(f" {kernel[key]:.0f}% |" if key in kernel else " – |"
+                       for _, key in figures)
+        rows.append(row + f" {kernel['registers_per_thread']} |")
+    return rows
+
+
+TABLES = {"deform_conv2d": deform_conv2d_table, "dcnv3": dcnv3_table,
+          "training": training_table, "internimage": internimage_table,
+          "kernels": kernels_table}
+
+
+def table_of(report: dict, kind: Optional[str] = None) -> List[str]:
+    if kind is not None:
+        if kind not in TABLES:
+            raise ValueError(f"table kind {kind!r}: expected one of {sorted(TABLES)}")
+        return TABLES[kind](report)
     if "speedups" in report:
         return internimage_table(report)
+    if "kernels" in report:
+        return kernels_table(report)
+    if "results" not in report:
+        return training_table(report)
     if any("group" in result["shape"] for result in report["results"]):
         return dcnv3_table(report)
     return deform_conv2d_table(report)
@@ -175,11 +239,11 @@ def update_tables(document: str) -> int:
 
     path = Path(document)
     text = path.read_text()
-    marked = re.compile(r"(<!-- table: (\S+) -->\n)(.*?)(<!-- end table -->)", re.S)
+    marked = re.compile(r"(<!-- table: (\S+)(?: (\S+))? -->\n)(.*?)(<!-- end table -->)", re.S)
 
     def rewrite(match):
         report = json.loads((path.parent / match.group(2)).read_text())
-        return match.group(1) + "\n".join(table_of(report)) + "\n" + match.group(4)
+        return match.group(1) + "\n".join(table_of(report, match.group(3))) + "\n" + match.group(5)
 
     updated, count = marked.subn(rewrite, text)
     path.write_text(updated)
