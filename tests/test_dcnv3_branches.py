@@ -201,8 +201,19 @@ def expected_cuda_branches(group_channels, dtype, points, aligned):
 
 CUDA_BRANCHES = {"dcnv3.cuda.channels.vectors_of_16_bytes", "dcnv3.cuda.channels.one_at_a_time",
                  "dcnv3.cuda.channels.several_passes", "dcnv3.cuda.points.several_rounds",
+                 "dcnv3.cuda.index.32bit", "dcnv3.cuda.index.64bit",
                  "dcnv3.cuda.backward.input_gradient",
                  "dcnv3.cuda.backward.offset_mask_gradients"}
+
+
+@pytest.fixture(params=["32bit", "64bit"])
+def index_width(request, emulated):
+    """The kernels' index arithmetic: 32-bit divisions, which the launchers take when every
+    dividend of a launch is below 2^31, or 64-bit ones, forced here by the emulator lowering
+    that limit. Settings as the emulator starts, but for the limit; restored afterwards."""
+    emulated.configure(0, 0, 0, 0, 0, 0, request.param == "64bit")
+    yield request.param
+    emulated.configure(0, 0, 0, 0, 0, 0, False)
 
 
 def misaligned(tensor):
@@ -224,10 +235,11 @@ CUDA_CASES = [(16, True), (12, True), (5, True), (33, True), (1, True), (16, Fal
 @pytest.mark.parametrize("group_channels,aligned", CUDA_CASES,
                          ids=[f"D{D}-{'aligned' if a else 'misaligned'}" for D, a in CUDA_CASES])
 @pytest.mark.parametrize("op", ["dcnv3", "dcnv4"])
-def test_emulated_cuda_paths(emulated, op, group_channels, aligned, dtype):
-    """The CUDA launchers under the emulator, each of their paths forced by the group's channels
-    and the input's alignment and checked to have run: the forward, and the backward kernel for
-    every combination of requested gradients, against the float64 CPU op with every gradient."""
+def test_emulated_cuda_paths(emulated, index_width, op, group_channels, aligned, dtype):
+    """The CUDA launchers under the emulator, each of their paths forced by the group's channels,
+    the input's alignment and the index width, and checked to have run: the forward, and the
+    backward kernel for every combination of requested gradients, against the float64 CPU op
+    with every gradient."""
     geometry = geometry_of(group_channels)
     input, offset, mask = random_operands(2, 5, 7, geometry, seed=group_channels)
     if op == "dcnv3":
@@ -246,7 +258,8 @@ def test_emulated_cuda_paths(emulated, op, group_channels, aligned, dtype):
     grad_output = torch.randn(expected.shape, generator=torch.Generator().manual_seed(1),
                               dtype=torch.float64)
     expected_grads = cpu_backward(grad_output, *rounded, *tail, [True] * len(exact))
-    paths = expected_cuda_branches(group_channels, dtype, 9, aligned)
+    paths = expected_cuda_branches(group_channels, dtype, 9, aligned) | {
+        f"dcnv3.cuda.index.{index_width}"}
     with branch_trace(emulated) as taken:
         out = cuda_forward(*operands, *tail)
     assert taken & CUDA_BRANCHES == paths, sorted(taken)

@@ -168,11 +168,15 @@ C10_HOST_DEVICE inline SharedSample<opmath_t> share_sample(opmath_t y, opmath_t 
   return sample;
 }
 
-// The grid index of corner `corner` (0 to 3, corners_inside's order) of a shared sample.
-template <typename opmath_t>
-C10_HOST_DEVICE inline int64_t corner_index(const SharedSample<opmath_t>& sample, int corner,
-                                            int64_t width) {
-  return sample.top_left + (corner & 1) + (corner >> 1) * width;
+// Element offsets of a cell's four corners from its top-left one (corners_inside's order) in
+// an image whose pixels lie `pixel_stride` elements apart. A kernel computes them once, so that
+// a corner's place is the sample's top-left offset plus one of these.
+struct CornerSteps {
+  int64_t from_top_left[4];
+};
+
+C10_HOST_DEVICE inline CornerSteps corner_steps(int64_t width, int64_t pixel_stride) {
+  return {{0, pixel_stride, width * pixel_stride, (width + 1) * pixel_stride}};
 }
 
 // m * bilinear(image, (y, x)) of one channel, `channel` as in the comment at the top, in the

@@ -19,6 +19,7 @@
 #include <cstdint>
 
 #include "bilinear_sampling.cuh"
+#include "invariant_divisor.h"
 
 namespace deformconv {
 
@@ -55,26 +56,40 @@ struct Dcnv3Sample {
   int64_t n, ho, wo, pixel, group, point;
 };
 
-C10_HOST_DEVICE inline Dcnv3Sample dcnv3_sample_at(const Dcnv3Geometry& g, int64_t pixel,
-                                                   int64_t group, int64_t point) {
+// The divisors of a CUDA thread's index arithmetic, made once per launch: an item (pixel * G +
+// group) into pixel and group, a pixel into image, row and column, a kernel tap into column
+// and row. int64_t, or InvariantDivisor (a multiply-high and a shift instead of a 64-bit
+// division's subroutine) when every dividend of the launch is below 2^31.
+template <typename Divisor>
+struct Dcnv3Divisors {
+  using divisor_type = Divisor;
+  Divisor groups, out_width, out_height, kernel_h;
+
+  explicit Dcnv3Divisors(const Dcnv3Geometry& g)
+      : groups(g.groups), out_width(g.out_width), out_height(g.out_height), kernel_h(g.kernel_h) {}
+};
+
+// Sample `point` of item `item` = pixel * G + group.
+template <typename Divisor>
+C10_HOST_DEVICE inline Dcnv3Sample dcnv3_sample_of_item(const Dcnv3Divisors<Divisor>& d,
+                                                        int64_t item, int64_t point) {
   Dcnv3Sample s;
-  s.pixel = pixel;
-  s.group = group;
+  s.pixel = divide(item, d.groups, s.group);
+  const int64_t rows = divide(s.pixel, d.out_width, s.wo);  // n * Ho + ho
+  s.n = divide(rows, d.out_height, s.ho);
   s.point = point;
-  s.wo = pixel % g.out_width;
-  s.ho = pixel / g.out_width % g.out_height;
-  s.n = pixel / g.out_pixels();
   return s;
 }
 
 // The kernel column i (along x) and row j (along y) of a point: points run column by column,
-// and with remove_center the centre (kw / 2, kh / 2) is skipped.
-C10_HOST_DEVICE inline void dcnv3_tap(const Dcnv3Geometry& g, int64_t point, int64_t& i,
-                                      int64_t& j) {
+// and with remove_center the centre (kw / 2, kh / 2) is skipped. `kernel_h` divides as
+// Dcnv3Divisors' (the CPU passes g.kernel_h).
+template <typename Divisor>
+C10_HOST_DEVICE inline void dcnv3_tap(const Dcnv3Geometry& g, const Divisor& kernel_h,
+                                      int64_t point, int64_t& i, int64_t& j) {
   const int64_t centre = g.kernel_w / 2 * g.kernel_h + g.kernel_h / 2;
   const int64_t tap = g.remove_center && point >= centre ? point + 1 : point;
-  i = tap / g.kernel_h;
-  j = tap % g.kernel_h;
+  i = divide(tap, kernel_h, j);
 }
 
 // Where the kernel's centre tap of output pixel (ho, wo) falls in the input, before offsets.
@@ -105,23 +120,23 @@ C10_HOST_DEVICE inline void dcnv3_reference_point(const Dcnv3Geometry& g, int64_
 }
 
 // The dilation grid's displacement (i * dilation_w, j * dilation_h) of a point, unscaled.
-template <typename opmath_t>
-C10_HOST_DEVICE inline void dcnv3_grid_point(const Dcnv3Geometry& g, int64_t point,
-                                             opmath_t& grid_y, opmath_t& grid_x) {
+template <typename opmath_t, typename Divisor>
+C10_HOST_DEVICE inline void dcnv3_grid_point(const Dcnv3Geometry& g, const Divisor& kernel_h,
+                                             int64_t point, opmath_t& grid_y, opmath_t& grid_x) {
   int64_t i, j;
-  dcnv3_tap(g, point, i, j);
+  dcnv3_tap(g, kernel_h, point, i, j);
   grid_x = static_cast<opmath_t>(i * g.dilation_w);
   grid_y = static_cast<opmath_t>(j * g.dilation_h);
 }
 
-template <typename scalar_t, typename opmath_t>
-C10_HOST_DEVICE inline void dcnv3_position(const Dcnv3Geometry& g, const Dcnv3Fields& f,
-                                           const Dcnv3Sample& s, const scalar_t* offset,
-                                           const scalar_t* mask, opmath_t& y, opmath_t& x,
-                                           opmath_t& m) {
+template <typename scalar_t, typename opmath_t, typename Divisor>
+C10_HOST_DEVICE inline void dcnv3_position(const Dcnv3Geometry& g, const Dcnv3Divisors<Divisor>& d,
+                                           const Dcnv3Fields& f, const Dcnv3Sample& s,
+                                           const scalar_t* offset, const scalar_t* mask,
+                                           opmath_t& y, opmath_t& x, opmath_t& m) {
   opmath_t base_y, base_x, grid_y, grid_x;
   dcnv3_reference_point(g, s.ho, s.wo, base_y, base_x);
-  dcnv3_grid_point(g, s.point, grid_y, grid_x);
+  dcnv3_grid_point(g, d.kernel_h, s.point, grid_y, grid_x);
   const opmath_t scale = static_cast<opmath_t>(g.offset_scale);
   const int64_t offset_at =
       s.pixel * f.offset_pixel_stride + s.group * f.offset_group_stride + 2 * s.point;

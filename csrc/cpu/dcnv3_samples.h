@@ -59,7 +59,7 @@ class PixelSamples : public LocatedSamples<opmath_t> {
         located(padded(g, vector_lanes)),
         first_channel(padded(g, vector_lanes)) {
     for (int64_t k = 0; k < g.groups * g.points(); ++k) {
-      dcnv3_grid_point(g, k % g.points(), this->grid_y[k], this->grid_x[k]);
+      dcnv3_grid_point(g, g.kernel_h, k % g.points(), this->grid_y[k], this->grid_x[k]);
       first_channel[k] = k / g.points() * g.group_channels;
     }
   }

@@ -15,6 +15,10 @@
 // input gradient and the offset and mask gradients in one kernel, which reads the output's
 // gradient once for both; a sample's offset and mask gradients are dot products over its
 // group's channels, summed over the item's lanes with warp shuffles and written by lane 0.
+//
+// A thread splits items into image, row, column and group, and points into kernel column and
+// row: each kernel is built twice, dividing by InvariantDivisor (a multiply-high and a shift)
+// when every dividend of the launch is below 2^31, in int64 otherwise (Dcnv3Divisors).
 
 #include <ATen/Dispatch.h>
 #include <ATen/core/Tensor.h>
@@ -79,20 +83,20 @@ __device__ inline ChannelVector<scalar_t, kVector> load_vector(const scalar_t* a
   return *reinterpret_cast<const ChannelVector<scalar_t, kVector>*>(address);
 }
 
-// Channel 0 of an item's group at grid pixel 0 of its image, in a channels-last (N, H, W, G * D)
-// tensor.
-__device__ inline int64_t group_start(const Dcnv3Geometry& g, int64_t item) {
-  const int64_t image = item / g.groups / g.out_pixels();
-  return image * g.in_pixels() * g.channels() + item % g.groups * g.group_channels;
+// Channel 0 of a sample's group at grid pixel 0 of its image, in a channels-last
+// (N, H, W, G * D) tensor.
+__device__ inline int64_t group_start(const Dcnv3Geometry& g, const Dcnv3Sample& s) {
+  return s.n * g.in_pixels() * g.channels() + s.group * g.group_channels;
 }
 
 // Stages the round of points that starts at first_point: once the previous round's readers are
 // done, the threads locate the samples of the block's items at its points, taking them in turn,
 // into staged[slot * points_per_round + point - first_point], and wait for one another.
 // Returns the round's number of points. Every thread of the block calls it.
-template <typename scalar_t>
-__device__ inline int stage_round(const Dcnv3Geometry& g, const Dcnv3Fields& f,
-                                  const Dcnv3Tiling& t, int64_t first_item, int64_t first_point,
+template <typename scalar_t, typename Divisor>
+__device__ inline int stage_round(const Dcnv3Geometry& g, const Dcnv3Divisors<Divisor>& d,
+                                  const Dcnv3Fields& f, const Dcnv3Tiling& t,
+                                  int64_t first_item, int64_t first_point,
                                   const scalar_t* offset, const scalar_t* mask,
                                   SharedSample<at::opmath_type<scalar_t>>* staged) {
   using opmath_t = at::opmath_type<scalar_t>;
@@ -104,10 +108,9 @@ __device__ inline int stage_round(const Dcnv3Geometry& g, const Dcnv3Fields& f,
     const int point = i % points;
     const int64_t item = first_item + slot;
     if (item < t.items) {
-      const Dcnv3Sample s =
-          dcnv3_sample_at(g, item / g.groups, item % g.groups, first_point + point);
+      const Dcnv3Sample s = dcnv3_sample_of_item(d, item, first_point + point);
       opmath_t y, x, m;
-      dcnv3_position(g, f, s, offset, mask, y, x, m);
+      dcnv3_position(g, d, f, s, offset, mask, y, x, m);
       staged[slot * t.points_per_round + point] = share_sample(y, x, m, g.height, g.width);
     }
   }
@@ -117,18 +120,20 @@ __device__ inline int stage_round(const Dcnv3Geometry& g, const Dcnv3Fields& f,
 
 // Adds m * bilinear(sample) of kVector channels to `sum`: corners of zero weight are not read,
 // so that an infinite value where a sample takes no part cannot make NaN (as
-// sample_value_with_plan).
+// sample_value_with_plan). `channels` points at the vector's channels of grid pixel 0, and
+// `corners` holds the image's corner offsets (corner_steps).
 template <typename scalar_t, int kVector>
 __device__ inline void add_sample(const SharedSample<at::opmath_type<scalar_t>>& sample,
-                                  const scalar_t* channels, int64_t channel_stride,
-                                  int64_t width, at::opmath_type<scalar_t>* sum) {
+                                  const scalar_t* channels, int64_t pixel_stride,
+                                  const CornerSteps& corners, at::opmath_type<scalar_t>* sum) {
   using opmath_t = at::opmath_type<scalar_t>;
+  const int64_t top_left = sample.top_left * pixel_stride;
   opmath_t value[kVector] = {};
   for (int corner = 0; corner < 4; ++corner) {
     const opmath_t weight = sample.weight[corner];
     if (weight != opmath_t(0)) {
       const auto read = load_vector<scalar_t, kVector>(
-          channels + corner_index(sample, corner, width) * channel_stride);
+          channels + top_left + corners.from_top_left[corner]);
       for (int e = 0; e < kVector; ++e) {
         value[e] += weight * static_cast<opmath_t>(read.value[e]);
       }
@@ -139,15 +144,16 @@ __device__ inline void add_sample(const SharedSample<at::opmath_type<scalar_t>>&
   }
 }
 
-template <typename scalar_t, int kVector>
-__global__ void dcnv3_forward_kernel(Dcnv3Geometry g, Dcnv3Fields f, Dcnv3Tiling t,
-                                     const scalar_t* input, const scalar_t* offset,
+template <typename scalar_t, int kVector, typename Divisor>
+__global__ void dcnv3_forward_kernel(Dcnv3Geometry g, Dcnv3Divisors<Divisor> d, Dcnv3Fields f,
+                                     Dcnv3Tiling t, const scalar_t* input, const scalar_t* offset,
                                      const scalar_t* mask, scalar_t* output) {
   using opmath_t = at::opmath_type<scalar_t>;
   __shared__ SharedSample<opmath_t> staged[kStagedSamples<opmath_t>];
   const int slot = threadIdx.x / t.lanes;
   const int lane = threadIdx.x % t.lanes;
   const int64_t points = g.points();
+  const CornerSteps corners = corner_steps(g.width, g.channels());
   // Every thread runs every round of its block, active or not: staging a round holds barriers.
   for (int64_t first_item = int64_t(blockIdx.x) * t.items_per_block; first_item < t.items;
        first_item += int64_t(gridDim.x) * t.items_per_block) {
@@ -155,15 +161,17 @@ __global__ void dcnv3_forward_kernel(Dcnv3Geometry g, Dcnv3Fields f, Dcnv3Tiling
     for (int64_t pass = 0; pass < t.passes; ++pass) {
       const int64_t vector = pass * t.lanes + lane;
       const bool active = item < t.items && vector < t.vectors;
-      const int64_t channel = active ? group_start(g, item) + vector * kVector : 0;
+      const int64_t channel =
+          active ? group_start(g, dcnv3_sample_of_item(d, item, 0)) + vector * kVector : 0;
       opmath_t sum[kVector] = {};
       for (int64_t first_point = 0; first_point < points; first_point += t.points_per_round) {
         const int round_points =
-            stage_round(g, f, t, first_item, first_point, offset, mask, staged);
+            stage_round(g, d, f, t, first_item, first_point, offset, mask, staged);
         if (active) {
           for (int point = 0; point < round_points; ++point) {
-            add_sample<scalar_t, kVector>(staged[slot * t.points_per_round + point],
-                                          input + channel, g.channels(), g.width, sum);
+            // In registers: the sample's fields are read once, not once per corner.
+            const SharedSample<opmath_t> sample = staged[slot * t.points_per_round + point];
+            add_sample<scalar_t, kVector>(sample, input + channel, g.channels(), corners, sum);
           }
         }
       }
@@ -191,9 +199,9 @@ __device__ inline opmath_t sum_over_lanes(opmath_t value, int lanes) {
 
 // grad_input (sums of at::opmath_type, Note [Input gradient sums in float32]), grad_offset and
 // grad_mask are null where not asked for. The input gradient adds atomically (scatter_add_run).
-template <typename scalar_t, int kVector>
-__global__ void dcnv3_backward_kernel(Dcnv3Geometry g, Dcnv3Fields f, Dcnv3Tiling t,
-                                      const scalar_t* grad_output, const scalar_t* input,
+template <typename scalar_t, int kVector, typename Divisor>
+__global__ void dcnv3_backward_kernel(Dcnv3Geometry g, Dcnv3Divisors<Divisor> d, Dcnv3Fields f,
+                                      Dcnv3Tiling t, const scalar_t* grad_output, const scalar_t* input,
                                       const scalar_t* offset, const scalar_t* mask,
                                       at::opmath_type<scalar_t>* grad_input,
                                       scalar_t* grad_offset, scalar_t* grad_mask) {
@@ -203,50 +211,56 @@ __global__ void dcnv3_backward_kernel(Dcnv3Geometry g, Dcnv3Fields f, Dcnv3Tilin
   const int slot = threadIdx.x / t.lanes;
   const int lane = threadIdx.x % t.lanes;
   const int64_t points = g.points();
+  const CornerSteps corners = corner_steps(g.width, g.channels());
   for (int64_t first_item = int64_t(blockIdx.x) * t.items_per_block; first_item < t.items;
        first_item += int64_t(gridDim.x) * t.items_per_block) {
     const int64_t item = first_item + slot;
     const bool active_item = item < t.items;
-    const int64_t start = active_item ? group_start(g, item) : 0;
+    int64_t start = 0;
     scalar_t *group_grad_offset = nullptr, *group_grad_mask = nullptr;
     if (active_item) {
-      dcnv3_group_grads(f, item / g.groups, item % g.groups, grad_offset, grad_mask,
-                        group_grad_offset, group_grad_mask);
+      const Dcnv3Sample s = dcnv3_sample_of_item(d, item, 0);
+      start = group_start(g, s);
+      dcnv3_group_grads(f, s.pixel, s.group, grad_offset, grad_mask, group_grad_offset,
+                        group_grad_mask);
     }
     for (int64_t first_point = 0; first_point < points; first_point += t.points_per_round) {
       const int round_points =
-          stage_round(g, f, t, first_item, first_point, offset, mask, staged);
+          stage_round(g, d, f, t, first_item, first_point, offset, mask, staged);
       for (int point = 0; point < round_points; ++point) {
         // The dot products of the output's gradient with each corner's values (0 outside),
         // as offset_mask_grad_sums_of_dots takes them.
         opmath_t dots[4] = {0, 0, 0, 0};
-        for (int64_t pass = 0; pass < t.passes; ++pass) {
-          const int64_t vector = pass * t.lanes + lane;
-          if (!active_item || vector >= t.vectors) {
-            continue;
-          }
-          const SharedSample<opmath_t>& sample = staged[slot * t.points_per_round + point];
-          const auto grad_read = load_vector<scalar_t, kVector>(
-              grad_output + item * g.group_channels + vector * kVector);
-          opmath_t grad[kVector];
-          for (int e = 0; e < kVector; ++e) {
-            grad[e] = static_cast<opmath_t>(grad_read.value[e]);
-          }
-          const int64_t channel = start + vector * kVector;
-          for (int corner = 0; corner < 4; ++corner) {
-            const int64_t at = channel + corner_index(sample, corner, g.width) * g.channels();
-            const opmath_t weight = sample.weight[corner];
-            if (grad_input != nullptr && weight != opmath_t(0)) {
-              opmath_t weighted[kVector];
-              for (int e = 0; e < kVector; ++e) {
-                weighted[e] = weight * grad[e];
-              }
-              scatter_add_run<kVector>(grad_input + at, weighted);
+        if (active_item) {
+          // In registers: the sample's fields are read once, not once per corner and pass.
+          const SharedSample<opmath_t> sample = staged[slot * t.points_per_round + point];
+          const int64_t top_left = start + sample.top_left * g.channels();
+          for (int64_t pass = 0; pass < t.passes; ++pass) {
+            const int64_t vector = pass * t.lanes + lane;
+            if (vector >= t.vectors) {
+              continue;
             }
-            if (position_grads && (sample.corners >> corner & 1)) {
-              const auto read = load_vector<scalar_t, kVector>(input + at);
-              for (int e = 0; e < kVector; ++e) {
-                dots[corner] += grad[e] * static_cast<opmath_t>(read.value[e]);
+            const auto grad_read = load_vector<scalar_t, kVector>(
+                grad_output + item * g.group_channels + vector * kVector);
+            opmath_t grad[kVector];
+            for (int e = 0; e < kVector; ++e) {
+              grad[e] = static_cast<opmath_t>(grad_read.value[e]);
+            }
+            for (int corner = 0; corner < 4; ++corner) {
+              const int64_t at = top_left + vector * kVector + corners.from_top_left[corner];
+              const opmath_t weight = sample.weight[corner];
+              if (grad_input != nullptr && weight != opmath_t(0)) {
+                opmath_t weighted[kVector];
+                for (int e = 0; e < kVector; ++e) {
+                  weighted[e] = weight * grad[e];
+                }
+                scatter_add_run<kVector>(grad_input + at, weighted);
+              }
+              if (position_grads && (sample.corners >> corner & 1)) {
+                const auto read = load_vector<scalar_t, kVector>(input + at);
+                for (int e = 0; e < kVector; ++e) {
+                  dots[corner] += grad[e] * static_cast<opmath_t>(read.value[e]);
+                }
               }
             }
           }
@@ -298,6 +312,20 @@ void with_channel_vectors(const Dcnv3Geometry& g, int64_t batch,
   }
 }
 
+// Calls launch(divisors) with the launch's Dcnv3Divisors: InvariantDivisor when every dividend
+// (an item, a pixel, a row, a kernel tap) is at most DEFORMCONV_NARROW_INDEX_LIMIT, int64_t
+// otherwise.
+template <typename Launch>
+void with_divisors(const Dcnv3Geometry& g, const Dcnv3Tiling& t, Launch&& launch) {
+  if (std::max(t.items, g.kernel_h * g.kernel_w) <= DEFORMCONV_NARROW_INDEX_LIMIT) {
+    record_branch("dcnv3.cuda.index.32bit");
+    launch(Dcnv3Divisors<InvariantDivisor>(g));
+  } else {
+    record_branch("dcnv3.cuda.index.64bit");
+    launch(Dcnv3Divisors<int64_t>(g));
+  }
+}
+
 int64_t blocks_of(const Dcnv3Tiling& t) {
   return std::min<int64_t>(kMaxBlocks, (t.items + t.items_per_block - 1) / t.items_per_block);
 }
@@ -307,12 +335,15 @@ void dcnv3_forward_cuda(const Dcnv3Geometry& g, const Dcnv3Fields& f, int64_t ba
                         const at::Tensor& mask, at::Tensor& output) {
   DEFORMCONV_DISPATCH(input.scalar_type(), "dcnv3_forward_cuda", [&] {
     with_channel_vectors<scalar_t>(g, batch, {&input, &output}, [&](auto width, auto t) {
-      auto* kernel = dcnv3_forward_kernel<scalar_t, decltype(width)::value>;
-      DEFORMCONV_LAUNCH(kernel, blocks_of(t), kThreadsPerBlock,
-                        c10::cuda::getCurrentCUDAStream())(
-          g, f, t, input.const_data_ptr<scalar_t>(), offset.const_data_ptr<scalar_t>(),
-          mask.const_data_ptr<scalar_t>(), output.mutable_data_ptr<scalar_t>());
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      with_divisors(g, t, [&](auto d) {
+        auto* kernel = dcnv3_forward_kernel<scalar_t, decltype(width)::value,
+                                            typename decltype(d)::divisor_type>;
+        DEFORMCONV_LAUNCH(kernel, blocks_of(t), kThreadsPerBlock,
+                          c10::cuda::getCurrentCUDAStream())(
+            g, d, f, t, input.const_data_ptr<scalar_t>(), offset.const_data_ptr<scalar_t>(),
+            mask.const_data_ptr<scalar_t>(), output.mutable_data_ptr<scalar_t>());
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      });
     });
   });
 }
@@ -340,15 +371,19 @@ void dcnv3_gradients_cuda(const Dcnv3Geometry& g, const Dcnv3Fields& f, int64_t 
     const at::Tensor& sums_or_input = sums.defined() ? sums : input;
     with_channel_vectors<scalar_t>(g, batch, {&grad_output, &input, &sums_or_input},
                                    [&](auto width, auto t) {
-      auto* kernel = dcnv3_backward_kernel<scalar_t, decltype(width)::value>;
-      DEFORMCONV_LAUNCH(kernel, blocks_of(t), kThreadsPerBlock,
-                        c10::cuda::getCurrentCUDAStream())(
-          g, f, t, grad_output.const_data_ptr<scalar_t>(), input.const_data_ptr<scalar_t>(),
-          offset.const_data_ptr<scalar_t>(), mask.const_data_ptr<scalar_t>(),
-          sums.defined() ? sums.mutable_data_ptr<opmath_t>() : nullptr,
-          mutable_data_or_null<scalar_t>(grad_offset),
-          mutable_data_or_null<scalar_t>(grad_mask));
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      with_divisors(g, t, [&](auto d) {
+        auto* kernel = dcnv3_backward_kernel<scalar_t, decltype(width)::value,
+                                             typename decltype(d)::divisor_type>;
+        DEFORMCONV_LAUNCH(kernel, blocks_of(t), kThreadsPerBlock,
+                          c10::cuda::getCurrentCUDAStream())(
+            g, d, f, t, grad_output.const_data_ptr<scalar_t>(),
+            input.const_data_ptr<scalar_t>(), offset.const_data_ptr<scalar_t>(),
+            mask.const_data_ptr<scalar_t>(),
+            sums.defined() ? sums.mutable_data_ptr<opmath_t>() : nullptr,
+            mutable_data_or_null<scalar_t>(grad_offset),
+            mutable_data_or_null<scalar_t>(grad_mask));
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      });
     });
     if (grad_input.defined()) {
       store_input_gradient_sums(sums, grad_input);

@@ -24,12 +24,6 @@
 namespace deformconv {
 namespace {
 
-// The largest dividend that the 32-bit divisions take. The emulated tests lower it to run the
-// 64-bit build as well.
-#ifndef DEFORMCONV_NARROW_INDEX_LIMIT
-#define DEFORMCONV_NARROW_INDEX_LIMIT int64_t(INT32_MAX)
-#endif
-
 // Calls launch(divisors) with the IndexDivisors of the window: 32-bit when `entries`, the flat
 // indices of the launch, and every size that the index arithmetic divides are at most
 // DEFORMCONV_NARROW_INDEX_LIMIT.

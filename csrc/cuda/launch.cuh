@@ -35,6 +35,13 @@ inline int64_t blocks_for(int64_t total) {
 
 }  // namespace deformconv
 
+// The largest dividend that a kernel's 32-bit divisions (InvariantDivisor) take; a launcher
+// with a larger one takes the kernel's 64-bit build. The emulated tests lower it to run the
+// 64-bit builds as well.
+#ifndef DEFORMCONV_NARROW_INDEX_LIMIT
+#define DEFORMCONV_NARROW_INDEX_LIMIT int64_t(INT32_MAX)
+#endif
+
 #define DEFORMCONV_GRID_STRIDE_LOOP(index, total)                                   \
   for (int64_t index = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; \
        index < (total); index += static_cast<int64_t>(blockDim.x) * gridDim.x)
