@@ -2,7 +2,7 @@
 # The compilers users build deformconv with, beyond the default one (README, Compatibility):
 #   1. csrc/cpu/vector_shuffle.h's test (tests/cpp/test_vector_shuffle.cpp), built and run with
 #      g++-11 (__builtin_shuffle), the default g++ and clang++ (__builtin_shufflevector);
-#   2. 64-bit ARM: the sources of a CPU build but the Python module (csrc/cpu, csrc/pytorch,
+#   2. 64-bit ARM: the sources of a CPU build but the Python module (csrc/cpu, csrc/core,
 #      the schemas) cross-compiled with aarch64-linux-gnu-g++ and with clang for
 #      aarch64-linux-gnu (compile only; the ARM vector code is what the compilers' vector
 #      extensions make of it);

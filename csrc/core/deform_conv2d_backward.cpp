@@ -5,8 +5,6 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
-#include <utility>
-#include <vector>
 
 #include "branch_trace.h"
 #include "deform_conv2d.h"
@@ -34,8 +32,8 @@ struct BackwardScratch {
   at::Tensor columns;
   // prepare_window's, for col2im.
   at::Tensor workspace;
-  bool as_convolution;
-  // gemm_weight's; the convolution's backward takes it even for the weight gradient alone.
+  const WindowGemms* gemms;
+  // gemms->weight's; the oneDNN backward takes it even for the weight gradient alone.
   at::Tensor weight;
   // The weight gradient in the order of weight_rows, summed over the windows.
   at::Tensor grad_weight_rows;
@@ -53,13 +51,10 @@ BackwardScratch backward_scratch(const DeformConv2dLaunchers& launchers,
   if (want.input) {
     scratch.workspace = window_workspace(launchers, g, w, input.options());
   }
-  scratch.as_convolution = gemms_as_convolutions(launchers, g, input);
-  record_branch(scratch.as_convolution ? "deform_conv2d.backward.onednn"
-                                       : "deform_conv2d.backward.bmm");
+  scratch.gemms = &launchers.gemms(g, input.scalar_type());
+  record_branch(scratch.gemms->backward_branch);
   record_split(w, batch, "deform_conv2d.backward.blocks", "deform_conv2d.backward.windows");
-  if (scratch.as_convolution || want.columns()) {
-    scratch.weight = gemm_weight(launchers, g, weight, w, scratch.as_convolution);
-  }
+  scratch.weight = scratch.gemms->weight(launchers, g, weight, w);
   if (want.weight) {
     scratch.grad_weight_rows =
         at::zeros({w.groups, w.out_per_group, w.rows_per_group}, weight.options());
@@ -137,19 +132,15 @@ void backward_window(const DeformConv2dLaunchers& launchers, const DeformConv2dG
   if (want.weight) {
     launchers.im2col(g, window, block.images, block.input, sampling, scratch.columns);
   }
-  std::vector<at::Tensor> window_results;
-  const at::Tensor grad_columns = window_gradient_gemms(
+  const at::Tensor grad_columns = scratch.gemms->backward(
       scratch.w, window, block.images, scratch.columns, grad_output_window, scratch.weight,
-      scratch.as_convolution, want.columns(), scratch.grad_weight_rows, window_results);
+      want.columns(), scratch.grad_weight_rows);
   if (want.input) {
     launchers.col2im(g, window, block.images, grad_columns, sampling, block.grad_input);
   }
   if (want.offset || want.mask) {
     launchers.offset_mask_grad(g, window, block.images, grad_columns, block.input, sampling,
                                block.grad_offset, block.grad_mask);
-  }
-  if (launchers.keep_window_results != nullptr) {
-    launchers.keep_window_results(std::move(window_results));
   }
 }
 

@@ -12,7 +12,6 @@
 
 #include "branch_trace.h"
 #include "deform_conv2d.h"
-#include "deform_conv2d_gemms.h"
 #include "deform_conv2d_tiling.h"
 #include "parallel_region.h"
 
@@ -38,7 +37,7 @@ enum class ForwardParallelism { kStages, kImages, kWindows };
 
 ForwardParallelism forward_parallelism(const DeformConv2dLaunchers& launchers, int64_t batch,
                                        int64_t im2col_step, int64_t windows,
-                                       bool as_convolution) {
+                                       const WindowGemms& gemms) {
   const int64_t threads = at::get_num_threads();
   if (!launchers.images_per_thread || im2col_step != 0 || threads == 1 ||
       at::in_parallel_region()) {
@@ -47,8 +46,8 @@ ForwardParallelism forward_parallelism(const DeformConv2dLaunchers& launchers, i
   if (batch >= 2 * threads) {
     return ForwardParallelism::kImages;
   }
-  return as_convolution && windows >= 2 * threads ? ForwardParallelism::kWindows
-                                                  : ForwardParallelism::kStages;
+  return gemms.windows_per_thread_pay && windows >= 2 * threads ? ForwardParallelism::kWindows
+                                                                 : ForwardParallelism::kStages;
 }
 
 // Runs run(i, columns) for i in [0, count) in one parallel region, each thread with a columns
@@ -77,15 +76,15 @@ void run_with_columns_per_thread(const DeformConv2dLaunchers& launchers,
 void forward_window(const DeformConv2dLaunchers& launchers, const DeformConv2dGeometry& g,
                     const WorkSplit& w, const PixelWindow& window, int64_t images,
                     const at::Tensor& input_block, const at::Tensor& offset_block,
-                    const at::Tensor& mask_block, const at::Tensor& weight_gemm,
-                    const std::optional<at::Tensor>& bias, bool as_convolution,
+                    const at::Tensor& mask_block, const WindowGemms& gemms,
+                    const at::Tensor& weight_gemm, const std::optional<at::Tensor>& bias,
                     at::Tensor& columns, const at::Tensor& output_block) {
   // Nothing prepared: im2col locates each sample as it reads it.
   launchers.im2col(g, window, images, input_block,
                    WindowSampling{offset_block, mask_block, {}}, columns);
   // (images * G, C_out / G, window) inside the output: rows P apart.
   at::Tensor output_window = output_block.narrow(2, window.begin, window.pixels);
-  multiply_window(w, window, images, columns, weight_gemm, bias, as_convolution, output_window);
+  gemms.forward(w, window, images, columns, weight_gemm, bias, output_window);
 }
 
 // The forward of images [first, first + images), one block: channels-last input, then its
@@ -93,9 +92,9 @@ void forward_window(const DeformConv2dLaunchers& launchers, const DeformConv2dGe
 // when windows_per_thread.
 void forward_block(const DeformConv2dLaunchers& launchers, const DeformConv2dGeometry& g,
                    const WorkSplit& w, const at::Tensor& input, const at::Tensor& offset,
-                   const at::Tensor& mask, const at::Tensor& weight_gemm,
-                   const std::optional<at::Tensor>& bias, bool as_convolution, int64_t first,
-                   int64_t images, at::Tensor& columns, at::Tensor& output,
+                   const at::Tensor& mask, const WindowGemms& gemms,
+                   const at::Tensor& weight_gemm, const std::optional<at::Tensor>& bias,
+                   int64_t first, int64_t images, at::Tensor& columns, at::Tensor& output,
                    bool windows_per_thread) {
   const at::Tensor input_block = channels_last_block(launchers, input, first, images);
   const at::Tensor offset_block = offset.narrow(0, first, images);
@@ -106,7 +105,7 @@ void forward_block(const DeformConv2dLaunchers& launchers, const DeformConv2dGeo
   if (!windows_per_thread) {
     for (const PixelWindow& window : windows) {
       forward_window(launchers, g, w, window, images, input_block, offset_block, mask_block,
-                     weight_gemm, bias, as_convolution, columns, output_block);
+                     gemms, weight_gemm, bias, columns, output_block);
     }
     return;
   }
@@ -114,8 +113,7 @@ void forward_block(const DeformConv2dLaunchers& launchers, const DeformConv2dGeo
       launchers, g, w, input.options(), static_cast<int64_t>(windows.size()),
       [&](int64_t i, at::Tensor& thread_columns) {
         forward_window(launchers, g, w, windows[i], images, input_block, offset_block,
-                       mask_block, weight_gemm, bias, as_convolution, thread_columns,
-                       output_block);
+                       mask_block, gemms, weight_gemm, bias, thread_columns, output_block);
       });
 }
 
@@ -179,23 +177,22 @@ at::Tensor deform_conv2d_forward(
     fused_forward(launchers, g, w, input_arg, offset, mask, weight_arg, bias, output);
     return output;
   }
-  const bool as_convolution = gemms_as_convolutions(launchers, g, input_arg);
-  record_branch(as_convolution ? "deform_conv2d.forward.onednn" : "deform_conv2d.forward.bmm");
+  const WindowGemms& gemms = launchers.gemms(g, input_arg.scalar_type());
+  record_branch(gemms.forward_branch);
   const ForwardParallelism parallelism = forward_parallelism(
-      launchers, batch, im2col_step, static_cast<int64_t>(windows_of(w).size()), as_convolution);
+      launchers, batch, im2col_step, static_cast<int64_t>(windows_of(w).size()), gemms);
   if (parallelism == ForwardParallelism::kImages) {
     record_branch("deform_conv2d.forward.images_per_thread");
     const WorkSplit image_split =
         split_work(g, 1, 1, input_arg.scalar_type(), launchers, kMinForwardWindowPixels);
     record_split(image_split, 1, "deform_conv2d.forward.blocks",
                  "deform_conv2d.forward.windows");
-    const at::Tensor weight_gemm =
-        gemm_weight(launchers, g, weight_arg, image_split, as_convolution);
+    const at::Tensor weight_gemm = gemms.weight(launchers, g, weight_arg, image_split);
     run_with_columns_per_thread(
         launchers, g, image_split, input_arg.options(), batch,
         [&](int64_t n, at::Tensor& columns) {
-          forward_block(launchers, g, image_split, input_arg, offset, mask, weight_gemm, bias,
-                        as_convolution, n, 1, columns, output, false);
+          forward_block(launchers, g, image_split, input_arg, offset, mask, gemms, weight_gemm,
+                        bias, n, 1, columns, output, false);
         });
     return output;
   }
@@ -206,10 +203,10 @@ at::Tensor deform_conv2d_forward(
   // Shared by the windows in turn; each thread has its own when windows_per_thread.
   at::Tensor columns =
       windows_per_thread ? at::Tensor() : columns_buffer(launchers, g, w, input_arg.options());
-  const at::Tensor weight_gemm = gemm_weight(launchers, g, weight_arg, w, as_convolution);
+  const at::Tensor weight_gemm = gemms.weight(launchers, g, weight_arg, w);
   for (int64_t first = 0; first < batch; first += w.step) {
-    forward_block(launchers, g, w, input_arg, offset, mask, weight_gemm, bias, as_convolution,
-                  first, std::min(w.step, batch - first), columns, output, windows_per_thread);
+    forward_block(launchers, g, w, input_arg, offset, mask, gemms, weight_gemm, bias, first,
+                  std::min(w.step, batch - first), columns, output, windows_per_thread);
   }
   return output;
 }

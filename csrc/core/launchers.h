@@ -11,8 +11,8 @@
 #include <ATen/OpMathType.h>
 #include <ATen/core/Tensor.h>
 
+#include <optional>
 #include <type_traits>
-#include <vector>
 
 #include "../common/deform_conv2d_geometry.h"
 
@@ -27,6 +27,41 @@ struct WindowSampling {
   at::Tensor offset;
   at::Tensor mask;
   at::Tensor prepared;
+};
+
+struct DeformConv2dLaunchers;
+struct WorkSplit;  // core/deform_conv2d_tiling.h: how a call is cut into blocks and windows
+
+// The GEMMs of a call's windows. The driver runs them without knowing how: by bmm (every
+// device: bmm_window_gemms in core/deform_conv2d_gemms.h), or on the CPU in float32 with one
+// conv group as oneDNN 1x1 convolutions (cpu/onednn_gemms_cpu.cpp). The launcher table's
+// `gemms` picks them for a call.
+struct WindowGemms {
+  // Names of the choice in the branch trace, for the forward and the backward.
+  const char* forward_branch;
+  const char* backward_branch;
+  // Whether a window's GEMM runs well on one thread inside a parallel region, so that the
+  // forward may share a block's windows out among the threads (Note [Whole images per thread],
+  // core/deform_conv2d_forward.cpp).
+  bool windows_per_thread_pay;
+  // The weight, (C_out, C_in / G, kh, kw), in the layout that `forward` and `backward` take,
+  // for blocks of w.step images at most.
+  at::Tensor (*weight)(const DeformConv2dLaunchers& launchers, const DeformConv2dGeometry& g,
+                       const at::Tensor& weight, const WorkSplit& w);
+  // output_window (images * G, C_out / G, window pixels) = the weight times the window's
+  // columns, plus the bias.
+  void (*forward)(const WorkSplit& w, const PixelWindow& window, int64_t images,
+                  const at::Tensor& columns, const at::Tensor& weight,
+                  const std::optional<at::Tensor>& bias, at::Tensor& output_window);
+  // The backward GEMMs of a window, for grad_output_window (images, G, C_out / G, window).
+  // Adds the window's share of the weight gradient to grad_weight_rows (weight_rows' order)
+  // when that is defined, `columns` then holding the window's columns, and returns the
+  // gradient of the window's columns when want_columns_grad, in the columns' layout: a new
+  // tensor, or the columns buffer itself, overwritten.
+  at::Tensor (*backward)(const WorkSplit& w, const PixelWindow& window, int64_t images,
+                         at::Tensor& columns, const at::Tensor& grad_output_window,
+                         const at::Tensor& weight, bool want_columns_grad,
+                         at::Tensor& grad_weight_rows);
 };
 
 struct DeformConv2dLaunchers {
@@ -67,11 +102,8 @@ struct DeformConv2dLaunchers {
   // dst (M, C, R) = src (M, R, C) with the last two dimensions swapped, both contiguous: the
   // copies between the (C_in, H * W) planes of the user's tensors and channels-last.
   void (*transpose)(const at::Tensor& src, at::Tensor& dst);
-  // Takes the tensors that ATen allocated for a backward window's GEMMs and keeps them until
-  // the next window's (of this call or a later one) are handed over: Note [A window's
-  // gradients outlive it]. Null where the device's allocator reuses its memory by itself
-  // (CUDA's caching allocator).
-  void (*keep_window_results)(std::vector<at::Tensor> results);
+  // The GEMMs of a call of this geometry and dtype.
+  const WindowGemms& (*gemms)(const DeformConv2dGeometry& geometry, at::ScalarType dtype);
   // The whole forward of a block of `batch` images without columns (Note [Fused forward],
   // cpu/fused_forward_cpu.cpp): output (batch, C_out, H_out, W_out) = the convolution of the
   // sampled input with weight_taps, (G, K, C_in / G, C_out / G) in at::opmath_type, plus bias
@@ -82,9 +114,6 @@ struct DeformConv2dLaunchers {
                         const at::Tensor& mask, const at::Tensor& weight_taps,
                         const at::Tensor& bias, at::Tensor& output);
   bool (*fused_forward_pays)(const DeformConv2dGeometry& geometry, at::ScalarType dtype);
-  // Whether the driver may run the GEMMs of float32 windows with one conv group as oneDNN 1x1
-  // convolutions (Note [GEMMs as 1x1 convolutions]): on the CPU, not on CUDA.
-  bool onednn_gemms;
   // Whether the forward may give whole images to the threads (Note [Whole images per thread]):
   // on the CPU, not on CUDA.
   bool images_per_thread;

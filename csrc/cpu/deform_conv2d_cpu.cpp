@@ -29,10 +29,9 @@ constexpr DeformConv2dLaunchers kCpuLaunchers{
     .col2im = col2im_cpu,
     .offset_mask_grad = offset_mask_grad_cpu,
     .transpose = transpose_cpu,
-    .keep_window_results = keep_window_results_cpu,
+    .gemms = window_gemms_cpu,
     .fused_forward = fused_forward_cpu,
     .fused_forward_pays = fused_forward_pays_cpu,
-    .onednn_gemms = true,
     .images_per_thread = true,
 };
 

@@ -1,13 +1,11 @@
 #pragma once
 
 // The CPU launchers of DCN v1/v2, one file per stage (im2col_cpu.cpp, fused_forward_cpu.cpp,
-// col2im_cpu.cpp, transpose_cpu.cpp) and the scratch memory (scratch_pool.cpp), which
-// deform_conv2d_cpu.cpp gathers into the CPU's launcher table (core/launchers.h says what
-// each does).
+// col2im_cpu.cpp, transpose_cpu.cpp), the GEMMs (onednn_gemms_cpu.cpp) and the scratch memory
+// (scratch_pool.cpp), which deform_conv2d_cpu.cpp gathers into the CPU's launcher table
+// (core/launchers.h says what each does).
 
 #include <ATen/core/Tensor.h>
-
-#include <vector>
 
 #include "../core/launchers.h"
 
@@ -39,6 +37,7 @@ void transpose_cpu(const at::Tensor& src, at::Tensor& dst);
 
 at::Tensor scratch_cpu(c10::IntArrayRef sizes, const at::TensorOptions& options);
 
-void keep_window_results_cpu(std::vector<at::Tensor> results);
+// oneDNN's 1x1 convolutions or bmm: onednn_gemms_cpu.cpp.
+const WindowGemms& window_gemms_cpu(const DeformConv2dGeometry& g, at::ScalarType dtype);
 
 }  // namespace deformconv

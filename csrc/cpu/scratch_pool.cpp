@@ -1,5 +1,4 @@
-// The CPU's scratch memory: a pool of large blocks kept from call to call, and the backward
-// windows' GEMM results kept until the next window's arrive.
+// The CPU's scratch memory: a pool of large blocks kept from call to call.
 
 #include <ATen/core/ivalue.h>
 #include <ATen/ops/from_blob.h>
@@ -112,32 +111,6 @@ class ScratchPool {
 
 at::Tensor scratch_cpu(c10::IntArrayRef sizes, const at::TensorOptions& options) {
   return ScratchPool::instance().take(sizes, options);
-}
-
-// Note [A window's gradients outlive it]: the last backward window's GEMM results, shared by
-// every thread, released when the next window's arrive. Results of more than
-// kKeptWindowResultsBytes are not kept.
-void keep_window_results_cpu(std::vector<at::Tensor> results) {
-  constexpr size_t kKeptWindowResultsBytes = size_t(128) << 20;
-  struct Kept {
-    std::mutex mutex;
-    std::vector<at::Tensor> results;
-  };
-  // Never destroyed: the tensors are freed at exit by the system, not during static destruction.
-  static Kept* kept = new Kept();
-  size_t bytes = 0;
-  for (const at::Tensor& result : results) {
-    bytes += result.storage().nbytes();
-  }
-  if (bytes > kKeptWindowResultsBytes) {
-    results.clear();
-  }
-  // The previous results are freed here, after the lock is released.
-  std::vector<at::Tensor> previous;
-  {
-    std::lock_guard<std::mutex> lock(kept->mutex);
-    previous = std::exchange(kept->results, std::move(results));
-  }
 }
 
 }  // namespace deformconv

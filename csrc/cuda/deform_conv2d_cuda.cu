@@ -18,6 +18,7 @@
 
 #include "../common/deform_conv2d_kernel.cuh"
 #include "../core/branch_trace.h"
+#include "../core/deform_conv2d_gemms.h"
 #include "deform_conv2d_cuda.h"
 #include "launch.cuh"
 
@@ -199,6 +200,11 @@ void offset_mask_grad_cuda(const DeformConv2dGeometry& g, const PixelWindow& win
 
 void transpose_cuda(const at::Tensor& src, at::Tensor& dst) { dst.copy_(src.transpose(1, 2)); }
 
+// cuBLAS's batched GEMMs, whatever the call.
+const WindowGemms& window_gemms_cuda(const DeformConv2dGeometry&, at::ScalarType) {
+  return bmm_window_gemms();
+}
+
 // The caching allocator reuses its blocks: nothing to ask of the memory system.
 at::Tensor scratch_cuda(c10::IntArrayRef sizes, const at::TensorOptions& options) {
   return at::empty(sizes, options);
@@ -218,10 +224,9 @@ const DeformConv2dLaunchers& cuda_launchers() {
       .col2im = col2im_cuda,
       .offset_mask_grad = offset_mask_grad_cuda,
       .transpose = transpose_cuda,
-      .keep_window_results = nullptr,
+      .gemms = window_gemms_cuda,
       .fused_forward = nullptr,
       .fused_forward_pays = nullptr,
-      .onednn_gemms = false,
       .images_per_thread = false,
   };
   return launchers;
