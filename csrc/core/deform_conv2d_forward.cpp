@@ -1,9 +1,8 @@
-// The forward of deformable convolution (deform_conv2d.h): fused where the launchers have it
-// and it pays, else im2col and the GEMMs, window by window, over stages, whole images per thread
-// or windows per thread.
+// The forward of deformable convolution (deform_conv2d.h), as the launchers' forward_plan says:
+// their fused kernel, or im2col and the GEMMs, window by window, over stages, whole images per
+// thread or windows per thread.
 
 #include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 #include <ATen/ThreadLocalState.h>
 
 #include <algorithm>
@@ -20,35 +19,13 @@ namespace deformconv {
 namespace {
 
 // Note [Whole images per thread]
-// A forward with the automatic im2col_step runs in one parallel region where it can: with a
-// batch that gives every thread at least two images, each thread takes whole images, one block
-// of one image at a time; with fewer images and the GEMMs as convolutions, each block's windows
-// are shared out instead, if there are at least two per thread (a window's bmm, for grouped
-// convolutions, runs slower on one thread than on all). A thread runs its images' or windows'
-// work by itself (im2col, the GEMM, the output copy) in a columns buffer of its own. A block
-// then has one barrier, at its end, instead of several per window, each of which makes every
-// thread wait for the slowest (a thread whose core another process shares, say), and the
-// threads take the images or windows one at a time from a shared counter, so that a slowed
-// thread takes fewer. The ATen and oneDNN calls inside run on the calling thread alone, and
-// oneDNN then reorders the weight for each GEMM (a weight-sized buffer per thread): with a
-// single window per thread, whose shares could not even out anyway, a forward keeps its
-// stages. Each pixel's output is the same as in a block and window of its own.
-enum class ForwardParallelism { kStages, kImages, kWindows };
-
-ForwardParallelism forward_parallelism(const DeformConv2dLaunchers& launchers, int64_t batch,
-                                       int64_t im2col_step, int64_t windows,
-                                       const WindowGemms& gemms) {
-  const int64_t threads = at::get_num_threads();
-  if (!launchers.images_per_thread || im2col_step != 0 || threads == 1 ||
-      at::in_parallel_region()) {
-    return ForwardParallelism::kStages;
-  }
-  if (batch >= 2 * threads) {
-    return ForwardParallelism::kImages;
-  }
-  return gemms.windows_per_thread_pay && windows >= 2 * threads ? ForwardParallelism::kWindows
-                                                                 : ForwardParallelism::kStages;
-}
+// With whole images or windows per thread, a thread runs its images' or windows' work by
+// itself (im2col, the GEMM, the output copy) in a columns buffer of its own. A block then has
+// one barrier, at its end, instead of several per window, each of which makes every thread
+// wait for the slowest (a thread whose core another process shares, say), and the threads take
+// the images or windows one at a time from a shared counter, so that a slowed thread takes
+// fewer. Each pixel's output is the same as in a block and window of its own. When a device
+// takes these plans: its forward_plan (the CPU's in cpu/deform_conv2d_cpu.cpp).
 
 // Runs run(i, columns) for i in [0, count) in one parallel region, each thread with a columns
 // buffer of its own, taking the next i from a shared counter: a thread slowed down by another
@@ -117,13 +94,6 @@ void forward_block(const DeformConv2dLaunchers& launchers, const DeformConv2dGeo
       });
 }
 
-// Whether the forward runs fused (launchers' fused_forward, Note [Fused forward] in
-// cpu/fused_forward_cpu.cpp): where the launchers have it and find it pays.
-bool fused_forward_applies(const DeformConv2dLaunchers& launchers, const DeformConv2dGeometry& g,
-                           at::ScalarType dtype) {
-  return launchers.fused_forward != nullptr && launchers.fused_forward_pays(g, dtype);
-}
-
 // The weight as the fused forward takes it: (G, K, C_in / G, C_out / G), in at::opmath_type.
 at::Tensor weight_taps(const DeformConv2dGeometry& g, const at::Tensor& weight) {
   return weight.reshape({g.groups, g.out_channels / g.groups, g.channels_per_group(), g.taps()})
@@ -172,16 +142,17 @@ at::Tensor deform_conv2d_forward(
   }
   const WorkSplit w = split_work(g, batch, im2col_step, input_arg.scalar_type(), launchers,
                                  kMinForwardWindowPixels);
-  if (fused_forward_applies(launchers, g, input_arg.scalar_type())) {
+  const WindowGemms& gemms = launchers.gemms(g, input_arg.scalar_type());
+  const ForwardPlan plan =
+      launchers.forward_plan(g, input_arg.scalar_type(), batch, im2col_step,
+                             static_cast<int64_t>(windows_of(w).size()), gemms);
+  if (plan == ForwardPlan::kFused) {
     record_branch("deform_conv2d.forward.fused");
     fused_forward(launchers, g, w, input_arg, offset, mask, weight_arg, bias, output);
     return output;
   }
-  const WindowGemms& gemms = launchers.gemms(g, input_arg.scalar_type());
   record_branch(gemms.forward_branch);
-  const ForwardParallelism parallelism = forward_parallelism(
-      launchers, batch, im2col_step, static_cast<int64_t>(windows_of(w).size()), gemms);
-  if (parallelism == ForwardParallelism::kImages) {
+  if (plan == ForwardPlan::kImagesPerThread) {
     record_branch("deform_conv2d.forward.images_per_thread");
     const WorkSplit image_split =
         split_work(g, 1, 1, input_arg.scalar_type(), launchers, kMinForwardWindowPixels);
@@ -196,7 +167,7 @@ at::Tensor deform_conv2d_forward(
         });
     return output;
   }
-  const bool windows_per_thread = parallelism == ForwardParallelism::kWindows;
+  const bool windows_per_thread = plan == ForwardPlan::kWindowsPerThread;
   record_branch(windows_per_thread ? "deform_conv2d.forward.windows_per_thread"
                                    : "deform_conv2d.forward.stages");
   record_split(w, batch, "deform_conv2d.forward.blocks", "deform_conv2d.forward.windows");

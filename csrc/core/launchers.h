@@ -64,6 +64,13 @@ struct WindowGemms {
                          at::Tensor& grad_weight_rows);
 };
 
+// How the driver runs a forward (core/deform_conv2d_forward.cpp): the device's fused kernel
+// (fused_forward), or im2col and the GEMMs by stages (a block's windows in turn, each stage
+// over every thread), whole images per thread, or a block's windows per thread. A device's
+// forward_plan decides; the CPU's reasons are Notes [Fused forward] and [Whole images per
+// thread] in cpu/.
+enum class ForwardPlan { kFused, kStages, kImagesPerThread, kWindowsPerThread };
+
 struct DeformConv2dLaunchers {
   // With im2col_step = 0, a block holds as many images as fit in this many bytes of full
   // columns (C_in * K * H_out * W_out elements per image), at least one. On a GPU, 64 MiB gives
@@ -104,19 +111,19 @@ struct DeformConv2dLaunchers {
   void (*transpose)(const at::Tensor& src, at::Tensor& dst);
   // The GEMMs of a call of this geometry and dtype.
   const WindowGemms& (*gemms)(const DeformConv2dGeometry& geometry, at::ScalarType dtype);
+  // The plan of a forward of `batch` images with this im2col_step (0: automatic), `windows`
+  // windows a block and these GEMMs.
+  ForwardPlan (*forward_plan)(const DeformConv2dGeometry& geometry, at::ScalarType dtype,
+                              int64_t batch, int64_t im2col_step, int64_t windows,
+                              const WindowGemms& gemms);
   // The whole forward of a block of `batch` images without columns (Note [Fused forward],
   // cpu/fused_forward_cpu.cpp): output (batch, C_out, H_out, W_out) = the convolution of the
   // sampled input with weight_taps, (G, K, C_in / G, C_out / G) in at::opmath_type, plus bias
-  // (undefined: none). The driver runs it where fused_forward_pays says it is faster than
-  // im2col and the GEMMs. Both null where the device has none (CUDA).
+  // (undefined: none). Run where forward_plan says kFused; null where it never does (CUDA).
   void (*fused_forward)(const DeformConv2dGeometry& geometry, int64_t batch,
                         const at::Tensor& input, const at::Tensor& offset,
                         const at::Tensor& mask, const at::Tensor& weight_taps,
                         const at::Tensor& bias, at::Tensor& output);
-  bool (*fused_forward_pays)(const DeformConv2dGeometry& geometry, at::ScalarType dtype);
-  // Whether the forward may give whole images to the threads (Note [Whole images per thread]):
-  // on the CPU, not on CUDA.
-  bool images_per_thread;
 };
 
 // The dtypes of every launcher: float32 and float64, and float16 and bfloat16 (arithmetic in

@@ -1,6 +1,6 @@
 // The CPU's launcher table of DCN v1/v2: the stages of deform_conv2d_stages.h and the CPU's
-// policies (window budget, oneDNN GEMMs, a block of images per thread), which the
-// device-neutral driver (core/deform_conv2d.h) runs.
+// policies (window budget, oneDNN GEMMs, the forward's plan), which the device-neutral driver
+// (core/deform_conv2d.h) runs.
 //
 // Each stage locates its samples a (deform group, tap) row at a time, as arrays over a stretch
 // of pixels (StretchSamples, window_tasks.h), and applies each sample to the consecutive
@@ -11,11 +11,39 @@
 
 #include "cpu_launchers.h"
 
+#include <ATen/Parallel.h>
+
 #include "../common/bilinear_sampling.cuh"
 #include "deform_conv2d_stages.h"
 
 namespace deformconv {
 namespace {
+
+// The fused forward where it pays (Note [Fused forward], fused_forward_cpu.cpp). Otherwise a
+// forward with the automatic im2col_step runs in one parallel region where it can (Note [Whole
+// images per thread], core/deform_conv2d_forward.cpp): with a batch that gives every thread at
+// least two images, each thread takes whole images, one block of one image at a time; with
+// fewer images and GEMMs that run well on one thread (oneDNN's), a block's windows are shared
+// out instead, if there are at least two per thread (a window's bmm, for grouped convolutions,
+// runs slower on one thread than on all). The ATen and oneDNN calls inside run on the calling
+// thread alone, and oneDNN then reorders the weight for each GEMM (a weight-sized buffer per
+// thread): with a single window per thread, whose shares could not even out anyway, a forward
+// keeps its stages.
+ForwardPlan forward_plan_cpu(const DeformConv2dGeometry& g, at::ScalarType dtype, int64_t batch,
+                             int64_t im2col_step, int64_t windows, const WindowGemms& gemms) {
+  if (fused_forward_pays_cpu(g, dtype)) {
+    return ForwardPlan::kFused;
+  }
+  const int64_t threads = at::get_num_threads();
+  if (im2col_step != 0 || threads == 1 || at::in_parallel_region()) {
+    return ForwardPlan::kStages;
+  }
+  if (batch >= 2 * threads) {
+    return ForwardPlan::kImagesPerThread;
+  }
+  return gemms.windows_per_thread_pay && windows >= 2 * threads ? ForwardPlan::kWindowsPerThread
+                                                                : ForwardPlan::kStages;
+}
 
 // 4 MiB of scratch per window (columns and plans): within the last-level cache of a CPU. A
 // plan takes 48 bytes in float32, 64 in float64.
@@ -30,9 +58,8 @@ constexpr DeformConv2dLaunchers kCpuLaunchers{
     .offset_mask_grad = offset_mask_grad_cpu,
     .transpose = transpose_cpu,
     .gemms = window_gemms_cpu,
+    .forward_plan = forward_plan_cpu,
     .fused_forward = fused_forward_cpu,
-    .fused_forward_pays = fused_forward_pays_cpu,
-    .images_per_thread = true,
 };
 
 }  // namespace

@@ -205,6 +205,13 @@ const WindowGemms& window_gemms_cuda(const DeformConv2dGeometry&, at::ScalarType
   return bmm_window_gemms();
 }
 
+// Every stage over the whole GPU, window by window: no fused kernel, and no host threads to
+// share work out to.
+ForwardPlan forward_plan_cuda(const DeformConv2dGeometry&, at::ScalarType, int64_t, int64_t,
+                              int64_t, const WindowGemms&) {
+  return ForwardPlan::kStages;
+}
+
 // The caching allocator reuses its blocks: nothing to ask of the memory system.
 at::Tensor scratch_cuda(c10::IntArrayRef sizes, const at::TensorOptions& options) {
   return at::empty(sizes, options);
@@ -225,9 +232,8 @@ const DeformConv2dLaunchers& cuda_launchers() {
       .offset_mask_grad = offset_mask_grad_cuda,
       .transpose = transpose_cuda,
       .gemms = window_gemms_cuda,
+      .forward_plan = forward_plan_cuda,
       .fused_forward = nullptr,
-      .fused_forward_pays = nullptr,
-      .images_per_thread = false,
   };
   return launchers;
 }
