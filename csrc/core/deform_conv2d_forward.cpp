@@ -6,7 +6,6 @@
 #include <ATen/ThreadLocalState.h>
 
 #include <algorithm>
-#include <atomic>
 #include <vector>
 
 #include "branch_trace.h"
@@ -27,23 +26,24 @@ namespace {
 // fewer. Each pixel's output is the same as in a block and window of its own. When a device
 // takes these plans: its forward_plan (the CPU's in cpu/deform_conv2d_cpu.cpp).
 
-// Runs run(i, columns) for i in [0, count) in one parallel region, each thread with a columns
-// buffer of its own, taking the next i from a shared counter: a thread slowed down by another
-// process runs fewer. Every thread runs in the caller's thread-local state, which worker
-// threads do not inherit: below autograd, as a kernel runs, and seen by the profiler that
-// watches the caller, allocations included.
+// Runs run(i, columns) for i in [0, count) as parallel tasks (parallel_task_runs), each thread
+// with a columns buffer of its own. Every thread runs in the caller's thread-local state, which
+// worker threads do not inherit: below autograd, as a kernel runs, and seen by the profiler
+// that watches the caller, allocations included.
 template <typename Function>
 void run_with_columns_per_thread(const DeformConv2dLaunchers& launchers,
                                  const DeformConv2dGeometry& g, const WorkSplit& w,
                                  const at::TensorOptions& options, int64_t count,
                                  const Function& run) {
-  std::atomic<int64_t> next{0};
   const at::ThreadLocalState caller_state;
-  run_on_every_thread([&] {
+  parallel_task_runs(count, [&](TaskRuns& runs) {
     at::ThreadLocalStateGuard caller_state_guard(caller_state);
     at::Tensor columns = columns_buffer(launchers, g, w, options);
-    for (int64_t i = next.fetch_add(1); i < count; i = next.fetch_add(1)) {
-      run(i, columns);
+    int64_t begin, end;
+    while (runs.take(begin, end)) {
+      for (int64_t i = begin; i < end; ++i) {
+        run(i, columns);
+      }
     }
   });
 }

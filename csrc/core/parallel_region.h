@@ -11,7 +11,12 @@
 // libtorch, with torch's threads and thread count (torch.set_num_threads), whatever its
 // backend. Nested inside a parallel region, or with one thread, the body runs once, inline.
 
+#include <ATen/Parallel.h>
 #include <c10/util/FunctionRef.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
 
 namespace deformconv {
 
@@ -20,5 +25,62 @@ namespace deformconv {
 // typically takes work from a shared counter until none is left, so that how many threads
 // run it does not change what is computed.
 void run_on_every_thread(c10::function_ref<void()> body);
+
+// The runs of tasks that one thread takes in turn, [begin, end) at a time, from a counter that
+// all the threads share.
+class TaskRuns {
+ public:
+  TaskRuns(std::atomic<int64_t>& next, int64_t chunk, int64_t tasks)
+      : next_(next), chunk_(chunk), tasks_(tasks) {}
+
+  // Takes the next run, false when none is left.
+  bool take(int64_t& begin, int64_t& end) {
+    begin = next_.fetch_add(chunk_);
+    end = std::min(tasks_, begin + chunk_);
+    return begin < tasks_;
+  }
+
+ private:
+  std::atomic<int64_t>& next_;
+  int64_t chunk_, tasks_;
+};
+
+// Runs the tasks [0, tasks) in parallel: run(runs) once on each thread, which takes runs of
+// tasks from `runs` (TaskRuns::take) until none is left, so that what it sets up for the
+// problem's size (its buffers) is made once per thread, not once per run. The CPU launchers and
+// the driver's forward cut their work into tasks that each write outputs of their own, mostly far more tasks than
+// threads, and the threads take them in turn from a shared counter, a chunk at a time, rather
+// than a fixed share each as at::parallel_for hands out: when another process takes part of a
+// core, the thread on it runs fewer tasks instead of keeping the others waiting at the end of
+// every stage. Which thread runs a task does not change its result. The threads are ATen's
+// (Note [Parallel regions through ATen]).
+template <typename Function>
+void parallel_task_runs(int64_t tasks, const Function& run) {
+  std::atomic<int64_t> next{0};
+  const int64_t threads = at::get_num_threads();
+  if (threads == 1 || tasks <= 1 || at::in_parallel_region()) {
+    TaskRuns runs(next, std::max<int64_t>(tasks, 1), tasks);
+    run(runs);
+    return;
+  }
+  // About a sixteenth of a thread's share: small enough to rebalance, large enough that the
+  // counter is seldom contended.
+  const int64_t chunk = std::max<int64_t>(1, tasks / (16 * threads));
+  run_on_every_thread([&] {
+    TaskRuns runs(next, chunk, tasks);
+    run(runs);
+  });
+}
+
+// parallel_task_runs with nothing to set up per thread: run(begin, end) for each run of tasks.
+template <typename Function>
+void parallel_tasks(int64_t tasks, const Function& run) {
+  parallel_task_runs(tasks, [&](TaskRuns& runs) {
+    int64_t begin, end;
+    while (runs.take(begin, end)) {
+      run(begin, end);
+    }
+  });
+}
 
 }  // namespace deformconv
