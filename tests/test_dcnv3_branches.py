@@ -206,11 +206,12 @@ CUDA_BRANCHES = {"dcnv3.cuda.channels.vectors_of_16_bytes", "dcnv3.cuda.channels
                  "dcnv3.cuda.backward.offset_mask_gradients"}
 
 
-@pytest.fixture(params=["32bit", "64bit"])
+@pytest.fixture
 def index_width(request, emulated):
-    """The kernels' index arithmetic: 32-bit divisions, which the launchers take when every
-    dividend of a launch is below 2^31, or 64-bit ones, forced here by the emulator lowering
-    that limit. Settings as the emulator starts, but for the limit; restored afterwards."""
+    """The kernels' index arithmetic (parametrised indirectly): 32-bit divisions, which the
+    launchers take when every dividend of a launch is below 2^31, or 64-bit ones, forced here by
+    the emulator lowering that limit. Settings as the emulator starts, but for the limit;
+    restored afterwards."""
     emulated.configure(0, 0, 0, 0, 0, 0, request.param == "64bit")
     yield request.param
     emulated.configure(0, 0, 0, 0, 0, 0, False)
@@ -231,7 +232,14 @@ def misaligned(tensor):
 CUDA_CASES = [(16, True), (12, True), (5, True), (33, True), (1, True), (16, False)]
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+# Every dtype with 32-bit indices; the 64-bit build, whose index arithmetic is the same for
+# every dtype, with two vector widths (float32's 4 channels, bfloat16's 8).
+INDEX_WIDTHS_AND_DTYPES = [("32bit", dtype) for dtype in DTYPES] + [
+    ("64bit", torch.float32), ("64bit", torch.bfloat16)]
+
+
+@pytest.mark.parametrize("index_width,dtype", INDEX_WIDTHS_AND_DTYPES, indirect=["index_width"],
+                         ids=[f"{w}-{d}" for w, d in INDEX_WIDTHS_AND_DTYPES])
 @pytest.mark.parametrize("group_channels,aligned", CUDA_CASES,
                          ids=[f"D{D}-{'aligned' if a else 'misaligned'}" for D, a in CUDA_CASES])
 @pytest.mark.parametrize("op", ["dcnv3", "dcnv4"])
