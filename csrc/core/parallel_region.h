@@ -48,12 +48,12 @@ class TaskRuns {
 // Runs the tasks [0, tasks) in parallel: run(runs) once on each thread, which takes runs of
 // tasks from `runs` (TaskRuns::take) until none is left, so that what it sets up for the
 // problem's size (its buffers) is made once per thread, not once per run. The CPU launchers and
-// the driver's forward cut their work into tasks that each write outputs of their own, mostly far more tasks than
-// threads, and the threads take them in turn from a shared counter, a chunk at a time, rather
-// than a fixed share each as at::parallel_for hands out: when another process takes part of a
-// core, the thread on it runs fewer tasks instead of keeping the others waiting at the end of
-// every stage. Which thread runs a task does not change its result. The threads are ATen's
-// (Note [Parallel regions through ATen]).
+// the driver's forward cut their work into tasks that each write outputs of their own, mostly
+// far more tasks than threads, and the threads take them in turn from a shared counter, a chunk
+// at a time, rather than a fixed share each as at::parallel_for hands out: when another process
+// takes part of a core, the thread on it runs fewer tasks instead of keeping the others waiting
+// at the end of every stage. Which thread runs a task does not change its result. The threads
+// are ATen's (Note [Parallel regions through ATen]).
 template <typename Function>
 void parallel_task_runs(int64_t tasks, const Function& run) {
   std::atomic<int64_t> next{0};

@@ -201,7 +201,8 @@ __device__ inline opmath_t sum_over_lanes(opmath_t value, int lanes) {
 // grad_mask are null where not asked for. The input gradient adds atomically (scatter_add_run).
 template <typename scalar_t, int kVector, typename Divisor>
 __global__ void dcnv3_backward_kernel(Dcnv3Geometry g, Dcnv3Divisors<Divisor> d, Dcnv3Fields f,
-                                      Dcnv3Tiling t, const scalar_t* grad_output, const scalar_t* input,
+                                      Dcnv3Tiling t, const scalar_t* grad_output,
+                                      const scalar_t* input,
                                       const scalar_t* offset, const scalar_t* mask,
                                       at::opmath_type<scalar_t>* grad_input,
                                       scalar_t* grad_offset, scalar_t* grad_mask) {
