@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from deformconv.__main__ import main
-from deformconv.benchmarks.timing import busy_core
+from deformconv.benchmarks.timing import (MOST_STEPS_PER_BLOCK, busy_core, seconds_of,
+                                           steps_per_sample)
 
 
 def test_help_lists_the_commands(capsys):
@@ -129,6 +130,25 @@ def test_benchmark_on_cuda_without_a_gpu_says_so(capsys):
         main(["benchmark", "--device", "cuda"])
     assert exit_info.value.code == 2
     assert "--device cuda: no CUDA device is visible" in capsys.readouterr().err
+
+
+def test_cpu_samples_time_one_step_each():
+    runs = []
+    assert steps_per_sample(lambda: runs.append(1), "cpu") == 1
+    assert runs == []  # nothing run to decide it
+    assert seconds_of(lambda: runs.append(1), "cpu", steps=3) >= 0 and len(runs) == 3
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_samples_time_blocks_of_steps():
+    """A step far shorter than CUDA_BLOCK_SECONDS (one launch of a one-element kernel, which
+    timed alone measures the host's launch latency, tens of µs) is timed in a block of many;
+    one longer (4 passes over 4 GiB: about 8 ms at 4 TB/s) is timed alone."""
+    tiny = torch.zeros(1, device="cuda")
+    assert 8 <= steps_per_sample(lambda: tiny.add_(1), "cuda") <= MOST_STEPS_PER_BLOCK
+    slow = torch.zeros(1 << 30, device="cuda")
+    assert steps_per_sample(lambda: [slow.mul_(1.0) for _ in range(4)], "cuda") == 1
 
 
 def test_cpu_description_records_isa_caps(monkeypatch):

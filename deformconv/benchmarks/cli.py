@@ -11,7 +11,8 @@ during one forward and backward, with the CPU's model and vector ISA. DCNv3 and 
 against the grid_sample formulation, and against the memory roofline: their compulsory bytes
 at the bandwidth of a large device-to-device copy measured in the same run. On the CPU (the
 default) steps are timed by the wall clock and memory by the profiler; with ``--device cuda``,
-by CUDA events around each step and by ``torch.cuda.max_memory_allocated``, on the training
+by CUDA events around blocks of steps issued back to back (at least 2 ms of them, so that
+the host's launch latency is hidden as in a training loop) and by ``torch.cuda.max_memory_allocated``, on the training
 batches of GPU_SHAPES. ``--busy-core`` keeps one core busy with a spinning process for the
 run, as a data-loader worker would. ``--report`` writes the tables of docs/performance.md from
 the JSON files of earlier runs instead. A benchmark, not a test: nothing here asserts a time.
@@ -29,7 +30,7 @@ from .environment import cpu_description
 from .report import plot, print_result, update_tables
 from .run import benchmark_shape, scaling
 from .shapes import DEFAULT_SHAPES, SHAPES, Dcnv3Shape
-from .timing import busy_core, copy_bandwidth
+from .timing import CUDA_BLOCK_SECONDS, busy_core, copy_bandwidth
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -87,7 +88,8 @@ def main(argv: Optional[List[str]] = None) -> int:
              "im2col_step": args.im2col_step,
              "tf32": ({"matmul": torch.backends.cuda.matmul.allow_tf32,
                        "cudnn": torch.backends.cudnn.allow_tf32}
-                      if args.device == "cuda" else None)}
+                      if args.device == "cuda" else None),
+             "cuda_block_seconds": CUDA_BLOCK_SECONDS if args.device == "cuda" else None}
     if any(isinstance(SHAPES[name], Dcnv3Shape) for name in shapes):
         setup["copy_bandwidth"] = copy_bandwidth(args.device, args.repeats, args.warmup)
     print("setup:", json.dumps(setup))

@@ -3,6 +3,7 @@ interleaved repeats (wall clock on the CPU, CUDA events on a GPU), their peak al
 copy bandwidth of the memory roofline, and a busy core."""
 
 import contextlib
+import math
 import statistics
 import subprocess
 import sys
@@ -36,19 +37,39 @@ def forward_backward_step(run: Callable, tensors) -> Callable[[], None]:
     return step
 
 
-def seconds_of(step: Callable[[], None], device: str) -> float:
-    """One run of step: by the wall clock on the CPU; on CUDA, whose kernels run asynchronously,
-    between two events recorded on the current stream around it."""
+# On CUDA a sample times a block of steps issued back to back, at least this long in all: the
+# host then queues each step while the GPU runs the one before, as in a training loop, and a
+# sample measures the GPU's time per step rather than the host's latency in launching one (a
+# step that the host cannot feed as fast still measures the host).
+CUDA_BLOCK_SECONDS = 2e-3
+MOST_STEPS_PER_BLOCK = 64
+
+
+def seconds_of(step: Callable[[], None], device: str, steps: int = 1) -> float:
+    """Seconds per run of step, over `steps` runs in a row: by the wall clock on the CPU; on
+    CUDA, whose kernels run asynchronously, between two events recorded on the current stream
+    around them."""
     if device == "cuda":
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        step()
+        for _ in range(steps):
+            step()
         end.record()
         end.synchronize()
-        return start.elapsed_time(end) / 1e3
+        return start.elapsed_time(end) / 1e3 / steps
     start_time = time.perf_counter()
-    step()
-    return time.perf_counter() - start_time
+    for _ in range(steps):
+        step()
+    return (time.perf_counter() - start_time) / steps
+
+
+def steps_per_sample(step: Callable[[], None], device: str) -> int:
+    """1 on the CPU, whose steps take far longer than timing them; on CUDA, enough steps for
+    CUDA_BLOCK_SECONDS, judged by one timed run."""
+    if device != "cuda":
+        return 1
+    once = seconds_of(step, device)
+    return max(1, min(MOST_STEPS_PER_BLOCK, math.ceil(CUDA_BLOCK_SECONDS / max(once, 1e-9))))
 
 
 def time_interleaved(steps: Dict[str, Callable[[], None]], repeats: int,
@@ -56,10 +77,11 @@ def time_interleaved(steps: Dict[str, Callable[[], None]], repeats: int,
     for _ in range(warmup):
         for step in steps.values():
             step()
+    block = {name: steps_per_sample(step, device) for name, step in steps.items()}
     samples: Dict[str, List[float]] = {name: [] for name in steps}
     for _ in range(repeats):
         for name, step in steps.items():
-            samples[name].append(seconds_of(step, device))
+            samples[name].append(seconds_of(step, device, block[name]))
     return {name: statistics.median(values) for name, values in samples.items()}
 
 
