@@ -183,14 +183,16 @@ def shared_sample_bytes(dtype):
     return 40 if opmath_bytes(dtype) == 4 else 72
 
 
-def expected_cuda_branches(group_channels, dtype, points, aligned):
-    wide = 16 // dtype.itemsize
+def expected_cuda_branches(group_channels, dtype, points, aligned, backward):
+    """The forward's channel vectors are 16 bytes of the dtype; the backward's 16 bytes of its
+    input gradient's sums (float32 in half precision): kForwardVector, kBackwardVector."""
+    wide = 16 // (opmath_bytes(dtype) if backward else dtype.itemsize)
     width = wide if aligned and group_channels % wide == 0 else 1
     vectors = group_channels // width
     lanes = 1
     while lanes < vectors and lanes < WARP:
         lanes *= 2
-    names = {"dcnv3.cuda.channels.vectors_of_16_bytes" if width > 1
+    names = {"dcnv3.cuda.channels.vectors" if width > 1
              else "dcnv3.cuda.channels.one_at_a_time"}
     if -(-vectors // lanes) > 1:
         names.add("dcnv3.cuda.channels.several_passes")
@@ -199,7 +201,7 @@ def expected_cuda_branches(group_channels, dtype, points, aligned):
     return names
 
 
-CUDA_BRANCHES = {"dcnv3.cuda.channels.vectors_of_16_bytes", "dcnv3.cuda.channels.one_at_a_time",
+CUDA_BRANCHES = {"dcnv3.cuda.channels.vectors", "dcnv3.cuda.channels.one_at_a_time",
                  "dcnv3.cuda.channels.several_passes", "dcnv3.cuda.points.several_rounds",
                  "dcnv3.cuda.index.32bit", "dcnv3.cuda.index.64bit",
                  "dcnv3.cuda.backward.input_gradient",
@@ -225,15 +227,16 @@ def misaligned(tensor):
     return shifted
 
 
-# (group channels, input aligned to 16 bytes). 16: vectors of 16 bytes in every dtype. 12: a
-# vector lane of four idle in float32, one channel at a time in half precision. 5: one channel
+# (group channels, input aligned to 16 bytes). 16: vectors in every dtype. 12: a vector lane of
+# four idle in float32 and in half precision's backward (vectors of 4 channels), one channel at
+# a time in half precision's forward (vectors of 8). 5: one channel
 # at a time. 33: two passes of a warp's lanes. 1: one lane an item, 256 items a block, the
 # points staged in several rounds. 16 misaligned: one channel at a time.
 CUDA_CASES = [(16, True), (12, True), (5, True), (33, True), (1, True), (16, False)]
 
 
 # Every dtype with 32-bit indices; the 64-bit build, whose index arithmetic is the same for
-# every dtype, with two vector widths (float32's 4 channels, bfloat16's 8).
+# every dtype, with two vector widths (float32's 4 channels, bfloat16's 8 in the forward).
 INDEX_WIDTHS_AND_DTYPES = [("32bit", dtype) for dtype in DTYPES] + [
     ("64bit", torch.float32), ("64bit", torch.bfloat16)]
 
@@ -266,11 +269,12 @@ def test_emulated_cuda_paths(emulated, index_width, op, group_channels, aligned,
     grad_output = torch.randn(expected.shape, generator=torch.Generator().manual_seed(1),
                               dtype=torch.float64)
     expected_grads = cpu_backward(grad_output, *rounded, *tail, [True] * len(exact))
-    paths = expected_cuda_branches(group_channels, dtype, 9, aligned) | {
-        f"dcnv3.cuda.index.{index_width}"}
+    index = {f"dcnv3.cuda.index.{index_width}"}
+    paths = expected_cuda_branches(group_channels, dtype, 9, aligned, backward=False) | index
     with branch_trace(emulated) as taken:
         out = cuda_forward(*operands, *tail)
     assert taken & CUDA_BRANCHES == paths, sorted(taken)
+    paths = expected_cuda_branches(group_channels, dtype, 9, aligned, backward=True) | index
     assert_close_at(out, expected, dtype, "output")
     for requested in requested_subsets(len(exact)):
         with branch_trace(emulated) as taken:

@@ -3,8 +3,9 @@
 // The work is split into items, the (output pixel, group) pairs of the batch, numbered
 // pixel * G + group, which is also where an item's D channels lie in the output. An item gets
 // `lanes` consecutive threads of one warp; lane l takes the vectors of kVector channels
-// l, l + lanes, ... of the group (a pass each), kVector channels being 16 bytes where the group's
-// channels and the tensors' alignment allow, else 1. Neighbouring lanes read neighbouring
+// l, l + lanes, ... of the group (a pass each), kVector channels being 16 bytes (in the
+// backward, 16 bytes of its float32 sums: kBackwardVector) where the group's channels and the
+// tensors' alignment allow, else 1. Neighbouring lanes read neighbouring
 // vectors of a corner pixel, and neighbouring items the next group of the same pixel, so that
 // a warp's reads and writes coalesce.
 //
@@ -283,23 +284,34 @@ __global__ void dcnv3_backward_kernel(Dcnv3Geometry g, Dcnv3Divisors<Divisor> d,
   }
 }
 
-bool aligned_for_vectors(const at::Tensor& tensor) {
-  return reinterpret_cast<uintptr_t>(tensor.const_data_ptr()) % 16 == 0;
+// The forward's channel vectors: 16 bytes of the op's dtype.
+template <typename scalar_t>
+constexpr int kForwardVector = 16 / sizeof(scalar_t);
+
+// The backward's: 16 bytes of its input gradient's sums (at::opmath_type), which take a vector
+// in one atomic add (scatter_add_run). In half precision a lane then loads 8 bytes of the
+// output's gradient and of the input, and the lanes of an item add to one contiguous run of
+// sums; with 16-byte loads, each lane's 8 channels would be two atomics a sector apart, every
+// 32-byte sector of the run taking two half-sector atomics.
+template <typename scalar_t>
+constexpr int kBackwardVector = 16 / sizeof(at::opmath_type<scalar_t>);
+
+bool aligned_for_vectors(const at::Tensor& tensor, int vector_width) {
+  return reinterpret_cast<uintptr_t>(tensor.const_data_ptr()) %
+             (vector_width * tensor.element_size()) == 0;
 }
 
-// Calls launch(std::integral_constant<int, kVector>{}, tiling) with the widest channel vector
-// that the group's channels and `tensors`' alignment allow: 16 bytes, or one channel.
-template <typename scalar_t, typename Launch>
+// Calls launch(std::integral_constant<int, kVector>{}, tiling) with vectors of kWide channels
+// where the group's channels and `tensors`' alignment allow, else of one channel.
+template <typename scalar_t, int kWide, typename Launch>
 void with_channel_vectors(const Dcnv3Geometry& g, int64_t batch,
                           std::initializer_list<const at::Tensor*> tensors, Launch&& launch) {
-  constexpr int kWide = 16 / sizeof(scalar_t);
   constexpr int64_t kStaged = kStagedSamples<at::opmath_type<scalar_t>>;
   const bool wide = g.group_channels % kWide == 0 &&
       std::all_of(tensors.begin(), tensors.end(),
-                  [](const at::Tensor* t) { return aligned_for_vectors(*t); });
+                  [](const at::Tensor* t) { return aligned_for_vectors(*t, kWide); });
   const Dcnv3Tiling t = tiling_of(g, batch, wide ? kWide : 1, kStaged);
-  record_branch(wide ? "dcnv3.cuda.channels.vectors_of_16_bytes"
-                     : "dcnv3.cuda.channels.one_at_a_time");
+  record_branch(wide ? "dcnv3.cuda.channels.vectors" : "dcnv3.cuda.channels.one_at_a_time");
   if (t.passes > 1) {
     record_branch("dcnv3.cuda.channels.several_passes");
   }
@@ -335,7 +347,8 @@ void dcnv3_forward_cuda(const Dcnv3Geometry& g, const Dcnv3Fields& f, int64_t ba
                         const at::Tensor& input, const at::Tensor& offset,
                         const at::Tensor& mask, at::Tensor& output) {
   DEFORMCONV_DISPATCH(input.scalar_type(), "dcnv3_forward_cuda", [&] {
-    with_channel_vectors<scalar_t>(g, batch, {&input, &output}, [&](auto width, auto t) {
+    with_channel_vectors<scalar_t, kForwardVector<scalar_t>>(
+        g, batch, {&input, &output}, [&](auto width, auto t) {
       with_divisors(g, t, [&](auto d) {
         auto* kernel = dcnv3_forward_kernel<scalar_t, decltype(width)::value,
                                             typename decltype(d)::divisor_type>;
@@ -370,8 +383,8 @@ void dcnv3_gradients_cuda(const Dcnv3Geometry& g, const Dcnv3Fields& f, int64_t 
     }
     // The sums too: vectors of them are added in one atomic (scatter_add_run).
     const at::Tensor& sums_or_input = sums.defined() ? sums : input;
-    with_channel_vectors<scalar_t>(g, batch, {&grad_output, &input, &sums_or_input},
-                                   [&](auto width, auto t) {
+    with_channel_vectors<scalar_t, kBackwardVector<scalar_t>>(
+        g, batch, {&grad_output, &input, &sums_or_input}, [&](auto width, auto t) {
       with_divisors(g, t, [&](auto d) {
         auto* kernel = dcnv3_backward_kernel<scalar_t, decltype(width)::value,
                                              typename decltype(d)::divisor_type>;
