@@ -201,12 +201,15 @@ def test_report_rewrites_the_marked_tables_from_their_json(tmp_path):
 
 
 def test_report_picks_the_table_a_marker_names(tmp_path):
-    # A GPU run holds DCN v2 and DCNv3 shapes: the marker's kind picks each one's table, and
-    # DCNv3's has the memory-roofline columns of a run that measured the copy bandwidth.
+    # A GPU run holds DCN v2 and DCNv3 shapes (here the two committed H200 runs' results in one
+    # file): the marker's kind picks each one's table, and DCNv3's has the memory-roofline
+    # columns of a run that measured the copy bandwidth.
     docs = Path(__file__).resolve().parent.parent / "docs"
-    source = docs / "benchmark_h200_float32.json"
-    (tmp_path / source.name).write_text(source.read_text())
-    report = json.loads(source.read_text())
+    dcn_v2_run = json.loads((docs / "benchmark_h200_float32.json").read_text())
+    report = json.loads((docs / "benchmark_h200_dcnv3_float32.json").read_text())
+    report["results"] = dcn_v2_run["results"] + report["results"]
+    source = tmp_path / "gpu_run.json"
+    source.write_text(json.dumps(report))
     document = tmp_path / "performance.md"
     document.write_text(f"<!-- table: {source.name} deform_conv2d -->\n<!-- end table -->\n"
                         f"<!-- table: {source.name} dcnv3 -->\n<!-- end table -->\n")
