@@ -63,7 +63,13 @@ def deform_conv2d(
 def _check_arguments(grad_output, input, offset, weight, mask, bias, *rest) -> List[int]:
     """The op's own argument checks (C++, no tensor data read), on meta copies of the tensors
     and outside any fake mode, so that fake tensors are rejected exactly as real ones are.
-    Returns the output shape."""
+    Returns the output shape.
+
+    torch has no public way out of a fake mode. Called on the fake tensors themselves, inside
+    the mode, the check op would run as its own meta kernel and raise the same error, but
+    FakeTensorMode logs every exception of a meta kernel at ERROR level, with a traceback,
+    before re-raising it: each rejected call under torch.compile or torch.export would print
+    one. Hence torch's private unset_fake_temporarily."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     with unset_fake_temporarily():
