@@ -18,6 +18,9 @@ TORCH_LIBRARY(deformconv, m) {
   m.def(deformconv::schemas::kDcnv4);
   m.def(deformconv::schemas::kDcnv4Backward);
   m.def(deformconv::schemas::kCheckDcnv3Arguments);
+  m.def(deformconv::schemas::kMsDeformAttn);
+  m.def(deformconv::schemas::kMsDeformAttnBackward);
+  m.def(deformconv::schemas::kCheckMsDeformAttnArguments);
   m.def(deformconv::schemas::kStartBranchTrace);
   m.def(deformconv::schemas::kTakeBranchTrace);
   m.def(deformconv::schemas::kCpuKernelCopies);

@@ -71,6 +71,31 @@ inline constexpr const char* kCheckDcnv3Arguments =
     "int dilation_h, int dilation_w, int group, int group_channels, float offset_scale, "
     "int im2col_step, bool remove_center) -> int[]";
 
+// Multi-scale deformable attention (Deformable DETR), in the original MSDeformAttnFunction's
+// order: value (N, S, M, D), the levels' pixels stacked along S; spatial_shapes (L, 2) int64,
+// each level's (H, W); level_start_index (L,) int64, where each level starts in S;
+// sampling_locations (N, Lq, M, L, P, 2), normalised (x, y); attention_weights (N, Lq, M, L, P),
+// used as given. Output (N, Lq, M * D). im2col_step is accepted for the originals' signature
+// and changes nothing.
+inline constexpr const char* kMsDeformAttn =
+    "ms_deform_attn(Tensor value, Tensor spatial_shapes, Tensor level_start_index, "
+    "Tensor sampling_locations, Tensor attention_weights, int im2col_step) -> Tensor";
+
+// Gradients of (value, sampling_locations, attention_weights); output_mask selects which are
+// computed.
+inline constexpr const char* kMsDeformAttnBackward =
+    "ms_deform_attn_backward(Tensor grad_output, Tensor value, Tensor spatial_shapes, "
+    "Tensor level_start_index, Tensor sampling_locations, Tensor attention_weights, "
+    "int im2col_step, bool[3] output_mask) -> (Tensor, Tensor, Tensor)";
+
+// The checks of ms_deform_attn (grad_output absent) or its backward (present) that read no
+// floating-point data: on meta tensors, the shapes only; on others, spatial_shapes and
+// level_start_index too. Returns the output shape. For the fake kernels.
+inline constexpr const char* kCheckMsDeformAttnArguments =
+    "_check_ms_deform_attn_arguments(Tensor? grad_output, Tensor value, Tensor spatial_shapes, "
+    "Tensor level_start_index, Tensor sampling_locations, Tensor attention_weights, "
+    "int im2col_step) -> int[]";
+
 // Note [Branch trace] (core/branch_trace.h): which paths the drivers and launchers take, for
 // the tests. _start_branch_trace clears the record and turns it on; _take_branch_trace returns
 // the names recorded since, sorted, and turns it off.

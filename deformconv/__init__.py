@@ -53,7 +53,7 @@ from .nn import (
     ModulatedDeformConv2dPack,
     upgrade_mmcv_state_dict,
 )
-from .ops import dcnv3, dcnv4, deform_conv2d
+from .ops import dcnv3, dcnv4, deform_conv2d, ms_deform_attn
 
 
 def cuda_compiled() -> bool:
@@ -74,5 +74,6 @@ __all__ = [
     "dcnv3",
     "dcnv4",
     "deform_conv2d",
+    "ms_deform_attn",
     "upgrade_mmcv_state_dict",
 ]

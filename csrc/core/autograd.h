@@ -1,7 +1,7 @@
 #pragma once
 
-// The Autograd kernels of the ops (autograd.cpp, dcnv3_autograd.cpp), which
-// register_autograd.cpp registers.
+// The Autograd kernels of the ops (autograd.cpp, dcnv3_autograd.cpp,
+// ms_deform_attn_autograd.cpp), which register_autograd.cpp registers.
 
 #include <ATen/core/Tensor.h>
 #include <c10/util/ArrayRef.h>
@@ -35,5 +35,16 @@ at::Tensor dcnv3_autograd(const at::Tensor& input, const at::Tensor& offset,
 std::tuple<at::Tensor, at::Tensor, at::Tensor> dcnv3_backward_autograd(
     const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& offset,
     const at::Tensor& mask, const Dcnv3Arguments& a, std::array<bool, 3> output_mask);
+
+// Of ms_deform_attn (ms_deform_attn_autograd.cpp).
+at::Tensor ms_deform_attn_autograd(const at::Tensor& value, const at::Tensor& spatial_shapes,
+                                   const at::Tensor& level_start_index,
+                                   const at::Tensor& sampling_locations,
+                                   const at::Tensor& attention_weights, int64_t im2col_step);
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> ms_deform_attn_backward_autograd(
+    const at::Tensor& grad_output, const at::Tensor& value, const at::Tensor& spatial_shapes,
+    const at::Tensor& level_start_index, const at::Tensor& sampling_locations,
+    const at::Tensor& attention_weights, int64_t im2col_step, std::array<bool, 3> output_mask);
 
 }  // namespace deformconv

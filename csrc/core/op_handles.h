@@ -84,4 +84,26 @@ inline const c10::TypedOperatorHandle<Dcnv4BackwardSignature>& dcnv4_backward_op
   return op;
 }
 
+using MsDeformAttnSignature = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                         const at::Tensor&, const at::Tensor&, int64_t);
+
+using MsDeformAttnBackwardSignature = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
+    const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+    const at::Tensor&, const at::Tensor&, int64_t, std::array<bool, 3>);
+
+inline const c10::TypedOperatorHandle<MsDeformAttnSignature>& ms_deform_attn_op() {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("deformconv::ms_deform_attn", "")
+                             .typed<MsDeformAttnSignature>();
+  return op;
+}
+
+inline const c10::TypedOperatorHandle<MsDeformAttnBackwardSignature>&
+ms_deform_attn_backward_op() {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("deformconv::ms_deform_attn_backward", "")
+                             .typed<MsDeformAttnBackwardSignature>();
+  return op;
+}
+
 }  // namespace deformconv

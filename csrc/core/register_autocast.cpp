@@ -38,6 +38,10 @@ void register_autocast(torch::Library& m) {
          TORCH_FN((InFloat32<autocast_key, device_type, dcnv3_op, Dcnv3Signature>::call)));
   m.impl("dcnv4",
          TORCH_FN((InFloat32<autocast_key, device_type, dcnv4_op, Dcnv4Signature>::call)));
+  // spatial_shapes and level_start_index are int64, which the cast leaves alone.
+  m.impl("ms_deform_attn",
+         TORCH_FN((InFloat32<autocast_key, device_type, ms_deform_attn_op,
+                             MsDeformAttnSignature>::call)));
 }
 
 }  // namespace

@@ -5,6 +5,7 @@
 
 #include "dcnv3.h"
 #include "deform_conv2d.h"
+#include "ms_deform_attn.h"
 
 namespace deformconv {
 
@@ -43,11 +44,24 @@ std::vector<int64_t> check_dcnv3_arguments_op(
   return {input.size(0), g.out_height, g.out_width, g.channels()};
 }
 
+// The same for ms_deform_attn: on meta tensors, the shapes only (check_ms_deform_attn_arguments).
+std::vector<int64_t> check_ms_deform_attn_arguments_op(
+    const std::optional<at::Tensor>& grad_output, const at::Tensor& value,
+    const at::Tensor& spatial_shapes, const at::Tensor& level_start_index,
+    const at::Tensor& sampling_locations, const at::Tensor& attention_weights,
+    int64_t im2col_step) {
+  const MsDeformAttnGeometry g =
+      check_ms_deform_attn_arguments(grad_output, value, spatial_shapes, level_start_index,
+                                     sampling_locations, attention_weights, im2col_step);
+  return {g.batch, g.queries, g.heads * g.channels};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(deformconv, CompositeExplicitAutograd, m) {
   m.impl("_check_arguments", TORCH_FN(check_arguments_op));
   m.impl("_check_dcnv3_arguments", TORCH_FN(check_dcnv3_arguments_op));
+  m.impl("_check_ms_deform_attn_arguments", TORCH_FN(check_ms_deform_attn_arguments_op));
 }
 
 }  // namespace deformconv

@@ -4,6 +4,7 @@
 
 #include "../core/dcnv3.h"
 #include "../core/launchers.h"
+#include "../core/ms_deform_attn.h"
 
 namespace deformconv {
 
@@ -12,5 +13,8 @@ const DeformConv2dLaunchers& deform_conv2d_cpu_launchers();
 
 // DCNv3 and DCNv4 (dcnv3_cpu.cpp).
 const Dcnv3Launchers& dcnv3_cpu_launchers();
+
+// Multi-scale deformable attention (ms_deform_attn_cpu.cpp).
+const MsDeformAttnLaunchers& ms_deform_attn_cpu_launchers();
 
 }  // namespace deformconv

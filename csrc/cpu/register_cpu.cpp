@@ -8,6 +8,7 @@
 
 #include "../core/dcnv3.h"
 #include "../core/deform_conv2d.h"
+#include "../core/ms_deform_attn.h"
 #include "cpu_launchers.h"
 
 namespace deformconv {
@@ -44,6 +45,24 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dcnv3_backward_cpu(
                         output_mask);
 }
 
+at::Tensor ms_deform_attn_cpu(const at::Tensor& value, const at::Tensor& spatial_shapes,
+                              const at::Tensor& level_start_index,
+                              const at::Tensor& sampling_locations,
+                              const at::Tensor& attention_weights, int64_t im2col_step) {
+  return ms_deform_attn_forward(ms_deform_attn_cpu_launchers(), value, spatial_shapes,
+                                level_start_index, sampling_locations, attention_weights,
+                                im2col_step);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> ms_deform_attn_backward_cpu(
+    const at::Tensor& grad_output, const at::Tensor& value, const at::Tensor& spatial_shapes,
+    const at::Tensor& level_start_index, const at::Tensor& sampling_locations,
+    const at::Tensor& attention_weights, int64_t im2col_step, std::array<bool, 3> output_mask) {
+  return ms_deform_attn_backward(ms_deform_attn_cpu_launchers(), grad_output, value,
+                                 spatial_shapes, level_start_index, sampling_locations,
+                                 attention_weights, im2col_step, output_mask);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(deformconv, CPU, m) {
@@ -53,6 +72,8 @@ TORCH_LIBRARY_IMPL(deformconv, CPU, m) {
   m.impl("dcnv3_backward", TORCH_FN(dcnv3_backward_kernel<dcnv3_backward_cpu>));
   m.impl("dcnv4", TORCH_FN(dcnv4_kernel<dcnv3_cpu>));
   m.impl("dcnv4_backward", TORCH_FN(dcnv4_backward_kernel<dcnv3_backward_cpu>));
+  m.impl("ms_deform_attn", TORCH_FN(ms_deform_attn_cpu));
+  m.impl("ms_deform_attn_backward", TORCH_FN(ms_deform_attn_backward_cpu));
 }
 
 }  // namespace deformconv

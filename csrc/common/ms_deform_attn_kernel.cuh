@@ -1,0 +1,77 @@
+#pragma once
+
+// Multi-scale deformable attention (Deformable DETR's MSDeformAttn), element by element, for
+// the CPU launchers and the CUDA kernels alike: where a sample lies in its level, and the
+// index maps of the op's tensors. The sampling itself is bilinear_sampling.cuh's.
+//
+// A query q of image n and head m takes P samples in each of L levels and returns
+//   out[n, q, m, :] = sum over l, p of  a[n, q, m, l, p] * bilinear(value level l, head m, at
+//                                        (x, y) = (loc_x * W_l - 0.5, loc_y * H_l - 0.5))
+// with (loc_x, loc_y) = sampling_locations[n, q, m, l, p, :]: F.grid_sample's bilinear
+// sampling with align_corners=False and zero padding, each level on its own grid, so that a
+// sample outside its level reads nothing, not even the rows of the next level. Level l of head
+// m is the channels-last image of H_l * W_l pixels, D channels, that starts at row
+// level_start[l] of value (N, S, M, D): its pixel i, channel c is
+//   value[n, level_start[l] + i, m, c],  i.e. pixels M * D elements apart.
+
+#include <c10/macros/Macros.h>
+
+#include <cstdint>
+
+namespace deformconv {
+
+struct MsDeformAttnGeometry {
+  int64_t batch;     // N
+  int64_t spatial;   // S = sum over the levels of H_l * W_l
+  int64_t heads;     // M
+  int64_t channels;  // D, per head
+  int64_t queries;   // Lq
+  int64_t levels;    // L
+  int64_t points;    // P, per level
+
+  // Samples of one (query, head): each level's points in turn.
+  C10_HOST_DEVICE int64_t head_samples() const { return levels * points; }
+  // Elements between neighbouring pixels of a level, and from one image to the next.
+  C10_HOST_DEVICE int64_t pixel_stride() const { return heads * channels; }
+  C10_HOST_DEVICE int64_t image_stride() const { return spatial * heads * channels; }
+};
+
+// One level's grid: its height, width and first pixel's row in value's S.
+struct MsDeformAttnLevel {
+  int64_t height;
+  int64_t width;
+  int64_t start;
+};
+
+// The sample's position in its level's pixel coordinates, from its normalised location:
+// grid_sample's unnormalisation with align_corners=False, (2 loc - 1 + 1) * W / 2 - 0.5.
+template <typename opmath_t>
+C10_HOST_DEVICE inline void ms_deform_attn_position(opmath_t loc_x, opmath_t loc_y,
+                                                    const MsDeformAttnLevel& level, opmath_t& y,
+                                                    opmath_t& x) {
+  x = loc_x * static_cast<opmath_t>(level.width) - opmath_t(0.5);
+  y = loc_y * static_cast<opmath_t>(level.height) - opmath_t(0.5);
+}
+
+// Index of sample (n, q, m, s) in attention_weights, s = l * P + p over (N, Lq, M, L, P);
+// twice that is its x in sampling_locations, and y follows x.
+C10_HOST_DEVICE inline int64_t ms_deform_attn_sample_index(const MsDeformAttnGeometry& g,
+                                                           int64_t n, int64_t q, int64_t m,
+                                                           int64_t s) {
+  return ((n * g.queries + q) * g.heads + m) * g.head_samples() + s;
+}
+
+// Element of channel 0 of head m's value at grid pixel 0 of image n (the level's start is
+// added through the pixel index).
+C10_HOST_DEVICE inline int64_t ms_deform_attn_head_start(const MsDeformAttnGeometry& g,
+                                                         int64_t n, int64_t m) {
+  return n * g.image_stride() + m * g.channels;
+}
+
+// Element of channel 0 of (n, q, m) in the output (N, Lq, M * D), and in its gradient.
+C10_HOST_DEVICE inline int64_t ms_deform_attn_output_start(const MsDeformAttnGeometry& g,
+                                                           int64_t n, int64_t q, int64_t m) {
+  return ((n * g.queries + q) * g.heads + m) * g.channels;
+}
+
+}  // namespace deformconv

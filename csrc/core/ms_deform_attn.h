@@ -1,0 +1,60 @@
+#pragma once
+
+// Multi-scale deformable attention (common/ms_deform_attn_kernel.cuh): argument checks, the
+// launcher table that cpu/ and cuda/ fill in, and the device-neutral driver. Like DCNv3, the op
+// has no columns: memory beyond the outputs is the float32 value-gradient sums of half
+// precision only, and im2col_step (kept for the originals' signature) changes nothing.
+
+#include <ATen/core/Tensor.h>
+
+#include <array>
+#include <optional>
+#include <tuple>
+
+#include "../common/ms_deform_attn_kernel.cuh"
+
+namespace deformconv {
+
+// Every tensor is contiguous and on the launchers' device; spatial_shapes and
+// level_start_index are int64 and checked consistent with value (each level inside its rows).
+// The output and the gradients are never empty here: the driver answers those cases itself.
+struct MsDeformAttnLaunchers {
+  void (*forward)(const MsDeformAttnGeometry& geometry, const at::Tensor& value,
+                  const at::Tensor& spatial_shapes, const at::Tensor& level_start_index,
+                  const at::Tensor& sampling_locations, const at::Tensor& attention_weights,
+                  at::Tensor& output);
+  // Any of the gradients may be undefined (not asked for), not all. grad_value comes
+  // uninitialised: the launcher writes all of it, zero where no sample reaches; the other two
+  // are written in full, a value per sample.
+  void (*backward)(const MsDeformAttnGeometry& geometry, const at::Tensor& grad_output,
+                   const at::Tensor& value, const at::Tensor& spatial_shapes,
+                   const at::Tensor& level_start_index, const at::Tensor& sampling_locations,
+                   const at::Tensor& attention_weights, at::Tensor& grad_value,
+                   at::Tensor& grad_sampling_locations, at::Tensor& grad_attention_weights);
+};
+
+// Checks the operands of ms_deform_attn (and grad_output, when given, of its backward); raises
+// ValueError or TypeError naming the argument. The levels' sizes and starts are read and
+// checked against value's S unless the tensors are on the meta device (the fake kernels'
+// case), where only shapes exist. Returns the geometry.
+MsDeformAttnGeometry check_ms_deform_attn_arguments(
+    const std::optional<at::Tensor>& grad_output, const at::Tensor& value,
+    const at::Tensor& spatial_shapes, const at::Tensor& level_start_index,
+    const at::Tensor& sampling_locations, const at::Tensor& attention_weights,
+    int64_t im2col_step);
+
+at::Tensor ms_deform_attn_forward(const MsDeformAttnLaunchers& launchers,
+                                  const at::Tensor& value, const at::Tensor& spatial_shapes,
+                                  const at::Tensor& level_start_index,
+                                  const at::Tensor& sampling_locations,
+                                  const at::Tensor& attention_weights, int64_t im2col_step);
+
+// Gradients of (value, sampling_locations, attention_weights), those not selected by
+// output_mask undefined.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> ms_deform_attn_backward(
+    const MsDeformAttnLaunchers& launchers, const at::Tensor& grad_output,
+    const at::Tensor& value, const at::Tensor& spatial_shapes,
+    const at::Tensor& level_start_index, const at::Tensor& sampling_locations,
+    const at::Tensor& attention_weights, int64_t im2col_step, std::array<bool, 3> output_mask);
+
+}  // namespace deformconv

@@ -1,0 +1,251 @@
+// Multi-scale deformable attention on the CPU (common/ms_deform_attn_kernel.cuh): the forward
+// in tasks of queries, the gradients in tasks of (image, head), each owning its head's share of
+// the value gradient, so that every sum is made in the same order whatever the threads. A
+// head's D channels are contiguous in value, the output and their gradients: the channel loops
+// are the innermost, and the compiler vectorises them.
+
+#include <ATen/Dispatch.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "../common/bilinear_sampling.cuh"
+#include "../core/launchers.h"
+#include "../core/ms_deform_attn.h"
+#include "../core/parallel_region.h"
+#include "cpu_launchers.h"
+#include "cpu_loops.h"
+
+namespace deformconv {
+namespace {
+
+std::vector<MsDeformAttnLevel> levels_of(const MsDeformAttnGeometry& g,
+                                         const at::Tensor& spatial_shapes,
+                                         const at::Tensor& level_start_index) {
+  const int64_t* shape = spatial_shapes.const_data_ptr<int64_t>();
+  const int64_t* start = level_start_index.const_data_ptr<int64_t>();
+  std::vector<MsDeformAttnLevel> levels(g.levels);
+  for (int64_t l = 0; l < g.levels; ++l) {
+    levels[l] = {shape[2 * l], shape[2 * l + 1], start[l]};
+  }
+  return levels;
+}
+
+// The cell of sample (n, q, m, s) in its level, its corners' pixel rows in the head's value
+// (0 for a corner outside, never read) and its corner weights with the attention weight
+// folded in (0 outside).
+template <typename scalar_t, typename opmath_t>
+DEFORMCONV_INLINE BilinearCell<opmath_t> locate_sample(const MsDeformAttnLevel& level,
+                                                       const scalar_t* location,
+                                                       opmath_t attention, int64_t row[4],
+                                                       opmath_t weight[4]) {
+  opmath_t y, x;
+  ms_deform_attn_position(static_cast<opmath_t>(location[0]),
+                          static_cast<opmath_t>(location[1]), level, y, x);
+  const BilinearCell<opmath_t> cell = locate_cell(y, x, level.height, level.width);
+  corner_indices(cell, level.width, row);
+  corner_weights(cell, attention, weight);
+  for (int corner = 0; corner < 4; ++corner) {
+    row[corner] += level.start;
+  }
+  return cell;
+}
+
+template <typename scalar_t>
+DEFORMCONV_VECTOR_CLONES void forward_queries(const MsDeformAttnGeometry& g,
+                                              const MsDeformAttnLevel* levels,
+                                              const scalar_t* value, const scalar_t* locations,
+                                              const scalar_t* weights, scalar_t* output,
+                                              at::opmath_type<scalar_t>* sum, int64_t begin,
+                                              int64_t end) {
+  using opmath_t = at::opmath_type<scalar_t>;
+  const int64_t D = g.channels;
+  for (int64_t task = begin; task < end; ++task) {
+    const int64_t n = task / g.queries, q = task % g.queries;
+    for (int64_t m = 0; m < g.heads; ++m) {
+      std::fill_n(sum, D, opmath_t(0));
+      const scalar_t* head = value + ms_deform_attn_head_start(g, n, m);
+      for (int64_t s = 0; s < g.head_samples(); ++s) {
+        const int64_t sample = ms_deform_attn_sample_index(g, n, q, m, s);
+        int64_t row[4];
+        opmath_t weight[4];
+        const BilinearCell<opmath_t> cell =
+            locate_sample(levels[s / g.points], locations + 2 * sample,
+                          static_cast<opmath_t>(weights[sample]), row, weight);
+        if (!cell.inside) {
+          continue;
+        }
+        for (int corner = 0; corner < 4; ++corner) {
+          // A corner of zero weight is not read: an infinite value there cannot make NaN.
+          if (weight[corner] == opmath_t(0)) {
+            continue;
+          }
+          const scalar_t* pixel = head + row[corner] * g.pixel_stride();
+          for (int64_t c = 0; c < D; ++c) {
+            sum[c] += weight[corner] * static_cast<opmath_t>(pixel[c]);
+          }
+        }
+      }
+      scalar_t* out = output + ms_deform_attn_output_start(g, n, q, m);
+      for (int64_t c = 0; c < D; ++c) {
+        out[c] = static_cast<scalar_t>(sum[c]);
+      }
+    }
+  }
+}
+
+void ms_deform_attn_forward_cpu(const MsDeformAttnGeometry& g, const at::Tensor& value,
+                                const at::Tensor& spatial_shapes,
+                                const at::Tensor& level_start_index,
+                                const at::Tensor& sampling_locations,
+                                const at::Tensor& attention_weights, at::Tensor& output) {
+  const std::vector<MsDeformAttnLevel> levels = levels_of(g, spatial_shapes, level_start_index);
+  DEFORMCONV_DISPATCH(value.scalar_type(), "ms_deform_attn_forward_cpu", [&] {
+    using opmath_t = at::opmath_type<scalar_t>;
+    parallel_task_runs(g.batch * g.queries, [&](TaskRuns& runs) {
+      std::vector<opmath_t> sum(g.channels);
+      int64_t begin, end;
+      while (runs.take(begin, end)) {
+        forward_queries<scalar_t>(g, levels.data(), value.const_data_ptr<scalar_t>(),
+                                  sampling_locations.const_data_ptr<scalar_t>(),
+                                  attention_weights.const_data_ptr<scalar_t>(),
+                                  output.mutable_data_ptr<scalar_t>(), sum.data(), begin, end);
+      }
+    });
+  });
+}
+
+// The gradients of the samples of heads [begin, end), numbered n * M + m. grad_sums (the value
+// gradient's sums, at::opmath_type) and grad_locations, grad_weights are null where not asked
+// for; `grad` is a buffer of D.
+template <typename scalar_t>
+DEFORMCONV_VECTOR_CLONES void backward_heads(
+    const MsDeformAttnGeometry& g, const MsDeformAttnLevel* levels, const scalar_t* grad_output,
+    const scalar_t* value, const scalar_t* locations, const scalar_t* weights,
+    at::opmath_type<scalar_t>* grad_sums, scalar_t* grad_locations, scalar_t* grad_weights,
+    at::opmath_type<scalar_t>* grad, int64_t begin, int64_t end) {
+  using opmath_t = at::opmath_type<scalar_t>;
+  const int64_t D = g.channels;
+  const bool position_grads = grad_locations != nullptr || grad_weights != nullptr;
+  for (int64_t task = begin; task < end; ++task) {
+    const int64_t n = task / g.heads, m = task % g.heads;
+    const int64_t head_start = ms_deform_attn_head_start(g, n, m);
+    const scalar_t* head = value + head_start;
+    opmath_t* grad_head = grad_sums == nullptr ? nullptr : grad_sums + head_start;
+    if (grad_head != nullptr) {
+      // This head's value gradient, which no other task writes.
+      for (int64_t pixel = 0; pixel < g.spatial; ++pixel) {
+        std::fill_n(grad_head + pixel * g.pixel_stride(), D, opmath_t(0));
+      }
+    }
+    for (int64_t q = 0; q < g.queries; ++q) {
+      const scalar_t* grad_query = grad_output + ms_deform_attn_output_start(g, n, q, m);
+      for (int64_t c = 0; c < D; ++c) {
+        grad[c] = static_cast<opmath_t>(grad_query[c]);
+      }
+      for (int64_t s = 0; s < g.head_samples(); ++s) {
+        const int64_t sample = ms_deform_attn_sample_index(g, n, q, m, s);
+        const MsDeformAttnLevel& level = levels[s / g.points];
+        const opmath_t attention = static_cast<opmath_t>(weights[sample]);
+        int64_t row[4];
+        opmath_t weight[4];
+        const BilinearCell<opmath_t> cell =
+            locate_sample(level, locations + 2 * sample, attention, row, weight);
+        if (!cell.inside) {
+          // A sample outside its level reads zeros wherever it moves a little: no gradients.
+          if (grad_locations != nullptr) {
+            grad_locations[2 * sample] = grad_locations[2 * sample + 1] = scalar_t(0);
+          }
+          if (grad_weights != nullptr) {
+            grad_weights[sample] = scalar_t(0);
+          }
+          continue;
+        }
+        if (grad_head != nullptr) {
+          for (int corner = 0; corner < 4; ++corner) {
+            // As in the forward: a corner of zero weight takes no part.
+            if (weight[corner] == opmath_t(0)) {
+              continue;
+            }
+            opmath_t* grad_pixel = grad_head + row[corner] * g.pixel_stride();
+            for (int64_t c = 0; c < D; ++c) {
+              grad_pixel[c] += weight[corner] * grad[c];
+            }
+          }
+        }
+        if (position_grads) {
+          bool inside[4];
+          corners_inside(cell, inside);
+          opmath_t dot[4] = {0, 0, 0, 0};
+          for (int corner = 0; corner < 4; ++corner) {
+            if (!inside[corner]) {
+              continue;
+            }
+            const scalar_t* pixel = head + row[corner] * g.pixel_stride();
+            opmath_t products = 0;
+            for (int64_t c = 0; c < D; ++c) {
+              products += grad[c] * static_cast<opmath_t>(pixel[c]);
+            }
+            dot[corner] = products;
+          }
+          // Bilinear's derivatives by x and y, and its value, each summed with the gradient over
+          // the channels; the position is loc * W - 0.5, so d/d(loc_x) = W d/dx.
+          const OffsetMaskGradSums<opmath_t> sums = offset_mask_grad_sums_of_dots(cell, dot);
+          if (grad_locations != nullptr) {
+            grad_locations[2 * sample] =
+                static_cast<scalar_t>(attention * sums.x * static_cast<opmath_t>(level.width));
+            grad_locations[2 * sample + 1] =
+                static_cast<scalar_t>(attention * sums.y * static_cast<opmath_t>(level.height));
+          }
+          if (grad_weights != nullptr) {
+            grad_weights[sample] = static_cast<scalar_t>(sums.m);
+          }
+        }
+      }
+    }
+  }
+}
+
+void ms_deform_attn_backward_cpu(const MsDeformAttnGeometry& g, const at::Tensor& grad_output,
+                                 const at::Tensor& value, const at::Tensor& spatial_shapes,
+                                 const at::Tensor& level_start_index,
+                                 const at::Tensor& sampling_locations,
+                                 const at::Tensor& attention_weights, at::Tensor& grad_value,
+                                 at::Tensor& grad_sampling_locations,
+                                 at::Tensor& grad_attention_weights) {
+  const std::vector<MsDeformAttnLevel> levels = levels_of(g, spatial_shapes, level_start_index);
+  DEFORMCONV_DISPATCH(value.scalar_type(), "ms_deform_attn_backward_cpu", [&] {
+    using opmath_t = at::opmath_type<scalar_t>;
+    // Note [Input gradient sums in float32]
+    at::Tensor sums = grad_value.defined()
+                          ? uninitialised_input_gradient_sums<scalar_t>(grad_value)
+                          : at::Tensor();
+    parallel_task_runs(g.batch * g.heads, [&](TaskRuns& runs) {
+      std::vector<opmath_t> grad(g.channels);
+      int64_t begin, end;
+      while (runs.take(begin, end)) {
+        backward_heads<scalar_t>(
+            g, levels.data(), grad_output.const_data_ptr<scalar_t>(),
+            value.const_data_ptr<scalar_t>(), sampling_locations.const_data_ptr<scalar_t>(),
+            attention_weights.const_data_ptr<scalar_t>(), mutable_data_or_null<opmath_t>(sums),
+            mutable_data_or_null<scalar_t>(grad_sampling_locations),
+            mutable_data_or_null<scalar_t>(grad_attention_weights), grad.data(), begin, end);
+      }
+    });
+    if (grad_value.defined()) {
+      store_input_gradient_sums(sums, grad_value);
+    }
+  });
+}
+
+constexpr MsDeformAttnLaunchers kCpuMsDeformAttnLaunchers{
+    .forward = ms_deform_attn_forward_cpu,
+    .backward = ms_deform_attn_backward_cpu,
+};
+
+}  // namespace
+
+const MsDeformAttnLaunchers& ms_deform_attn_cpu_launchers() { return kCpuMsDeformAttnLaunchers; }
+
+}  // namespace deformconv
