@@ -51,6 +51,8 @@ from .nn import (
     DeformConv2dPack,
     ModulatedDeformConv2d,
     ModulatedDeformConv2dPack,
+    MSDeformAttn,
+    MultiScaleDeformableAttention,
     upgrade_mmcv_state_dict,
 )
 from .ops import dcnv3, dcnv4, deform_conv2d, ms_deform_attn
@@ -68,6 +70,8 @@ __all__ = [
     "DeformConv2dPack",
     "ModulatedDeformConv2d",
     "ModulatedDeformConv2dPack",
+    "MSDeformAttn",
+    "MultiScaleDeformableAttention",
     "__version__",
     "convert_to_deformable",
     "cuda_compiled",

@@ -1,5 +1,6 @@
-"""The modules: mmcv's DCN v1/v2 (deform_conv.py) and InternImage's and FlashInternImage's
-DCNv3 and DCNv4 (dcn_v3_v4.py)."""
+"""The modules: mmcv's DCN v1/v2 (deform_conv.py), InternImage's and FlashInternImage's DCNv3
+and DCNv4 (dcn_v3_v4.py), and Deformable DETR's and mmcv's multi-scale deformable attention
+(ms_deform_attn.py)."""
 
 from .dcn_v3_v4 import DCNv3, DCNv4
 from .deform_conv import (
@@ -9,6 +10,8 @@ from .deform_conv import (
     ModulatedDeformConv2dPack,
     upgrade_mmcv_state_dict,
 )
+from .ms_deform_attn import MSDeformAttn, MultiScaleDeformableAttention
 
 __all__ = ["DCNv3", "DCNv4", "DeformConv2d", "DeformConv2dPack", "ModulatedDeformConv2d",
-           "ModulatedDeformConv2dPack", "upgrade_mmcv_state_dict"]
+           "ModulatedDeformConv2dPack", "MSDeformAttn", "MultiScaleDeformableAttention",
+           "upgrade_mmcv_state_dict"]

@@ -1,0 +1,208 @@
+"""Multi-scale deformable attention modules: Deformable DETR's MSDeformAttn and mmcv's
+MultiScaleDeformableAttention, with the originals' submodules, parameter initialisation,
+state_dict keys and forward arguments, on deformconv.ms_deform_attn."""
+
+import math
+import warnings
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..ops.ms_deform_attn import ms_deform_attn
+
+
+def _sampling_offset_bias(heads: int, levels: int, points: int) -> Tensor:
+    """The originals' initial sampling offsets: head h looks along the direction at angle
+    2 pi h / heads, scaled so that its larger coordinate is 1, and its k-th point k + 1 times
+    that far; the same for every level. Flattened as (heads, levels, points, 2)."""
+    angles = torch.arange(heads, dtype=torch.float32) * (2.0 * math.pi / heads)
+    directions = torch.stack([angles.cos(), angles.sin()], -1)
+    directions = directions / directions.abs().max(-1, keepdim=True).values
+    steps = torch.arange(1, points + 1, dtype=torch.float32).view(1, 1, points, 1)
+    return (directions.view(heads, 1, 1, 2) * steps).expand(heads, levels, points, 2).flatten()
+
+
+def _sampling_locations(reference_points: Tensor, offsets: Tensor, spatial_shapes: Tensor,
+                        points: int) -> Tensor:
+    """Where the samples lie, (N, Lq, M, L, P, 2), from the predicted offsets
+    (N, Lq, M, L, P, 2) and the reference points (N, Lq, L, 2 or 4), as the originals place
+    them: a point (x, y) moved by the offsets in pixels of each level; a box (x, y, w, h), its
+    centre moved by offset / P * (w, h) / 2, so that offsets up to P reach its edges."""
+    if reference_points.shape[-1] == 2:
+        # (W, H) of each level: an offset of one unit is one pixel of that level.
+        pixels = torch.stack([spatial_shapes[:, 1], spatial_shapes[:, 0]], -1)
+        return (reference_points[:, :, None, :, None, :]
+                + offsets / pixels[None, None, None, :, None, :])
+    if reference_points.shape[-1] == 4:
+        return (reference_points[:, :, None, :, None, :2]
+                + offsets / points * reference_points[:, :, None, :, None, 2:] * 0.5)
+    raise ValueError("expected reference_points to end in 2 (x, y) or 4 (x, y, w, h) "
+                     f"coordinates, but got shape {tuple(reference_points.shape)}")
+
+
+class MSDeformAttn(nn.Module):
+    """Deformable DETR's multi-scale deformable attention module (its ``MSDeformAttn``): the
+    same submodules, ``_reset_parameters`` and forward, so that its state_dict loads as it is.
+
+    Args:
+        d_model: channels of the queries and values; a multiple of ``n_heads``.
+        n_levels: feature levels sampled.
+        n_heads: attention heads.
+        n_points: points sampled per head and level.
+    """
+
+    def __init__(self, d_model: int = 256, n_levels: int = 4, n_heads: int = 8,
+                 n_points: int = 4):
+        super().__init__()
+        if d_model % n_heads != 0:
+            raise ValueError(f"expected d_model ({d_model}) to be a multiple of n_heads "
+                             f"({n_heads})")
+        head_channels = d_model // n_heads
+        if head_channels & (head_channels - 1) != 0:
+            warnings.warn("MSDeformAttn: channels per head (d_model / n_heads = "
+                          f"{head_channels}) that are not a power of 2 run less efficiently "
+                          "in the originals' CUDA kernels", stacklevel=2)
+        self.im2col_step = 64
+        self.d_model = d_model
+        self.n_levels = n_levels
+        self.n_heads = n_heads
+        self.n_points = n_points
+        self.sampling_offsets = nn.Linear(d_model, n_heads * n_levels * n_points * 2)
+        self.attention_weights = nn.Linear(d_model, n_heads * n_levels * n_points)
+        self.value_proj = nn.Linear(d_model, d_model)
+        self.output_proj = nn.Linear(d_model, d_model)
+        self._reset_parameters()
+
+    def _reset_parameters(self) -> None:
+        nn.init.zeros_(self.sampling_offsets.weight)
+        with torch.no_grad():
+            self.sampling_offsets.bias.copy_(
+                _sampling_offset_bias(self.n_heads, self.n_levels, self.n_points))
+        nn.init.zeros_(self.attention_weights.weight)
+        nn.init.zeros_(self.attention_weights.bias)
+        for projection in (self.value_proj, self.output_proj):
+            nn.init.xavier_uniform_(projection.weight)
+            nn.init.zeros_(projection.bias)
+
+    def forward(self, query: Tensor, reference_points: Tensor, input_flatten: Tensor,
+                input_spatial_shapes: Tensor, input_level_start_index: Tensor,
+                input_padding_mask: Optional[Tensor] = None) -> Tensor:
+        """query (N, Lq, C); reference_points (N, Lq, L, 2) normalised (x, y) or
+        (N, Lq, L, 4) boxes (x, y, w, h); input_flatten (N, S, C), the levels' pixels;
+        input_spatial_shapes (L, 2) and input_level_start_index (L,) int64;
+        input_padding_mask (N, S), True where a pixel is padding. Returns (N, Lq, C)."""
+        N, queries, _ = query.shape
+        # The op checks the rows against the levels' pixels.
+        rows = input_flatten.shape[1]
+        value = self.value_proj(input_flatten)
+        if input_padding_mask is not None:
+            value = value.masked_fill(input_padding_mask[..., None], 0.0)
+        value = value.view(N, rows, self.n_heads, self.d_model // self.n_heads)
+        shape = (N, queries, self.n_heads, self.n_levels, self.n_points)
+        offsets = self.sampling_offsets(query).view(*shape, 2)
+        weights = self.attention_weights(query).view(N, queries, self.n_heads, -1)
+        weights = F.softmax(weights, -1).view(shape)
+        locations = _sampling_locations(reference_points, offsets, input_spatial_shapes,
+                                        self.n_points)
+        output = ms_deform_attn(value, input_spatial_shapes, input_level_start_index, locations,
+                                weights, self.im2col_step)
+        return self.output_proj(output)
+
+
+class MultiScaleDeformableAttention(nn.Module):
+    """mmcv's multi-scale deformable attention module (``mmcv.ops.MultiScaleDeformableAttention``):
+    the same submodules, initialisation, state_dict keys and forward keywords, without mmcv or
+    mmengine. ``norm_cfg`` and ``init_cfg`` are accepted for the signature and unused, as in
+    mmcv (whose ``init_weights`` is run here at construction).
+
+    Args:
+        embed_dims: channels of the queries and of the output.
+        num_heads, num_levels, num_points: attention heads, feature levels, points per head
+            and level.
+        im2col_step: passed to the op (changes nothing there).
+        dropout: dropout on the output, before the residual.
+        batch_first: (batch, queries, channels) tensors rather than (queries, batch, channels).
+        value_proj_ratio: the value projection's width, a fraction of embed_dims.
+    """
+
+    def __init__(self, embed_dims: int = 256, num_heads: int = 8, num_levels: int = 4,
+                 num_points: int = 4, im2col_step: int = 64, dropout: float = 0.1,
+                 batch_first: bool = False, norm_cfg: Optional[dict] = None,
+                 init_cfg: Optional[dict] = None, value_proj_ratio: float = 1.0):
+        super().__init__()
+        if embed_dims % num_heads != 0:
+            raise ValueError(f"expected embed_dims ({embed_dims}) to be a multiple of "
+                             f"num_heads ({num_heads})")
+        value_dims = int(embed_dims * value_proj_ratio)
+        if value_dims % num_heads != 0:
+            raise ValueError(f"expected embed_dims * value_proj_ratio ({value_dims}) to be a "
+                             f"multiple of num_heads ({num_heads})")
+        self.norm_cfg = norm_cfg
+        self.init_cfg = init_cfg
+        self.dropout = nn.Dropout(dropout)
+        self.batch_first = batch_first
+        self.im2col_step = im2col_step
+        self.embed_dims = embed_dims
+        self.num_levels = num_levels
+        self.num_heads = num_heads
+        self.num_points = num_points
+        self.sampling_offsets = nn.Linear(embed_dims, num_heads * num_levels * num_points * 2)
+        self.attention_weights = nn.Linear(embed_dims, num_heads * num_levels * num_points)
+        self.value_proj = nn.Linear(embed_dims, value_dims)
+        self.output_proj = nn.Linear(value_dims, embed_dims)
+        self.init_weights()
+
+    def init_weights(self) -> None:
+        nn.init.zeros_(self.sampling_offsets.weight)
+        with torch.no_grad():
+            self.sampling_offsets.bias.copy_(
+                _sampling_offset_bias(self.num_heads, self.num_levels, self.num_points))
+        nn.init.zeros_(self.attention_weights.weight)
+        nn.init.zeros_(self.attention_weights.bias)
+        for projection in (self.value_proj, self.output_proj):
+            nn.init.xavier_uniform_(projection.weight)
+            nn.init.zeros_(projection.bias)
+
+    def forward(self, query: Tensor, key: Optional[Tensor] = None,
+                value: Optional[Tensor] = None, identity: Optional[Tensor] = None,
+                query_pos: Optional[Tensor] = None, key_padding_mask: Optional[Tensor] = None,
+                reference_points: Optional[Tensor] = None,
+                spatial_shapes: Optional[Tensor] = None,
+                level_start_index: Optional[Tensor] = None, **kwargs) -> Tensor:
+        """query (Lq, N, C), or (N, Lq, C) with batch_first; value likewise (S rows; the query
+        when None); identity, the residual (the query when None); query_pos added to the query;
+        key_padding_mask (N, S), True at padding; reference_points (N, Lq, L, 2 or 4);
+        spatial_shapes (L, 2), level_start_index (L,). `key` and other keywords are accepted
+        and unused, as in mmcv. Returns dropout(attention) + identity, laid out as query."""
+        if reference_points is None or spatial_shapes is None or level_start_index is None:
+            raise ValueError("MultiScaleDeformableAttention: expected reference_points, "
+                             "spatial_shapes and level_start_index")
+        if value is None:
+            value = query
+        if identity is None:
+            identity = query
+        if query_pos is not None:
+            query = query + query_pos
+        if not self.batch_first:
+            query = query.transpose(0, 1)
+            value = value.transpose(0, 1)
+        N, queries, _ = query.shape
+        rows = value.shape[1]
+        value = self.value_proj(value)
+        if key_padding_mask is not None:
+            value = value.masked_fill(key_padding_mask[..., None], 0.0)
+        value = value.view(N, rows, self.num_heads, -1)
+        shape = (N, queries, self.num_heads, self.num_levels, self.num_points)
+        offsets = self.sampling_offsets(query).view(*shape, 2)
+        weights = self.attention_weights(query).view(N, queries, self.num_heads, -1)
+        weights = weights.softmax(-1).view(shape)
+        locations = _sampling_locations(reference_points, offsets, spatial_shapes,
+                                        self.num_points)
+        output = ms_deform_attn(value, spatial_shapes, level_start_index, locations, weights,
+                                self.im2col_step)
+        output = self.output_proj(output)
+        if not self.batch_first:
+            output = output.transpose(0, 1)
+        return self.dropout(output) + identity

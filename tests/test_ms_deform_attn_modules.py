@@ -1,0 +1,180 @@
+"""MSDeformAttn (Deformable DETR's) and MultiScaleDeformableAttention (mmcv's): state_dicts of
+the originals' keys and shapes load strictly and give the output that the originals' forward,
+written out here on the reference op, gives; their initialisation; training."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import deformconv
+from test_ms_deform_attn import levels_of, ms_deform_attn_reference
+
+LEVELS = [(6, 8), (3, 4), (2, 2), (1, 1)]
+
+
+def originals_state_dict(channels, heads, levels, points, value_channels=None, seed=0):
+    """Random parameters under the originals' keys, in their shapes."""
+    value_channels = value_channels or channels
+    generator = torch.Generator().manual_seed(seed)
+    samples = heads * levels * points
+
+    def randn(*size):
+        return torch.randn(*size, generator=generator) * 0.3
+
+    return {
+        "sampling_offsets.weight": randn(samples * 2, channels),
+        "sampling_offsets.bias": randn(samples * 2),
+        "attention_weights.weight": randn(samples, channels),
+        "attention_weights.bias": randn(samples),
+        "value_proj.weight": randn(value_channels, channels),
+        "value_proj.bias": randn(value_channels),
+        "output_proj.weight": randn(channels, value_channels),
+        "output_proj.bias": randn(channels),
+    }
+
+
+def originals_attention(state, heads, levels, points, query, reference_points, values,
+                        spatial_shapes, level_start_index, padding_mask=None):
+    """The originals' attention, batch first, written out: the value projection (zero at
+    padding), offsets and softmax-ed weights from the query, locations from the reference points
+    (points in level pixels, boxes in half sizes per point), the reference op, the output
+    projection."""
+    N, Lq, _ = query.shape
+    value = F.linear(values, state["value_proj.weight"], state["value_proj.bias"])
+    if padding_mask is not None:
+        value = value.masked_fill(padding_mask[..., None], 0.0)
+    value = value.view(N, values.shape[1], heads, -1)
+    offsets = F.linear(query, state["sampling_offsets.weight"], state["sampling_offsets.bias"])
+    offsets = offsets.view(N, Lq, heads, levels, points, 2)
+    weights = F.linear(query, state["attention_weights.weight"], state["attention_weights.bias"])
+    weights = weights.view(N, Lq, heads, levels * points).softmax(-1)
+    weights = weights.view(N, Lq, heads, levels, points)
+    if reference_points.shape[-1] == 2:
+        width_height = spatial_shapes.flip(-1).to(offsets.dtype)
+        locations = (reference_points[:, :, None, :, None, :]
+                     + offsets / width_height[None, None, None, :, None, :])
+    else:
+        centre, size = reference_points[..., :2], reference_points[..., 2:]
+        locations = (centre[:, :, None, :, None, :]
+                     + offsets / points * size[:, :, None, :, None, :] / 2)
+    sampled = ms_deform_attn_reference(value, spatial_shapes, level_start_index, locations,
+                                       weights)
+    return F.linear(sampled, state["output_proj.weight"], state["output_proj.bias"])
+
+
+def inputs(N=2, Lq=7, channels=16, box=False, seed=1):
+    generator = torch.Generator().manual_seed(seed)
+    spatial_shapes, level_start_index, S = levels_of(LEVELS)
+    query = torch.randn(N, Lq, channels, generator=generator)
+    values = torch.randn(N, S, channels, generator=generator)
+    reference = torch.rand(N, Lq, len(LEVELS), 4 if box else 2, generator=generator)
+    if box:
+        reference[..., 2:] = reference[..., 2:] * 0.5 + 0.1
+    padding = torch.rand(N, S, generator=generator) < 0.2
+    return query, reference, values, spatial_shapes, level_start_index, padding
+
+
+@pytest.mark.parametrize("box", [False, True], ids=["points", "boxes"])
+def test_msdeformattn_loads_the_originals_state_dict(box):
+    module = deformconv.MSDeformAttn(d_model=16, n_levels=4, n_heads=2, n_points=3)
+    state = originals_state_dict(16, 2, 4, 3)
+    assert {k: v.shape for k, v in module.state_dict().items()} == \
+        {k: v.shape for k, v in state.items()}
+    module.load_state_dict(state, strict=True)
+    query, reference, values, shapes, starts, padding = inputs(box=box)
+    out = module(query, reference, values, shapes, starts, padding)
+    expected = originals_attention(state, 2, 4, 3, query, reference, values, shapes, starts,
+                                   padding)
+    torch.testing.assert_close(out, expected)
+
+
+@pytest.mark.parametrize("batch_first", [False, True])
+@pytest.mark.parametrize("box", [False, True], ids=["points", "boxes"])
+def test_mmcv_module_loads_the_originals_state_dict(batch_first, box):
+    module = deformconv.MultiScaleDeformableAttention(
+        embed_dims=16, num_heads=2, num_levels=4, num_points=3, dropout=0.0,
+        batch_first=batch_first, value_proj_ratio=0.5)
+    state = originals_state_dict(16, 2, 4, 3, value_channels=8)
+    assert {k: v.shape for k, v in module.state_dict().items()} == \
+        {k: v.shape for k, v in state.items()}
+    module.load_state_dict(state, strict=True)
+    query, reference, values, shapes, starts, padding = inputs(box=box)
+    query_pos = torch.randn_like(query)
+    identity = torch.randn_like(query)
+    expected = originals_attention(state, 2, 4, 3, query + query_pos, reference, values,
+                                   shapes, starts, padding) + identity
+
+    def layout(t):
+        return t if batch_first else t.transpose(0, 1)
+
+    out = module(layout(query), value=layout(values), identity=layout(identity),
+                 query_pos=layout(query_pos), key_padding_mask=padding,
+                 reference_points=reference, spatial_shapes=shapes, level_start_index=starts)
+    torch.testing.assert_close(layout(out), expected)
+    # Without value and identity, the query is both (its position added to the query only).
+    tokens = torch.randn(2, sum(h * w for h, w in LEVELS), 16)
+    reference = torch.rand(2, tokens.shape[1], 4, 2)
+    out = module(layout(tokens), reference_points=reference, spatial_shapes=shapes,
+                 level_start_index=starts)
+    expected = originals_attention(state, 2, 4, 3, tokens, reference, tokens, shapes,
+                                   starts) + tokens
+    torch.testing.assert_close(layout(out), expected)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: deformconv.MSDeformAttn(d_model=32, n_levels=2, n_heads=4, n_points=3),
+    lambda: deformconv.MultiScaleDeformableAttention(embed_dims=32, num_heads=4, num_levels=2,
+                                                     num_points=3),
+], ids=["MSDeformAttn", "MultiScaleDeformableAttention"])
+def test_initialisation_of_the_originals(make):
+    module = make()
+    # Head h points along angle 2 pi h / 4: (1, 0), (0, 1), (-1, 0), (0, -1), scaled so that the
+    # larger coordinate is 1, point k at k + 1 times that, on every level.
+    bias = module.sampling_offsets.bias.detach().view(4, 2, 3, 2)
+    directions = torch.tensor([[1.0, 0.0], [0.0, 1.0], [-1.0, 0.0], [0.0, -1.0]])
+    for h in range(4):
+        for k in range(3):
+            torch.testing.assert_close(bias[h, :, k], (k + 1) * directions[h].expand(2, 2),
+                                       atol=1e-6, rtol=0)
+    assert (module.sampling_offsets.weight == 0).all()
+    assert (module.attention_weights.weight == 0).all()
+    assert (module.attention_weights.bias == 0).all()
+    for projection in (module.value_proj, module.output_proj):
+        assert (projection.bias == 0).all()
+        fan_in, fan_out = projection.weight.shape[1], projection.weight.shape[0]
+        bound = math.sqrt(6.0 / (fan_in + fan_out))  # Xavier uniform
+        assert projection.weight.abs().max() <= bound and projection.weight.std() > bound / 4
+
+
+def test_msdeformattn_trains():
+    torch.manual_seed(0)
+    module = deformconv.MSDeformAttn(d_model=16, n_levels=4, n_heads=2, n_points=2)
+    query, reference, values, shapes, starts, padding = inputs()
+    out = module(query, reference, values, shapes, starts, padding)
+    out.square().mean().backward()
+    for name, parameter in module.named_parameters():
+        assert parameter.grad is not None and torch.isfinite(parameter.grad).all(), name
+        assert parameter.grad.abs().sum() > 0, name
+
+
+def test_bad_arguments_raise():
+    with pytest.raises(ValueError, match="multiple of n_heads"):
+        deformconv.MSDeformAttn(d_model=30, n_heads=8)
+    with pytest.raises(ValueError, match="multiple of num_heads"):
+        deformconv.MultiScaleDeformableAttention(embed_dims=30, num_heads=8)
+    module = deformconv.MSDeformAttn(d_model=16, n_levels=4, n_heads=2, n_points=2)
+    query, reference, values, shapes, starts, padding = inputs()
+    with pytest.raises(ValueError, match="2 \\(x, y\\) or 4 \\(x, y, w, h\\)"):
+        module(query, reference[..., :1], values, shapes, starts)
+    with pytest.raises(ValueError, match="as many rows"):
+        module(query, reference, values[:, :-1], shapes, starts)
+
+
+def test_msdeformattn_compiles_fullgraph():
+    module = deformconv.MSDeformAttn(d_model=16, n_levels=4, n_heads=2, n_points=2)
+    query, reference, values, shapes, starts, padding = inputs()
+    compiled = torch.compile(module, fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(query, reference, values, shapes, starts, padding),
+                               module(query, reference, values, shapes, starts, padding))
