@@ -31,6 +31,7 @@ def load():
                  *[str(ROOT / "csrc" / "core" / f"deform_conv2d_{part}.cpp")
                    for part in ("checks", "tiling", "gemms", "forward", "backward")],
                  str(ROOT / "csrc" / "core" / "dcnv3.cpp"),
+                 str(ROOT / "csrc" / "core" / "ms_deform_attn.cpp"),
                  str(ROOT / "csrc" / "core" / "branch_trace.cpp"),
                  str(ROOT / "csrc" / "core" / "parallel_region.cpp")],
         # Ahead of torch's own headers: the shims of c10/cuda.

@@ -8,6 +8,9 @@ import torch
 import torch.nn.functional as F
 
 import deformconv
+from branching import assert_close_at, branch_trace, opmath_bytes, requested_subsets
+
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 
 
 def ms_deform_attn_reference(value, spatial_shapes, level_start_index, sampling_locations,
@@ -316,3 +319,104 @@ def test_autocast_runs_in_float32():
     assert out.dtype == torch.float32
     expected = call([value.bfloat16().float(), shapes, starts, locations, weights])
     torch.testing.assert_close(out, expected)
+
+
+# The CUDA launchers under the emulator (tests/emulated_cuda.py), csrc/cuda/ms_deform_attn_cuda.cu.
+STAGED_BYTES = 32 * 1024  # kStagedSampleBytes
+WARP = 32
+THREADS_PER_BLOCK = 256
+
+
+@pytest.fixture(scope="module")
+def emulated():
+    from emulated_cuda import load
+    return load()
+
+
+def expected_cuda_branches(channels, dtype, samples, aligned, backward):
+    """The paths the CUDA launchers take (ms_deform_attn_cuda.cu's tiling): vectors of 16 bytes
+    of the dtype (forward) or of the float32/float64 sums (backward) where the head's channels
+    and the alignment allow; several passes over more than 32 vectors; several rounds of staged
+    samples where a block's items have more samples than shared memory holds (a staged sample
+    is SharedSample and a row step: 48 bytes in float32 arithmetic, 80 in float64)."""
+    opmath = opmath_bytes(dtype)
+    wide = 16 // (opmath if backward else dtype.itemsize)
+    width = wide if aligned and channels % wide == 0 else 1
+    vectors = channels // width
+    lanes = 1
+    while lanes < vectors and lanes < WARP:
+        lanes *= 2
+    names = {"ms_deform_attn.cuda.channels.vectors" if width > 1
+             else "ms_deform_attn.cuda.channels.one_at_a_time"}
+    if -(-vectors // lanes) > 1:
+        names.add("ms_deform_attn.cuda.channels.several_passes")
+    staged = STAGED_BYTES // (48 if opmath == 4 else 80)
+    if staged // (THREADS_PER_BLOCK // lanes) < samples:
+        names.add("ms_deform_attn.cuda.samples.several_rounds")
+    return names
+
+
+CUDA_BRANCHES = {"ms_deform_attn.cuda.channels.vectors",
+                 "ms_deform_attn.cuda.channels.one_at_a_time",
+                 "ms_deform_attn.cuda.channels.several_passes",
+                 "ms_deform_attn.cuda.samples.several_rounds",
+                 "ms_deform_attn.cuda.backward.value_gradient",
+                 "ms_deform_attn.cuda.backward.location_weight_gradients"}
+
+# (channels, value aligned to 16 bytes). 16: vectors in every dtype. 6: vectors of 2 in float64
+# only, one channel at a time otherwise. 33: one channel at a time, two passes of a warp's
+# lanes. 1: one lane an item, 256 items a block, the samples staged in several rounds. 16
+# misaligned: one channel at a time.
+CUDA_CASES = [(16, True), (6, True), (33, True), (1, True), (16, False)]
+
+
+def misaligned(tensor):
+    """The same values, contiguous, one element past a 16-byte boundary."""
+    storage = torch.empty(tensor.numel() + 1, dtype=tensor.dtype)
+    shifted = storage[1:].view(tensor.shape)
+    shifted.copy_(tensor)
+    return shifted
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("channels,aligned", CUDA_CASES,
+                         ids=[f"D{D}-{'aligned' if a else 'misaligned'}" for D, a in CUDA_CASES])
+def test_emulated_cuda_paths(emulated, channels, aligned, dtype):
+    """The CUDA launchers under the emulator, each of their paths forced by the head's channels
+    and the alignment of value, and checked to have run: the forward, and the backward kernel
+    for every combination of requested gradients, against the float64 CPU op."""
+    points = 5
+    operands = make_operands([(5, 4), (3, 2), (1, 1)], batch=2, queries=6, heads=2,
+                             channels=channels, points=points, seed=channels)
+    floating = [operands[0], operands[3], operands[4]]
+    rounded = [t.to(dtype) for t in floating]
+    value = rounded[0] if aligned else misaligned(rounded[0])
+    cuda_operands = [value, operands[1], operands[2], rounded[1], rounded[2]]
+    exact = [rounded[0].double(), operands[1], operands[2], rounded[1].double(),
+             rounded[2].double()]
+    expected = call(exact)
+    grad_output = torch.randn(expected.shape, generator=torch.Generator().manual_seed(1),
+                              dtype=torch.float64)
+    expected_grads = torch.ops.deformconv.ms_deform_attn_backward(grad_output, *exact, 64,
+                                                                  [True, True, True])
+    samples = 3 * points
+    with branch_trace(emulated) as taken:
+        out = emulated.ms_deform_attn(*cuda_operands, 64)
+    forward = expected_cuda_branches(channels, dtype, samples, aligned, backward=False)
+    assert taken & CUDA_BRANCHES == forward, sorted(taken)
+    assert_close_at(out, expected, dtype, "output")
+    backward = expected_cuda_branches(channels, dtype, samples, aligned, backward=True)
+    for requested in requested_subsets(3):
+        with branch_trace(emulated) as taken:
+            grads = emulated.ms_deform_attn_backward(grad_output.to(dtype), *cuda_operands, 64,
+                                                     list(requested))
+        kernel = {"ms_deform_attn.cuda.backward.value_gradient"} if requested[0] else set()
+        if any(requested[1:]):
+            kernel.add("ms_deform_attn.cuda.backward.location_weight_gradients")
+        assert taken & CUDA_BRANCHES == backward | kernel, sorted(taken)
+        for name, want, grad, full in zip(("value", "sampling_locations", "attention_weights"),
+                                          requested, grads, expected_grads):
+            if want:
+                assert_close_at(grad, full, dtype, f"{name} of {requested}")
+            else:
+                assert grad is None

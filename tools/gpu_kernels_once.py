@@ -4,7 +4,8 @@ slows each launch down a hundredfold. DCN v1 and v2, with conv and deform groups
 several windows and an empty batch; DCNv3 and DCNv4 with and without remove_center, on every
 path of their launchers (channel vectors of 16 bytes or one channel at a time, for a group's
 width or the input's alignment; several passes of a warp over a group's channels; the points
-staged in several rounds); every gradient asked for, then each alone. Prints one line per op and dtype.
+staged in several rounds); multi-scale deformable attention on the same paths, with samples
+off every level; every gradient asked for, then each alone. Prints one line per op and dtype.
 
     python tools/gpu_kernels_once.py
 """
@@ -63,6 +64,25 @@ def dcnv3_once(dtype, op, remove_center, group_channels=16, misaligned=False):
         backward(torch.ones_like(out), *operands, *tail, output_mask)
 
 
+def ms_deform_attn_once(dtype, channels=16, misaligned=False):
+    generator = torch.Generator().manual_seed(2)
+    shapes = torch.tensor([[6, 5], [3, 3], [1, 1]], device="cuda")
+    starts = torch.tensor([0, 30, 39], device="cuda")
+    value = torch.randn(2, 40, 2, channels, generator=generator).to("cuda", dtype)
+    if misaligned:
+        storage = torch.empty(value.numel() + 1, device="cuda", dtype=dtype)
+        value = storage[1:].view(value.shape).copy_(value)
+    # Within (-0.3, 1.3): samples off every side of their level.
+    locations = (torch.rand(2, 7, 2, 3, 4, 2, generator=generator) * 1.6 - 0.3).to("cuda", dtype)
+    weights = torch.rand(2, 7, 2, 3, 4, generator=generator).to("cuda", dtype)
+    operands = [value, shapes, starts, locations, weights]
+    out = torch.ops.deformconv.ms_deform_attn(*operands, 64)
+    for output_mask in ([True, True, True], [True, False, False], [False, True, False],
+                        [False, False, True]):
+        torch.ops.deformconv.ms_deform_attn_backward(torch.ones_like(out), *operands, 64,
+                                                     output_mask)
+
+
 def main() -> int:
     if not (torch.cuda.is_available() and deformconv.cuda_compiled()):
         print("gpu_kernels_once: needs a CUDA device and deformconv's CUDA kernels")
@@ -86,6 +106,13 @@ def main() -> int:
             dcnv3_once(dtype, op, False, misaligned=True)
             torch.cuda.synchronize()
             print(f"gpu_kernels_once: {op} {name} ok", flush=True)
+        # Vectors (16), one channel at a time and two passes (33), several rounds (1),
+        # misaligned.
+        for channels in (16, 33, 1):
+            ms_deform_attn_once(dtype, channels)
+        ms_deform_attn_once(dtype, misaligned=True)
+        torch.cuda.synchronize()
+        print(f"gpu_kernels_once: ms_deform_attn {name} ok", flush=True)
     return 0
 
 

@@ -66,6 +66,20 @@ void check_levels(const at::Tensor& spatial_shapes, const at::Tensor& level_star
 
 }  // namespace
 
+void check_ms_deform_attn_devices(const std::optional<at::Tensor>& grad_output,
+                                  const at::Tensor& value, const at::Tensor& spatial_shapes,
+                                  const at::Tensor& level_start_index,
+                                  const at::Tensor& sampling_locations,
+                                  const at::Tensor& attention_weights) {
+  check_device("spatial_shapes", spatial_shapes, value);
+  check_device("level_start_index", level_start_index, value);
+  check_device("sampling_locations", sampling_locations, value);
+  check_device("attention_weights", attention_weights, value);
+  if (grad_output.has_value()) {
+    check_device("grad_output", *grad_output, value);
+  }
+}
+
 MsDeformAttnGeometry check_ms_deform_attn_arguments(
     const std::optional<at::Tensor>& grad_output, const at::Tensor& value,
     const at::Tensor& spatial_shapes, const at::Tensor& level_start_index,
@@ -77,13 +91,8 @@ MsDeformAttnGeometry check_ms_deform_attn_arguments(
   TORCH_CHECK_VALUE(value.dim() == 4, kOp, ": expected value to be a 4-D tensor (batch, "
                     "spatial, heads, channels), but got a ", value.dim(), "-D tensor of shape ",
                     value.sizes());
-  check_device("spatial_shapes", spatial_shapes, value);
-  check_device("level_start_index", level_start_index, value);
-  check_device("sampling_locations", sampling_locations, value);
-  check_device("attention_weights", attention_weights, value);
-  if (grad_output.has_value()) {
-    check_device("grad_output", *grad_output, value);
-  }
+  check_ms_deform_attn_devices(grad_output, value, spatial_shapes, level_start_index,
+                               sampling_locations, attention_weights);
   check_dtype("spatial_shapes", spatial_shapes, at::kLong, "an integer dtype");
   check_dtype("level_start_index", level_start_index, at::kLong, "an integer dtype");
   TORCH_CHECK_VALUE(spatial_shapes.dim() == 2 && spatial_shapes.size(1) == 2 &&

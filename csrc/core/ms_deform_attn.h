@@ -33,6 +33,13 @@ struct MsDeformAttnLaunchers {
                    at::Tensor& grad_sampling_locations, at::Tensor& grad_attention_weights);
 };
 
+// That every tensor given is on value's device; raises ValueError naming the first that is not.
+void check_ms_deform_attn_devices(const std::optional<at::Tensor>& grad_output,
+                                  const at::Tensor& value, const at::Tensor& spatial_shapes,
+                                  const at::Tensor& level_start_index,
+                                  const at::Tensor& sampling_locations,
+                                  const at::Tensor& attention_weights);
+
 // Checks the operands of ms_deform_attn (and grad_output, when given, of its backward); raises
 // ValueError or TypeError naming the argument. The levels' sizes and starts are read and
 // checked against value's S unless the tensors are on the meta device (the fake kernels'

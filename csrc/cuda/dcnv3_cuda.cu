@@ -33,6 +33,7 @@
 
 #include "../common/dcnv3_kernel.cuh"
 #include "../core/branch_trace.h"
+#include "channel_vectors.cuh"
 #include "dcnv3_cuda.h"
 #include "launch.cuh"
 
@@ -60,10 +61,7 @@ Dcnv3Tiling tiling_of(const Dcnv3Geometry& g, int64_t batch, int vector_width,
   Dcnv3Tiling t;
   t.items = batch * g.out_pixels() * g.groups;
   t.vectors = g.group_channels / vector_width;
-  t.lanes = 1;
-  while (t.lanes < t.vectors && t.lanes < kWarpSize) {
-    t.lanes *= 2;
-  }
+  t.lanes = lanes_for(t.vectors);
   t.passes = (t.vectors + t.lanes - 1) / t.lanes;
   t.items_per_block = kThreadsPerBlock / t.lanes;
   // As few rounds as fit, of points as even in number as can be.
@@ -71,17 +69,6 @@ Dcnv3Tiling tiling_of(const Dcnv3Geometry& g, int64_t batch, int vector_width,
   const int64_t rounds = std::max<int64_t>(1, (g.points() + most_points - 1) / most_points);
   t.points_per_round = static_cast<int>(std::max<int64_t>(1, (g.points() + rounds - 1) / rounds));
   return t;
-}
-
-// kVector consecutive channels, loaded and stored in one access.
-template <typename scalar_t, int kVector>
-struct alignas(sizeof(scalar_t) * kVector) ChannelVector {
-  scalar_t value[kVector];
-};
-
-template <typename scalar_t, int kVector>
-__device__ inline ChannelVector<scalar_t, kVector> load_vector(const scalar_t* address) {
-  return *reinterpret_cast<const ChannelVector<scalar_t, kVector>*>(address);
 }
 
 // Channel 0 of a sample's group at grid pixel 0 of its image, in a channels-last
@@ -181,21 +168,10 @@ __global__ void dcnv3_forward_kernel(Dcnv3Geometry g, Dcnv3Divisors<Divisor> d, 
         for (int e = 0; e < kVector; ++e) {
           result.value[e] = static_cast<scalar_t>(sum[e]);
         }
-        *reinterpret_cast<ChannelVector<scalar_t, kVector>*>(
-            output + item * g.group_channels + vector * kVector) = result;
+        store_vector(output + item * g.group_channels + vector * kVector, result);
       }
     }
   }
-}
-
-// The sum of `value` over the `lanes` threads of each item (a power of two, an item's lanes
-// aligned within their warp), in every one of them. Every thread of the warp calls it.
-template <typename opmath_t>
-__device__ inline opmath_t sum_over_lanes(opmath_t value, int lanes) {
-  for (int distance = lanes / 2; distance > 0; distance /= 2) {
-    value += __shfl_xor_sync(0xffffffffu, value, distance);
-  }
-  return value;
 }
 
 // grad_input (sums of at::opmath_type, Note [Input gradient sums in float32]), grad_offset and
@@ -295,11 +271,6 @@ constexpr int kForwardVector = 16 / sizeof(scalar_t);
 // 32-byte sector of the run taking two half-sector atomics.
 template <typename scalar_t>
 constexpr int kBackwardVector = 16 / sizeof(at::opmath_type<scalar_t>);
-
-bool aligned_for_vectors(const at::Tensor& tensor, int vector_width) {
-  return reinterpret_cast<uintptr_t>(tensor.const_data_ptr()) %
-             (vector_width * tensor.element_size()) == 0;
-}
 
 // Calls launch(std::integral_constant<int, kVector>{}, tiling) with vectors of kWide channels
 // where the group's channels and `tensors`' alignment allow, else of one channel.

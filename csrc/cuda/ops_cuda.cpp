@@ -8,6 +8,7 @@
 #include "../core/deform_conv2d.h"
 #include "dcnv3_cuda.h"
 #include "deform_conv2d_cuda.h"
+#include "ms_deform_attn_cuda.h"
 
 namespace deformconv {
 
@@ -62,6 +63,35 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dcnv3_backward_cuda(
   const c10::cuda::CUDAGuard device_guard(input.device());
   return dcnv3_backward(dcnv3_cuda_launchers(), grad_output, input, offset, mask, args,
                         output_mask);
+}
+
+at::Tensor ms_deform_attn_cuda(const at::Tensor& value, const at::Tensor& spatial_shapes,
+                               const at::Tensor& level_start_index,
+                               const at::Tensor& sampling_locations,
+                               const at::Tensor& attention_weights, int64_t im2col_step) {
+  // Before the guard, which needs value on a CUDA device: never touch memory of another device.
+  check_ms_deform_attn_devices(std::nullopt, value, spatial_shapes, level_start_index,
+                               sampling_locations, attention_weights);
+  const c10::cuda::CUDAGuard device_guard(value.device());
+  return ms_deform_attn_forward(ms_deform_attn_cuda_launchers(), value, spatial_shapes,
+                                level_start_index, sampling_locations, attention_weights,
+                                im2col_step);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> ms_deform_attn_backward_cuda(
+    const at::Tensor& grad_output, const at::Tensor& value, const at::Tensor& spatial_shapes,
+    const at::Tensor& level_start_index, const at::Tensor& sampling_locations,
+    const at::Tensor& attention_weights, int64_t im2col_step, std::array<bool, 3> output_mask) {
+  check_ms_deform_attn_devices(grad_output, value, spatial_shapes, level_start_index,
+                               sampling_locations, attention_weights);
+  if (output_mask[0]) {
+    // The value gradient is a scatter with atomic adds, whose order varies from run to run.
+    at::globalContext().alertNotDeterministic("ms_deform_attn_backward_cuda (value gradient)");
+  }
+  const c10::cuda::CUDAGuard device_guard(value.device());
+  return ms_deform_attn_backward(ms_deform_attn_cuda_launchers(), grad_output, value,
+                                 spatial_shapes, level_start_index, sampling_locations,
+                                 attention_weights, im2col_step, output_mask);
 }
 
 }  // namespace deformconv

@@ -4,6 +4,7 @@
 
 #include "dcnv3_cuda.h"
 #include "deform_conv2d_cuda.h"
+#include "ms_deform_attn_cuda.h"
 
 namespace deformconv {
 namespace {
@@ -41,6 +42,8 @@ TORCH_LIBRARY_IMPL(deformconv, CUDA, m) {
   m.impl("dcnv3_backward", TORCH_FN(dcnv3_backward_kernel<dcnv3_backward_cuda>));
   m.impl("dcnv4", TORCH_FN(dcnv4_kernel<dcnv3_cuda>));
   m.impl("dcnv4_backward", TORCH_FN(dcnv4_backward_kernel<dcnv3_backward_cuda>));
+  m.impl("ms_deform_attn", TORCH_FN(ms_deform_attn_cuda));
+  m.impl("ms_deform_attn_backward", TORCH_FN(ms_deform_attn_backward_cuda));
 }
 
 }  // namespace deformconv

@@ -1,4 +1,4 @@
-// The CUDA kernels of the ops, run on the CPU: csrc/cuda/deform_conv2d_cuda.cu itself, compiled
+// The CUDA kernels of the ops, run on the CPU: csrc/cuda/*.cu themselves, compiled
 // as C++ in this translation unit, with ops_cuda.cpp and the driver beside it (see
 // tests/emulated_cuda.py for the build). They are declared again as torch.ops.deformconv_emulated.*
 // at the CPU key, with the CUDA launchers, whose window budget the tests may shrink; plus ops
@@ -9,6 +9,7 @@
 #define DEFORMCONV_NARROW_INDEX_LIMIT (::cuda_emulation::settings().narrow_index_limit)
 #include "../../csrc/cuda/dcnv3_cuda.cu"
 #include "../../csrc/cuda/deform_conv2d_cuda.cu"
+#include "../../csrc/cuda/ms_deform_attn_cuda.cu"
 #include "../../csrc/core/branch_trace.h"
 #include "../../csrc/schemas.h"
 
@@ -139,6 +140,8 @@ TORCH_LIBRARY(deformconv_emulated, m) {
   m.def(schemas::kDcnv3Backward);
   m.def(schemas::kDcnv4);
   m.def(schemas::kDcnv4Backward);
+  m.def(schemas::kMsDeformAttn);
+  m.def(schemas::kMsDeformAttnBackward);
   m.def("configure(int block_order, int thread_order, int grid_cap, int seed, "
         "int current_stream, int columns_tile_bytes, bool wide_indices) -> ()");
   m.def("take_bookkeeping() -> int[]");
@@ -157,6 +160,8 @@ TORCH_LIBRARY_IMPL(deformconv_emulated, CPU, m) {
   m.impl("dcnv3_backward", TORCH_FN(dcnv3_backward_kernel<dcnv3_backward_cuda>));
   m.impl("dcnv4", TORCH_FN(dcnv4_kernel<dcnv3_cuda>));
   m.impl("dcnv4_backward", TORCH_FN(dcnv4_backward_kernel<dcnv3_backward_cuda>));
+  m.impl("ms_deform_attn", TORCH_FN(ms_deform_attn_cuda));
+  m.impl("ms_deform_attn_backward", TORCH_FN(ms_deform_attn_backward_cuda));
 }
 
 TORCH_LIBRARY_IMPL(deformconv_emulated, CompositeExplicitAutograd, m) {

@@ -1,0 +1,378 @@
+// CUDA launchers of multi-scale deformable attention (common/ms_deform_attn_kernel.cuh), on the
+// current stream, int64 indices.
+//
+// The work is split into items, the (image, query, head) triples of the batch, numbered
+// (n * Lq + q) * M + m, which is also where an item's D channels lie in the output. As in the
+// DCNv3 kernels (dcnv3_cuda.cu), an item gets `lanes` consecutive threads of one warp, lane l
+// taking the vectors of kVector channels l, l + lanes, ... (a pass each): 16 bytes of the dtype
+// in the forward, 16 bytes of the float32 sums in the backward, where the head's channels and
+// the tensors' alignment allow, else one channel. A block locates the L * P samples of its
+// items once, in shared memory (StagedSample), in rounds of as many as fit: each sample's
+// position, corner weights (the attention weight folded in) and its cell's place in value are
+// computed once, not once per channel vector. The backward computes the value gradient (atomic
+// adds of 16-byte vectors, scatter_add_run) and the location and attention-weight gradients (dot
+// products of the output's gradient with the corners' values, summed over the item's lanes by
+// warp shuffles and written by lane 0) in one kernel.
+
+#include <ATen/Dispatch.h>
+#include <ATen/core/Tensor.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <initializer_list>
+#include <type_traits>
+
+#include "../common/bilinear_sampling.cuh"
+#include "../common/ms_deform_attn_kernel.cuh"
+#include "../core/branch_trace.h"
+#include "../core/launchers.h"
+#include "channel_vectors.cuh"
+#include "launch.cuh"
+#include "ms_deform_attn_cuda.h"
+
+namespace deformconv {
+namespace {
+
+// A located sample, its cell's top-left corner as a pixel row of value (the level's start
+// included), and the elements from a cell's top row to its bottom row (the level's width in
+// pixels).
+template <typename opmath_t>
+struct StagedSample {
+  SharedSample<opmath_t> sample;
+  int64_t row_step;
+};
+
+// Shared memory of a block's staged samples: a round holds as many as fit.
+constexpr int64_t kStagedSampleBytes = 32 * 1024;
+
+template <typename opmath_t>
+constexpr int64_t kStagedSamplesPerBlock = kStagedSampleBytes / sizeof(StagedSample<opmath_t>);
+
+// How a launch divides the work (see the top of the file).
+struct MsDeformAttnTiling {
+  int64_t items;          // (image, query, head) triples
+  int64_t vectors;        // vectors of kVector channels in a head: D / kVector
+  int64_t passes;         // vectors each lane takes in turn
+  int lanes;              // threads per item
+  int items_per_block;    // kThreadsPerBlock / lanes
+  int samples_per_round;  // samples of each item staged at once
+};
+
+MsDeformAttnTiling tiling_of(const MsDeformAttnGeometry& g, int vector_width,
+                             int64_t staged_samples) {
+  MsDeformAttnTiling t;
+  t.items = g.batch * g.queries * g.heads;
+  t.vectors = g.channels / vector_width;
+  t.lanes = lanes_for(t.vectors);
+  t.passes = (t.vectors + t.lanes - 1) / t.lanes;
+  t.items_per_block = kThreadsPerBlock / t.lanes;
+  // As few rounds as fit, of samples as even in number as can be.
+  const int64_t most = staged_samples / t.items_per_block;
+  const int64_t rounds = std::max<int64_t>(1, (g.head_samples() + most - 1) / most);
+  t.samples_per_round =
+      static_cast<int>(std::max<int64_t>(1, (g.head_samples() + rounds - 1) / rounds));
+  return t;
+}
+
+// Element of channel 0 of an item's head at grid pixel 0 of its image.
+__device__ inline int64_t head_start_of_item(const MsDeformAttnGeometry& g, int64_t item) {
+  return ms_deform_attn_head_start(g, item / (g.queries * g.heads), item % g.heads);
+}
+
+// Stages the round of samples that starts at first_sample: once the previous round's readers
+// are done, the threads locate the samples of the block's items, taking them in turn, into
+// staged[slot * samples_per_round + sample - first_sample], and wait for one another. Returns
+// the round's number of samples. Every thread of the block calls it.
+template <typename scalar_t>
+__device__ inline int stage_round(const MsDeformAttnGeometry& g, const MsDeformAttnTiling& t,
+                                  const int64_t* shapes, const int64_t* starts,
+                                  int64_t first_item, int64_t first_sample,
+                                  const scalar_t* locations, const scalar_t* weights,
+                                  StagedSample<at::opmath_type<scalar_t>>* staged) {
+  using opmath_t = at::opmath_type<scalar_t>;
+  const int64_t left = g.head_samples() - first_sample;
+  const int count = static_cast<int>(left < t.samples_per_round ? left : t.samples_per_round);
+  __syncthreads();
+  for (int i = threadIdx.x; i < t.items_per_block * count; i += blockDim.x) {
+    const int slot = i / count;
+    const int64_t sample = first_sample + i % count;
+    const int64_t item = first_item + slot;
+    if (item < t.items) {
+      const int64_t index = item * g.head_samples() + sample;
+      const int64_t l = sample / g.points;
+      const MsDeformAttnLevel level{shapes[2 * l], shapes[2 * l + 1], starts[l]};
+      opmath_t y, x;
+      ms_deform_attn_position(static_cast<opmath_t>(locations[2 * index]),
+                              static_cast<opmath_t>(locations[2 * index + 1]), level, y, x);
+      StagedSample<opmath_t> located;
+      located.sample = share_sample(y, x, static_cast<opmath_t>(weights[index]), level.height,
+                                    level.width);
+      located.sample.top_left += level.start;
+      located.row_step = level.width * g.pixel_stride();
+      staged[slot * t.samples_per_round + (sample - first_sample)] = located;
+    }
+  }
+  __syncthreads();
+  return count;
+}
+
+// Element offsets of a staged sample's corners from its top-left one (corners_inside's order).
+template <typename opmath_t>
+__device__ inline void corner_offsets(const StagedSample<opmath_t>& s, int64_t pixel_stride,
+                                      int64_t offset[4]) {
+  offset[0] = 0;
+  offset[1] = pixel_stride;
+  offset[2] = s.row_step;
+  offset[3] = s.row_step + pixel_stride;
+}
+
+template <typename scalar_t, int kVector>
+__global__ void ms_deform_attn_forward_kernel(MsDeformAttnGeometry g, MsDeformAttnTiling t,
+                                              const int64_t* shapes, const int64_t* starts,
+                                              const scalar_t* value, const scalar_t* locations,
+                                              const scalar_t* weights, scalar_t* output) {
+  using opmath_t = at::opmath_type<scalar_t>;
+  __shared__ StagedSample<opmath_t> staged[kStagedSamplesPerBlock<opmath_t>];
+  const int slot = threadIdx.x / t.lanes;
+  const int lane = threadIdx.x % t.lanes;
+  const int64_t pixel_stride = g.pixel_stride();
+  // Every thread runs every round of its block, active or not: staging a round holds barriers.
+  for (int64_t first_item = int64_t(blockIdx.x) * t.items_per_block; first_item < t.items;
+       first_item += int64_t(gridDim.x) * t.items_per_block) {
+    const int64_t item = first_item + slot;
+    for (int64_t pass = 0; pass < t.passes; ++pass) {
+      const int64_t vector = pass * t.lanes + lane;
+      const bool active = item < t.items && vector < t.vectors;
+      const scalar_t* channels =
+          active ? value + head_start_of_item(g, item) + vector * kVector : value;
+      opmath_t sum[kVector] = {};
+      for (int64_t first = 0; first < g.head_samples(); first += t.samples_per_round) {
+        const int count =
+            stage_round(g, t, shapes, starts, first_item, first, locations, weights, staged);
+        if (!active) {
+          continue;
+        }
+        for (int k = 0; k < count; ++k) {
+          const StagedSample<opmath_t> s = staged[slot * t.samples_per_round + k];
+          int64_t offset[4];
+          corner_offsets(s, pixel_stride, offset);
+          const scalar_t* top_left = channels + s.sample.top_left * pixel_stride;
+          for (int corner = 0; corner < 4; ++corner) {
+            // A corner of zero weight is not read: an infinite value there cannot make NaN.
+            const opmath_t weight = s.sample.weight[corner];
+            if (weight != opmath_t(0)) {
+              const auto read = load_vector<scalar_t, kVector>(top_left + offset[corner]);
+              for (int e = 0; e < kVector; ++e) {
+                sum[e] += weight * static_cast<opmath_t>(read.value[e]);
+              }
+            }
+          }
+        }
+      }
+      if (active) {
+        ChannelVector<scalar_t, kVector> result;
+        for (int e = 0; e < kVector; ++e) {
+          result.value[e] = static_cast<scalar_t>(sum[e]);
+        }
+        store_vector(output + item * g.channels + vector * kVector, result);
+      }
+    }
+  }
+}
+
+// grad_sums (the value gradient's sums, at::opmath_type), grad_locations and grad_weights are
+// null where not asked for.
+template <typename scalar_t, int kVector>
+__global__ void ms_deform_attn_backward_kernel(
+    MsDeformAttnGeometry g, MsDeformAttnTiling t, const int64_t* shapes, const int64_t* starts,
+    const scalar_t* grad_output, const scalar_t* value, const scalar_t* locations,
+    const scalar_t* weights, at::opmath_type<scalar_t>* grad_sums, scalar_t* grad_locations,
+    scalar_t* grad_weights) {
+  using opmath_t = at::opmath_type<scalar_t>;
+  __shared__ StagedSample<opmath_t> staged[kStagedSamplesPerBlock<opmath_t>];
+  const bool position_grads = grad_locations != nullptr || grad_weights != nullptr;
+  const int slot = threadIdx.x / t.lanes;
+  const int lane = threadIdx.x % t.lanes;
+  const int64_t pixel_stride = g.pixel_stride();
+  for (int64_t first_item = int64_t(blockIdx.x) * t.items_per_block; first_item < t.items;
+       first_item += int64_t(gridDim.x) * t.items_per_block) {
+    const int64_t item = first_item + slot;
+    const bool active_item = item < t.items;
+    const int64_t head_start = active_item ? head_start_of_item(g, item) : 0;
+    for (int64_t first = 0; first < g.head_samples(); first += t.samples_per_round) {
+      const int count =
+          stage_round(g, t, shapes, starts, first_item, first, locations, weights, staged);
+      for (int k = 0; k < count; ++k) {
+        // The dot products of the output's gradient with each corner's values (0 outside).
+        opmath_t dots[4] = {0, 0, 0, 0};
+        if (active_item) {
+          // In registers: the sample's fields are read once, not once per corner and pass.
+          const StagedSample<opmath_t> s = staged[slot * t.samples_per_round + k];
+          int64_t offset[4];
+          corner_offsets(s, pixel_stride, offset);
+          const int64_t top_left = head_start + s.sample.top_left * pixel_stride;
+          for (int64_t pass = 0; pass < t.passes; ++pass) {
+            const int64_t vector = pass * t.lanes + lane;
+            if (vector >= t.vectors) {
+              continue;
+            }
+            const auto grad_read = load_vector<scalar_t, kVector>(
+                grad_output + item * g.channels + vector * kVector);
+            opmath_t grad[kVector];
+            for (int e = 0; e < kVector; ++e) {
+              grad[e] = static_cast<opmath_t>(grad_read.value[e]);
+            }
+            for (int corner = 0; corner < 4; ++corner) {
+              const int64_t at = top_left + offset[corner] + vector * kVector;
+              const opmath_t weight = s.sample.weight[corner];
+              if (grad_sums != nullptr && weight != opmath_t(0)) {
+                opmath_t weighted[kVector];
+                for (int e = 0; e < kVector; ++e) {
+                  weighted[e] = weight * grad[e];
+                }
+                scatter_add_run<kVector>(grad_sums + at, weighted);
+              }
+              if (position_grads && (s.sample.corners >> corner & 1)) {
+                const auto read = load_vector<scalar_t, kVector>(value + at);
+                for (int e = 0; e < kVector; ++e) {
+                  dots[corner] += grad[e] * static_cast<opmath_t>(read.value[e]);
+                }
+              }
+            }
+          }
+        }
+        if (position_grads) {
+          for (int corner = 0; corner < 4; ++corner) {
+            dots[corner] = sum_over_lanes(dots[corner], t.lanes);
+          }
+          if (active_item && lane == 0) {
+            const StagedSample<opmath_t>& s = staged[slot * t.samples_per_round + k];
+            const int64_t sample = first + k;
+            const int64_t index = item * g.head_samples() + sample;
+            const int64_t l = sample / g.points;
+            // Outside its level (no corner inside) a sample has no gradients.
+            const bool inside = s.sample.corners != 0;
+            const OffsetMaskGradSums<opmath_t> sums = offset_mask_grad_sums_of_dots(
+                s.sample.ly, s.sample.lx, dots[0], dots[1], dots[2], dots[3]);
+            if (grad_locations != nullptr) {
+              // The position is loc * W - 0.5: d/d(loc_x) = W d/dx.
+              const opmath_t attention = s.sample.mask;
+              grad_locations[2 * index] = static_cast<scalar_t>(
+                  inside ? attention * sums.x * static_cast<opmath_t>(shapes[2 * l + 1]) : 0);
+              grad_locations[2 * index + 1] = static_cast<scalar_t>(
+                  inside ? attention * sums.y * static_cast<opmath_t>(shapes[2 * l]) : 0);
+            }
+            if (grad_weights != nullptr) {
+              grad_weights[index] = static_cast<scalar_t>(inside ? sums.m : 0);
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+// Calls launch(std::integral_constant<int, kVector>{}, tiling) with vectors of kWide channels
+// where the head's channels and `tensors`' alignment allow, else of one channel.
+template <typename scalar_t, int kWide, typename Launch>
+void with_channel_vectors(const MsDeformAttnGeometry& g,
+                          std::initializer_list<const at::Tensor*> tensors, Launch&& launch) {
+  constexpr int64_t kStaged = kStagedSamplesPerBlock<at::opmath_type<scalar_t>>;
+  const bool wide = g.channels % kWide == 0 &&
+      std::all_of(tensors.begin(), tensors.end(),
+                  [](const at::Tensor* t) { return aligned_for_vectors(*t, kWide); });
+  const MsDeformAttnTiling t = tiling_of(g, wide ? kWide : 1, kStaged);
+  record_branch(wide ? "ms_deform_attn.cuda.channels.vectors"
+                     : "ms_deform_attn.cuda.channels.one_at_a_time");
+  if (t.passes > 1) {
+    record_branch("ms_deform_attn.cuda.channels.several_passes");
+  }
+  if (t.samples_per_round < g.head_samples()) {
+    record_branch("ms_deform_attn.cuda.samples.several_rounds");
+  }
+  if (wide) {
+    launch(std::integral_constant<int, kWide>{}, t);
+  } else {
+    launch(std::integral_constant<int, 1>{}, t);
+  }
+}
+
+int64_t blocks_of(const MsDeformAttnTiling& t) {
+  return std::min<int64_t>(kMaxBlocks, (t.items + t.items_per_block - 1) / t.items_per_block);
+}
+
+void ms_deform_attn_forward_launch(const MsDeformAttnGeometry& g, const at::Tensor& value,
+                                   const at::Tensor& spatial_shapes,
+                                   const at::Tensor& level_start_index,
+                                   const at::Tensor& sampling_locations,
+                                   const at::Tensor& attention_weights, at::Tensor& output) {
+  DEFORMCONV_DISPATCH(value.scalar_type(), "ms_deform_attn_forward_cuda", [&] {
+    with_channel_vectors<scalar_t, 16 / sizeof(scalar_t)>(
+        g, {&value, &output}, [&](auto width, auto t) {
+          auto* kernel = ms_deform_attn_forward_kernel<scalar_t, decltype(width)::value>;
+          DEFORMCONV_LAUNCH(kernel, blocks_of(t), kThreadsPerBlock,
+                            c10::cuda::getCurrentCUDAStream())(
+              g, t, spatial_shapes.const_data_ptr<int64_t>(),
+              level_start_index.const_data_ptr<int64_t>(), value.const_data_ptr<scalar_t>(),
+              sampling_locations.const_data_ptr<scalar_t>(),
+              attention_weights.const_data_ptr<scalar_t>(), output.mutable_data_ptr<scalar_t>());
+          C10_CUDA_KERNEL_LAUNCH_CHECK();
+        });
+  });
+}
+
+void ms_deform_attn_backward_launch(const MsDeformAttnGeometry& g, const at::Tensor& grad_output,
+                                    const at::Tensor& value, const at::Tensor& spatial_shapes,
+                                    const at::Tensor& level_start_index,
+                                    const at::Tensor& sampling_locations,
+                                    const at::Tensor& attention_weights, at::Tensor& grad_value,
+                                    at::Tensor& grad_sampling_locations,
+                                    at::Tensor& grad_attention_weights) {
+  if (grad_value.defined()) {
+    record_branch("ms_deform_attn.cuda.backward.value_gradient");
+  }
+  if (grad_sampling_locations.defined() || grad_attention_weights.defined()) {
+    record_branch("ms_deform_attn.cuda.backward.location_weight_gradients");
+  }
+  DEFORMCONV_DISPATCH(value.scalar_type(), "ms_deform_attn_backward_cuda", [&] {
+    using opmath_t = at::opmath_type<scalar_t>;
+    // Note [Input gradient sums in float32]
+    at::Tensor sums;
+    if (grad_value.defined()) {
+      sums = uninitialised_input_gradient_sums<scalar_t>(grad_value).zero_();
+    }
+    // The sums too: vectors of them are added in one atomic (scatter_add_run).
+    const at::Tensor& sums_or_value = sums.defined() ? sums : value;
+    with_channel_vectors<scalar_t, 16 / sizeof(opmath_t)>(
+        g, {&grad_output, &value, &sums_or_value}, [&](auto width, auto t) {
+          auto* kernel = ms_deform_attn_backward_kernel<scalar_t, decltype(width)::value>;
+          DEFORMCONV_LAUNCH(kernel, blocks_of(t), kThreadsPerBlock,
+                            c10::cuda::getCurrentCUDAStream())(
+              g, t, spatial_shapes.const_data_ptr<int64_t>(),
+              level_start_index.const_data_ptr<int64_t>(), grad_output.const_data_ptr<scalar_t>(),
+              value.const_data_ptr<scalar_t>(), sampling_locations.const_data_ptr<scalar_t>(),
+              attention_weights.const_data_ptr<scalar_t>(),
+              sums.defined() ? sums.mutable_data_ptr<opmath_t>() : nullptr,
+              mutable_data_or_null<scalar_t>(grad_sampling_locations),
+              mutable_data_or_null<scalar_t>(grad_attention_weights));
+          C10_CUDA_KERNEL_LAUNCH_CHECK();
+        });
+    if (grad_value.defined()) {
+      store_input_gradient_sums(sums, grad_value);
+    }
+  });
+}
+
+}  // namespace
+
+const MsDeformAttnLaunchers& ms_deform_attn_cuda_launchers() {
+  static const MsDeformAttnLaunchers launchers{
+      .forward = ms_deform_attn_forward_launch,
+      .backward = ms_deform_attn_backward_launch,
+  };
+  return launchers;
+}
+
+}  // namespace deformconv

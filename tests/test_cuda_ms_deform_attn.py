@@ -1,0 +1,80 @@
+"""Multi-scale deformable attention on a GPU against the CPU op: forward and every gradient, in
+four dtypes, over levels, heads, channels and points of every launcher path; gradcheck;
+devices. Skipped where no GPU is present, which is every machine of this project's CI;
+tools/gpu_check.sh runs them on a machine with one."""
+
+import pytest
+import torch
+
+import deformconv
+from branching import assert_close_at
+from test_ms_deform_attn import GRID, make_operands
+
+needs_cuda = pytest.mark.skipif(
+    not (torch.cuda.is_available() and deformconv.cuda_compiled()),
+    reason="needs a CUDA device and deformconv built with its CUDA kernels")
+pytestmark = [pytest.mark.cuda, needs_cuda]
+
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shapes,heads,channels,points", GRID)
+def test_cuda_matches_cpu(shapes, heads, channels, points, dtype):
+    value, spatial_shapes, starts, locations, weights = make_operands(
+        shapes, heads=heads, channels=channels, points=points)
+    low = [value.to(dtype), locations.to(dtype), weights.to(dtype)]
+    # The CPU op in float64 on the same rounded operands.
+    exact = [low[0].double(), spatial_shapes, starts, low[1].double(), low[2].double()]
+    expected = deformconv.ms_deform_attn(*exact)
+    grad_output = torch.randn(expected.shape, generator=torch.Generator().manual_seed(2),
+                              dtype=torch.float64)
+    expected_grads = torch.ops.deformconv.ms_deform_attn_backward(grad_output, *exact, 64,
+                                                                  [True, True, True])
+    on_gpu = [low[0].cuda(), spatial_shapes.cuda(), starts.cuda(), low[1].cuda(),
+              low[2].cuda()]
+    out = deformconv.ms_deform_attn(*on_gpu)
+    grads = torch.ops.deformconv.ms_deform_attn_backward(grad_output.to(dtype).cuda(), *on_gpu,
+                                                         64, [True, True, True])
+    assert out.dtype == dtype and out.is_cuda
+    assert_close_at(out.cpu(), expected, dtype, "output")
+    for name, grad, full in zip(("value", "sampling_locations", "attention_weights"), grads,
+                                expected_grads):
+        assert grad.dtype == dtype
+        assert_close_at(grad.cpu(), full, dtype, name)
+
+
+def test_cuda_gradcheck():
+    value, shapes, starts, locations, weights = [
+        t.cuda() for t in make_operands([(3, 4), (2, 2)], batch=1, queries=3, heads=2,
+                                        channels=4, points=2)]
+
+    def op(value, locations, weights):
+        return deformconv.ms_deform_attn(value, shapes, starts, locations, weights)
+
+    assert torch.autograd.gradcheck(op, [t.requires_grad_() for t in (value, locations,
+                                                                     weights)])
+
+
+def test_operands_on_another_device_raise():
+    value, shapes, starts, locations, weights = make_operands([(3, 4)])
+    with pytest.raises(ValueError, match="expected sampling_locations to be on the device of "
+                                         "value"):
+        deformconv.ms_deform_attn(value.cuda(), shapes.cuda(), starts.cuda(), locations,
+                                  weights.cuda())
+
+
+def test_deterministic_algorithms_refuse_the_value_gradient():
+    operands = [t.cuda() for t in make_operands([(3, 4)])]
+    out = deformconv.ms_deform_attn(*operands)
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        with pytest.raises(RuntimeError, match="ms_deform_attn_backward_cuda"):
+            torch.ops.deformconv.ms_deform_attn_backward(torch.ones_like(out), *operands, 64,
+                                                         [True, False, False])
+        # The location and weight gradients write a value per sample: no atomics.
+        torch.ops.deformconv.ms_deform_attn_backward(torch.ones_like(out), *operands, 64,
+                                                     [False, True, True])
+    finally:
+        torch.use_deterministic_algorithms(previous)
