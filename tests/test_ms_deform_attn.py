@@ -1,5 +1,6 @@
 """Multi-scale deformable attention against a readable reference (per level, F.grid_sample of
-that level, weighted and summed), gradcheck, the levels' checks and the PyTorch workflows."""
+that level, weighted and summed), gradcheck, the levels' checks, the PyTorch workflows, and
+the CUDA launchers' paths under the emulator."""
 
 import itertools
 
