@@ -45,6 +45,39 @@ def opmath_bytes(dtype):
     return 8 if dtype == torch.float64 else 4
 
 
+# The CUDA launchers that share a sample's channels among a warp's lanes (dcnv3_cuda.cu,
+# ms_deform_attn_cuda.cu): launch.cuh's warp and block, and the shared memory of their staged
+# samples (kStagedBytes, kStagedSampleBytes).
+CUDA_WARP = 32
+CUDA_THREADS_PER_BLOCK = 256
+CUDA_STAGED_BYTES = 32 * 1024
+
+
+def cuda_lane_paths(channels, dtype, aligned, backward, staged_sample_bytes, samples):
+    """The paths those launchers take, from their tiling: whether the channels go in vectors
+    (16 bytes of the dtype forward, of the float32 or float64 sums backward, where the channels
+    and the alignment allow) rather than one at a time; whether a warp's lanes take them in
+    several passes (more than 32 vectors); whether an item's `samples` samples are staged in
+    several rounds (more than shared memory holds for a block's items)."""
+    wide = 16 // (opmath_bytes(dtype) if backward else dtype.itemsize)
+    width = wide if aligned and channels % wide == 0 else 1
+    vectors = channels // width
+    lanes = 1
+    while lanes < vectors and lanes < CUDA_WARP:
+        lanes *= 2
+    staged = CUDA_STAGED_BYTES // staged_sample_bytes
+    return (width > 1, -(-vectors // lanes) > 1,
+            staged // (CUDA_THREADS_PER_BLOCK // lanes) < samples)
+
+
+def misaligned(tensor):
+    """The same values, contiguous, one element past a 16-byte boundary."""
+    storage = torch.empty(tensor.numel() + 1, dtype=tensor.dtype)
+    shifted = storage[1:].view(tensor.shape)
+    shifted.copy_(tensor)
+    return shifted
+
+
 def channel_loops(stage, count, widths):
     """The names record_channel_loops gives the loops that run over `count` channels taken
     `widths` at a time, widest first, then one by one."""

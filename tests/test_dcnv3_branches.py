@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import deformconv
-from branching import (assert_close_at, branch_trace, channel_loops, opmath_bytes,
-                       requested_subsets, threads, vector_bytes)
+from branching import (assert_close_at, branch_trace, channel_loops, cuda_lane_paths,
+                       misaligned, opmath_bytes, requested_subsets, threads, vector_bytes)
 from dcnv3_reference import dcnv3_reference, pack_offset_mask, random_operands
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
@@ -172,31 +172,21 @@ def emulated():
     return load()
 
 
-# The CUDA launchers' tiling (csrc/cuda/dcnv3_cuda.cu), to say which paths a shape takes.
-STAGED_BYTES = 32 * 1024  # kStagedBytes
-WARP = 32
-THREADS_PER_BLOCK = 256
-
-
 def shared_sample_bytes(dtype):
     """sizeof(SharedSample<opmath_t>): an int64, an int and 7 values, 8-byte aligned."""
     return 40 if opmath_bytes(dtype) == 4 else 72
 
 
 def expected_cuda_branches(group_channels, dtype, points, aligned, backward):
-    """The forward's channel vectors are 16 bytes of the dtype; the backward's 16 bytes of its
-    input gradient's sums (float32 in half precision): kForwardVector, kBackwardVector."""
-    wide = 16 // (opmath_bytes(dtype) if backward else dtype.itemsize)
-    width = wide if aligned and group_channels % wide == 0 else 1
-    vectors = group_channels // width
-    lanes = 1
-    while lanes < vectors and lanes < WARP:
-        lanes *= 2
-    names = {"dcnv3.cuda.channels.vectors" if width > 1
-             else "dcnv3.cuda.channels.one_at_a_time"}
-    if -(-vectors // lanes) > 1:
+    """The paths of csrc/cuda/dcnv3_cuda.cu's tiling for a shape (cuda_lane_paths): the
+    forward's channel vectors are 16 bytes of the dtype, the backward's 16 bytes of its input
+    gradient's sums (float32 in half precision): kForwardVector, kBackwardVector."""
+    vectors, passes, rounds = cuda_lane_paths(group_channels, dtype, aligned, backward,
+                                              shared_sample_bytes(dtype), points)
+    names = {"dcnv3.cuda.channels.vectors" if vectors else "dcnv3.cuda.channels.one_at_a_time"}
+    if passes:
         names.add("dcnv3.cuda.channels.several_passes")
-    if STAGED_BYTES // shared_sample_bytes(dtype) // (THREADS_PER_BLOCK // lanes) < points:
+    if rounds:
         names.add("dcnv3.cuda.points.several_rounds")
     return names
 
@@ -217,14 +207,6 @@ def index_width(request, emulated):
     emulated.configure(0, 0, 0, 0, 0, 0, request.param == "64bit")
     yield request.param
     emulated.configure(0, 0, 0, 0, 0, 0, False)
-
-
-def misaligned(tensor):
-    """The same values, contiguous, one element past a 16-byte boundary."""
-    storage = torch.empty(tensor.numel() + 1, dtype=tensor.dtype)
-    shifted = storage[1:].view(tensor.shape)
-    shifted.copy_(tensor)
-    return shifted
 
 
 # (group channels, input aligned to 16 bytes). 16: vectors in every dtype. 12: a vector lane of

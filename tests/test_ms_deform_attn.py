@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 
 import deformconv
-from branching import assert_close_at, branch_trace, opmath_bytes, requested_subsets
+from branching import (assert_close_at, branch_trace, cuda_lane_paths, misaligned,
+                       opmath_bytes, requested_subsets)
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 
@@ -323,11 +324,6 @@ def test_autocast_runs_in_float32():
 
 
 # The CUDA launchers under the emulator (tests/emulated_cuda.py), csrc/cuda/ms_deform_attn_cuda.cu.
-STAGED_BYTES = 32 * 1024  # kStagedSampleBytes
-WARP = 32
-THREADS_PER_BLOCK = 256
-
-
 @pytest.fixture(scope="module")
 def emulated():
     from emulated_cuda import load
@@ -335,24 +331,17 @@ def emulated():
 
 
 def expected_cuda_branches(channels, dtype, samples, aligned, backward):
-    """The paths the CUDA launchers take (ms_deform_attn_cuda.cu's tiling): vectors of 16 bytes
-    of the dtype (forward) or of the float32/float64 sums (backward) where the head's channels
-    and the alignment allow; several passes over more than 32 vectors; several rounds of staged
-    samples where a block's items have more samples than shared memory holds (a staged sample
-    is SharedSample and a row step: 48 bytes in float32 arithmetic, 80 in float64)."""
-    opmath = opmath_bytes(dtype)
-    wide = 16 // (opmath if backward else dtype.itemsize)
-    width = wide if aligned and channels % wide == 0 else 1
-    vectors = channels // width
-    lanes = 1
-    while lanes < vectors and lanes < WARP:
-        lanes *= 2
-    names = {"ms_deform_attn.cuda.channels.vectors" if width > 1
+    """The paths of ms_deform_attn_cuda.cu's tiling for a shape (cuda_lane_paths): vectors of
+    16 bytes of the dtype (forward) or of the float32/float64 sums (backward); a staged sample is
+    SharedSample and a row step, 48 bytes in float32 arithmetic, 80 in float64."""
+    staged_sample_bytes = 48 if opmath_bytes(dtype) == 4 else 80
+    vectors, passes, rounds = cuda_lane_paths(channels, dtype, aligned, backward,
+                                              staged_sample_bytes, samples)
+    names = {"ms_deform_attn.cuda.channels.vectors" if vectors
              else "ms_deform_attn.cuda.channels.one_at_a_time"}
-    if -(-vectors // lanes) > 1:
+    if passes:
         names.add("ms_deform_attn.cuda.channels.several_passes")
-    staged = STAGED_BYTES // (48 if opmath == 4 else 80)
-    if staged // (THREADS_PER_BLOCK // lanes) < samples:
+    if rounds:
         names.add("ms_deform_attn.cuda.samples.several_rounds")
     return names
 
@@ -369,14 +358,6 @@ CUDA_BRANCHES = {"ms_deform_attn.cuda.channels.vectors",
 # lanes. 1: one lane an item, 256 items a block, the samples staged in several rounds. 16
 # misaligned: one channel at a time.
 CUDA_CASES = [(16, True), (6, True), (33, True), (1, True), (16, False)]
-
-
-def misaligned(tensor):
-    """The same values, contiguous, one element past a 16-byte boundary."""
-    storage = torch.empty(tensor.numel() + 1, dtype=tensor.dtype)
-    shifted = storage[1:].view(tensor.shape)
-    shifted.copy_(tensor)
-    return shifted
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

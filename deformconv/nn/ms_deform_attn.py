@@ -42,6 +42,40 @@ def _sampling_locations(reference_points: Tensor, offsets: Tensor, spatial_shape
                      f"coordinates, but got shape {tuple(reference_points.shape)}")
 
 
+def _init_attention(module: nn.Module, heads: int, levels: int, points: int) -> None:
+    """The originals' initialisation, the same in both: zero offset weights and the fanned-out
+    offset bias, zero attention logits (uniform weights), Xavier projections with zero bias."""
+    nn.init.zeros_(module.sampling_offsets.weight)
+    with torch.no_grad():
+        module.sampling_offsets.bias.copy_(_sampling_offset_bias(heads, levels, points))
+    nn.init.zeros_(module.attention_weights.weight)
+    nn.init.zeros_(module.attention_weights.bias)
+    for projection in (module.value_proj, module.output_proj):
+        nn.init.xavier_uniform_(projection.weight)
+        nn.init.zeros_(projection.bias)
+
+
+def _attend(module: nn.Module, query: Tensor, values: Tensor, reference_points: Tensor,
+            spatial_shapes: Tensor, level_start_index: Tensor, padding_mask: Optional[Tensor],
+            heads: int, levels: int, points: int, im2col_step: int) -> Tensor:
+    """Both originals' attention, batch first: the values projected (zero at padding) and split
+    into heads, the offsets and softmax-ed weights from the query, the op (which checks the
+    values' rows against the levels' pixels), the output projection."""
+    N, queries, _ = query.shape
+    value = module.value_proj(values)
+    if padding_mask is not None:
+        value = value.masked_fill(padding_mask[..., None], 0.0)
+    value = value.view(N, values.shape[1], heads, -1)
+    shape = (N, queries, heads, levels, points)
+    offsets = module.sampling_offsets(query).view(*shape, 2)
+    weights = module.attention_weights(query).view(N, queries, heads, -1)
+    weights = F.softmax(weights, -1).view(shape)
+    locations = _sampling_locations(reference_points, offsets, spatial_shapes, points)
+    output = ms_deform_attn(value, spatial_shapes, level_start_index, locations, weights,
+                            im2col_step)
+    return module.output_proj(output)
+
+
 class MSDeformAttn(nn.Module):
     """Deformable DETR's multi-scale deformable attention module (its ``MSDeformAttn``): the
     same submodules, ``_reset_parameters`` and forward, so that its state_dict loads as it is.
@@ -76,15 +110,7 @@ class MSDeformAttn(nn.Module):
         self._reset_parameters()
 
     def _reset_parameters(self) -> None:
-        nn.init.zeros_(self.sampling_offsets.weight)
-        with torch.no_grad():
-            self.sampling_offsets.bias.copy_(
-                _sampling_offset_bias(self.n_heads, self.n_levels, self.n_points))
-        nn.init.zeros_(self.attention_weights.weight)
-        nn.init.zeros_(self.attention_weights.bias)
-        for projection in (self.value_proj, self.output_proj):
-            nn.init.xavier_uniform_(projection.weight)
-            nn.init.zeros_(projection.bias)
+        _init_attention(self, self.n_heads, self.n_levels, self.n_points)
 
     def forward(self, query: Tensor, reference_points: Tensor, input_flatten: Tensor,
                 input_spatial_shapes: Tensor, input_level_start_index: Tensor,
@@ -93,22 +119,9 @@ class MSDeformAttn(nn.Module):
         (N, Lq, L, 4) boxes (x, y, w, h); input_flatten (N, S, C), the levels' pixels;
         input_spatial_shapes (L, 2) and input_level_start_index (L,) int64;
         input_padding_mask (N, S), True where a pixel is padding. Returns (N, Lq, C)."""
-        N, queries, _ = query.shape
-        # The op checks the rows against the levels' pixels.
-        rows = input_flatten.shape[1]
-        value = self.value_proj(input_flatten)
-        if input_padding_mask is not None:
-            value = value.masked_fill(input_padding_mask[..., None], 0.0)
-        value = value.view(N, rows, self.n_heads, self.d_model // self.n_heads)
-        shape = (N, queries, self.n_heads, self.n_levels, self.n_points)
-        offsets = self.sampling_offsets(query).view(*shape, 2)
-        weights = self.attention_weights(query).view(N, queries, self.n_heads, -1)
-        weights = F.softmax(weights, -1).view(shape)
-        locations = _sampling_locations(reference_points, offsets, input_spatial_shapes,
-                                        self.n_points)
-        output = ms_deform_attn(value, input_spatial_shapes, input_level_start_index, locations,
-                                weights, self.im2col_step)
-        return self.output_proj(output)
+        return _attend(self, query, input_flatten, reference_points, input_spatial_shapes,
+                       input_level_start_index, input_padding_mask, self.n_heads, self.n_levels,
+                       self.n_points, self.im2col_step)
 
 
 class MultiScaleDeformableAttention(nn.Module):
@@ -155,15 +168,7 @@ class MultiScaleDeformableAttention(nn.Module):
         self.init_weights()
 
     def init_weights(self) -> None:
-        nn.init.zeros_(self.sampling_offsets.weight)
-        with torch.no_grad():
-            self.sampling_offsets.bias.copy_(
-                _sampling_offset_bias(self.num_heads, self.num_levels, self.num_points))
-        nn.init.zeros_(self.attention_weights.weight)
-        nn.init.zeros_(self.attention_weights.bias)
-        for projection in (self.value_proj, self.output_proj):
-            nn.init.xavier_uniform_(projection.weight)
-            nn.init.zeros_(projection.bias)
+        _init_attention(self, self.num_heads, self.num_levels, self.num_points)
 
     def forward(self, query: Tensor, key: Optional[Tensor] = None,
                 value: Optional[Tensor] = None, identity: Optional[Tensor] = None,
@@ -188,21 +193,9 @@ class MultiScaleDeformableAttention(nn.Module):
         if not self.batch_first:
             query = query.transpose(0, 1)
             value = value.transpose(0, 1)
-        N, queries, _ = query.shape
-        rows = value.shape[1]
-        value = self.value_proj(value)
-        if key_padding_mask is not None:
-            value = value.masked_fill(key_padding_mask[..., None], 0.0)
-        value = value.view(N, rows, self.num_heads, -1)
-        shape = (N, queries, self.num_heads, self.num_levels, self.num_points)
-        offsets = self.sampling_offsets(query).view(*shape, 2)
-        weights = self.attention_weights(query).view(N, queries, self.num_heads, -1)
-        weights = weights.softmax(-1).view(shape)
-        locations = _sampling_locations(reference_points, offsets, spatial_shapes,
-                                        self.num_points)
-        output = ms_deform_attn(value, spatial_shapes, level_start_index, locations, weights,
-                                self.im2col_step)
-        output = self.output_proj(output)
+        output = _attend(self, query, value, reference_points, spatial_shapes,
+                         level_start_index, key_padding_mask, self.num_heads, self.num_levels,
+                         self.num_points, self.im2col_step)
         if not self.batch_first:
             output = output.transpose(0, 1)
         return self.dropout(output) + identity
