@@ -1,13 +1,18 @@
 #pragma once
 
 // What the kernels that give a sample's channels to several lanes share (dcnv3_cuda.cu,
-// ms_deform_attn_cuda.cu): vectors of consecutive channels loaded in one access, the choice of
-// their width from the tensors' alignment, and sums over an item's lanes.
+// ms_deform_attn_cuda.cu): vectors of consecutive channels loaded in one access, the tiling of
+// a launch into items of a few lanes with their samples staged in rounds, the choice of the
+// vectors' width from the tensors' alignment, and sums over an item's lanes.
 
 #include <ATen/core/Tensor.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <initializer_list>
+#include <type_traits>
 
+#include "../core/branch_trace.h"
 #include "launch.cuh"
 
 namespace deformconv {
@@ -35,13 +40,73 @@ inline bool aligned_for_vectors(const at::Tensor& tensor, int vector_width) {
              (vector_width * tensor.element_size()) == 0;
 }
 
-// The fewest lanes, a power of two of at most a warp, that cover `vectors` vectors in one pass.
-inline int lanes_for(int64_t vectors) {
-  int lanes = 1;
-  while (lanes < vectors && lanes < kWarpSize) {
-    lanes *= 2;
+// How a launch divides its work: items of `vectors` channel vectors, each item taken by
+// `lanes` consecutive threads of one warp, lane l taking vectors l, l + lanes, ... (a pass
+// each); a block's items stage their samples in shared memory, in rounds of as many as fit.
+struct LaneTiling {
+  int64_t items;          // work items of the launch
+  int64_t vectors;        // channel vectors of an item
+  int64_t passes;         // vectors each lane takes in turn: ceil(vectors / lanes)
+  int lanes;              // threads per item: a power of two of at most a warp
+  int items_per_block;    // kThreadsPerBlock / lanes
+  int samples_per_round;  // samples of each item staged at once
+};
+
+// The tiling of `items` items of `channels` channels in vectors of `vector_width`, with
+// `samples` samples an item and room for `staged_samples` staged samples a block.
+inline LaneTiling lane_tiling(int64_t items, int64_t channels, int vector_width, int64_t samples,
+                              int64_t staged_samples) {
+  LaneTiling t;
+  t.items = items;
+  t.vectors = channels / vector_width;
+  t.lanes = 1;
+  while (t.lanes < t.vectors && t.lanes < kWarpSize) {
+    t.lanes *= 2;
   }
-  return lanes;
+  t.passes = (t.vectors + t.lanes - 1) / t.lanes;
+  t.items_per_block = kThreadsPerBlock / t.lanes;
+  // As few rounds as fit, of samples as even in number as can be.
+  const int64_t most = staged_samples / t.items_per_block;
+  const int64_t rounds = std::max<int64_t>(1, (samples + most - 1) / most);
+  t.samples_per_round = static_cast<int>(std::max<int64_t>(1, (samples + rounds - 1) / rounds));
+  return t;
+}
+
+inline int64_t blocks_of(const LaneTiling& t) {
+  return std::min<int64_t>(kMaxBlocks, (t.items + t.items_per_block - 1) / t.items_per_block);
+}
+
+// The names under which a launcher records its paths (Note [Branch trace]).
+struct LanePathNames {
+  const char* vectors;
+  const char* one_at_a_time;
+  const char* several_passes;
+  const char* several_rounds;
+};
+
+// Calls launch(std::integral_constant<int, kVector>{}, tiling) with vectors of kWide channels
+// where `channels` and `tensors`' alignment allow, else of one channel, recording the paths
+// taken under `names`.
+template <int kWide, typename Launch>
+void with_channel_vectors(int64_t items, int64_t channels, int64_t samples,
+                          int64_t staged_samples, std::initializer_list<const at::Tensor*> tensors,
+                          const LanePathNames& names, Launch&& launch) {
+  const bool wide = channels % kWide == 0 &&
+      std::all_of(tensors.begin(), tensors.end(),
+                  [](const at::Tensor* t) { return aligned_for_vectors(*t, kWide); });
+  const LaneTiling t = lane_tiling(items, channels, wide ? kWide : 1, samples, staged_samples);
+  record_branch(wide ? names.vectors : names.one_at_a_time);
+  if (t.passes > 1) {
+    record_branch(names.several_passes);
+  }
+  if (t.samples_per_round < samples) {
+    record_branch(names.several_rounds);
+  }
+  if (wide) {
+    launch(std::integral_constant<int, kWide>{}, t);
+  } else {
+    launch(std::integral_constant<int, 1>{}, t);
+  }
 }
 
 // The sum of `value` over the `lanes` threads of each item (a power of two, an item's lanes

@@ -46,30 +46,10 @@ constexpr int64_t kStagedBytes = 32 * 1024;
 template <typename opmath_t>
 constexpr int64_t kStagedSamples = kStagedBytes / sizeof(SharedSample<opmath_t>);
 
-// How a launch divides the work (see the top of the file).
-struct Dcnv3Tiling {
-  int64_t items;         // (output pixel, group) pairs of the batch
-  int64_t vectors;       // vectors of kVector channels in a group: D / kVector
-  int64_t passes;        // vectors each lane takes in turn: ceil(vectors / lanes)
-  int lanes;             // threads per item: a power of two of at most a warp
-  int items_per_block;   // kThreadsPerBlock / lanes
-  int points_per_round;  // points of each item staged at once
-};
-
-Dcnv3Tiling tiling_of(const Dcnv3Geometry& g, int64_t batch, int vector_width,
-                      int64_t staged_samples) {
-  Dcnv3Tiling t;
-  t.items = batch * g.out_pixels() * g.groups;
-  t.vectors = g.group_channels / vector_width;
-  t.lanes = lanes_for(t.vectors);
-  t.passes = (t.vectors + t.lanes - 1) / t.lanes;
-  t.items_per_block = kThreadsPerBlock / t.lanes;
-  // As few rounds as fit, of points as even in number as can be.
-  const int64_t most_points = staged_samples / t.items_per_block;
-  const int64_t rounds = std::max<int64_t>(1, (g.points() + most_points - 1) / most_points);
-  t.points_per_round = static_cast<int>(std::max<int64_t>(1, (g.points() + rounds - 1) / rounds));
-  return t;
-}
+// The names of the launchers' paths.
+constexpr LanePathNames kDcnv3Paths{
+    "dcnv3.cuda.channels.vectors", "dcnv3.cuda.channels.one_at_a_time",
+    "dcnv3.cuda.channels.several_passes", "dcnv3.cuda.points.several_rounds"};
 
 // Channel 0 of a sample's group at grid pixel 0 of its image, in a channels-last
 // (N, H, W, G * D) tensor.
@@ -79,17 +59,17 @@ __device__ inline int64_t group_start(const Dcnv3Geometry& g, const Dcnv3Sample&
 
 // Stages the round of points that starts at first_point: once the previous round's readers are
 // done, the threads locate the samples of the block's items at its points, taking them in turn,
-// into staged[slot * points_per_round + point - first_point], and wait for one another.
+// into staged[slot * samples_per_round + point - first_point], and wait for one another.
 // Returns the round's number of points. Every thread of the block calls it.
 template <typename scalar_t, typename Divisor>
 __device__ inline int stage_round(const Dcnv3Geometry& g, const Dcnv3Divisors<Divisor>& d,
-                                  const Dcnv3Fields& f, const Dcnv3Tiling& t,
+                                  const Dcnv3Fields& f, const LaneTiling& t,
                                   int64_t first_item, int64_t first_point,
                                   const scalar_t* offset, const scalar_t* mask,
                                   SharedSample<at::opmath_type<scalar_t>>* staged) {
   using opmath_t = at::opmath_type<scalar_t>;
   const int64_t left = g.points() - first_point;
-  const int points = static_cast<int>(left < t.points_per_round ? left : t.points_per_round);
+  const int points = static_cast<int>(left < t.samples_per_round ? left : t.samples_per_round);
   __syncthreads();
   for (int i = threadIdx.x; i < t.items_per_block * points; i += blockDim.x) {
     const int slot = i / points;
@@ -99,7 +79,7 @@ __device__ inline int stage_round(const Dcnv3Geometry& g, const Dcnv3Divisors<Di
       const Dcnv3Sample s = dcnv3_sample_of_item(d, item, first_point + point);
       opmath_t y, x, m;
       dcnv3_position(g, d, f, s, offset, mask, y, x, m);
-      staged[slot * t.points_per_round + point] = share_sample(y, x, m, g.height, g.width);
+      staged[slot * t.samples_per_round + point] = share_sample(y, x, m, g.height, g.width);
     }
   }
   __syncthreads();
@@ -134,7 +114,7 @@ __device__ inline void add_sample(const SharedSample<at::opmath_type<scalar_t>>&
 
 template <typename scalar_t, int kVector, typename Divisor>
 __global__ void dcnv3_forward_kernel(Dcnv3Geometry g, Dcnv3Divisors<Divisor> d, Dcnv3Fields f,
-                                     Dcnv3Tiling t, const scalar_t* input, const scalar_t* offset,
+                                     LaneTiling t, const scalar_t* input, const scalar_t* offset,
                                      const scalar_t* mask, scalar_t* output) {
   using opmath_t = at::opmath_type<scalar_t>;
   __shared__ SharedSample<opmath_t> staged[kStagedSamples<opmath_t>];
@@ -152,13 +132,13 @@ __global__ void dcnv3_forward_kernel(Dcnv3Geometry g, Dcnv3Divisors<Divisor> d, 
       const int64_t channel =
           active ? group_start(g, dcnv3_sample_of_item(d, item, 0)) + vector * kVector : 0;
       opmath_t sum[kVector] = {};
-      for (int64_t first_point = 0; first_point < points; first_point += t.points_per_round) {
+      for (int64_t first_point = 0; first_point < points; first_point += t.samples_per_round) {
         const int round_points =
             stage_round(g, d, f, t, first_item, first_point, offset, mask, staged);
         if (active) {
           for (int point = 0; point < round_points; ++point) {
             // In registers: the sample's fields are read once, not once per corner.
-            const SharedSample<opmath_t> sample = staged[slot * t.points_per_round + point];
+            const SharedSample<opmath_t> sample = staged[slot * t.samples_per_round + point];
             add_sample<scalar_t, kVector>(sample, input + channel, g.channels(), corners, sum);
           }
         }
@@ -178,7 +158,7 @@ __global__ void dcnv3_forward_kernel(Dcnv3Geometry g, Dcnv3Divisors<Divisor> d, 
 // grad_mask are null where not asked for. The input gradient adds atomically (scatter_add_run).
 template <typename scalar_t, int kVector, typename Divisor>
 __global__ void dcnv3_backward_kernel(Dcnv3Geometry g, Dcnv3Divisors<Divisor> d, Dcnv3Fields f,
-                                      Dcnv3Tiling t, const scalar_t* grad_output,
+                                      LaneTiling t, const scalar_t* grad_output,
                                       const scalar_t* input,
                                       const scalar_t* offset, const scalar_t* mask,
                                       at::opmath_type<scalar_t>* grad_input,
@@ -202,7 +182,7 @@ __global__ void dcnv3_backward_kernel(Dcnv3Geometry g, Dcnv3Divisors<Divisor> d,
       dcnv3_group_grads(f, s.pixel, s.group, grad_offset, grad_mask, group_grad_offset,
                         group_grad_mask);
     }
-    for (int64_t first_point = 0; first_point < points; first_point += t.points_per_round) {
+    for (int64_t first_point = 0; first_point < points; first_point += t.samples_per_round) {
       const int round_points =
           stage_round(g, d, f, t, first_item, first_point, offset, mask, staged);
       for (int point = 0; point < round_points; ++point) {
@@ -211,7 +191,7 @@ __global__ void dcnv3_backward_kernel(Dcnv3Geometry g, Dcnv3Divisors<Divisor> d,
         opmath_t dots[4] = {0, 0, 0, 0};
         if (active_item) {
           // In registers: the sample's fields are read once, not once per corner and pass.
-          const SharedSample<opmath_t> sample = staged[slot * t.points_per_round + point];
+          const SharedSample<opmath_t> sample = staged[slot * t.samples_per_round + point];
           const int64_t top_left = start + sample.top_left * g.channels();
           for (int64_t pass = 0; pass < t.passes; ++pass) {
             const int64_t vector = pass * t.lanes + lane;
@@ -248,7 +228,7 @@ __global__ void dcnv3_backward_kernel(Dcnv3Geometry g, Dcnv3Divisors<Divisor> d,
             dots[corner] = sum_over_lanes(dots[corner], t.lanes);
           }
           if (active_item && lane == 0) {
-            const SharedSample<opmath_t>& sample = staged[slot * t.points_per_round + point];
+            const SharedSample<opmath_t>& sample = staged[slot * t.samples_per_round + point];
             dcnv3_write_grad(g, first_point + point, sample.mask,
                              offset_mask_grad_sums_of_dots(sample.ly, sample.lx, dots[0],
                                                            dots[1], dots[2], dots[3]),
@@ -272,35 +252,11 @@ constexpr int kForwardVector = 16 / sizeof(scalar_t);
 template <typename scalar_t>
 constexpr int kBackwardVector = 16 / sizeof(at::opmath_type<scalar_t>);
 
-// Calls launch(std::integral_constant<int, kVector>{}, tiling) with vectors of kWide channels
-// where the group's channels and `tensors`' alignment allow, else of one channel.
-template <typename scalar_t, int kWide, typename Launch>
-void with_channel_vectors(const Dcnv3Geometry& g, int64_t batch,
-                          std::initializer_list<const at::Tensor*> tensors, Launch&& launch) {
-  constexpr int64_t kStaged = kStagedSamples<at::opmath_type<scalar_t>>;
-  const bool wide = g.group_channels % kWide == 0 &&
-      std::all_of(tensors.begin(), tensors.end(),
-                  [](const at::Tensor* t) { return aligned_for_vectors(*t, kWide); });
-  const Dcnv3Tiling t = tiling_of(g, batch, wide ? kWide : 1, kStaged);
-  record_branch(wide ? "dcnv3.cuda.channels.vectors" : "dcnv3.cuda.channels.one_at_a_time");
-  if (t.passes > 1) {
-    record_branch("dcnv3.cuda.channels.several_passes");
-  }
-  if (t.points_per_round < g.points()) {
-    record_branch("dcnv3.cuda.points.several_rounds");
-  }
-  if (wide) {
-    launch(std::integral_constant<int, kWide>{}, t);
-  } else {
-    launch(std::integral_constant<int, 1>{}, t);
-  }
-}
-
 // Calls launch(divisors) with the launch's Dcnv3Divisors: InvariantDivisor when every dividend
 // (an item, a pixel, a row, a kernel tap) is at most DEFORMCONV_NARROW_INDEX_LIMIT, int64_t
 // otherwise.
 template <typename Launch>
-void with_divisors(const Dcnv3Geometry& g, const Dcnv3Tiling& t, Launch&& launch) {
+void with_divisors(const Dcnv3Geometry& g, const LaneTiling& t, Launch&& launch) {
   if (std::max(t.items, g.kernel_h * g.kernel_w) <= DEFORMCONV_NARROW_INDEX_LIMIT) {
     record_branch("dcnv3.cuda.index.32bit");
     launch(Dcnv3Divisors<InvariantDivisor>(g));
@@ -310,16 +266,14 @@ void with_divisors(const Dcnv3Geometry& g, const Dcnv3Tiling& t, Launch&& launch
   }
 }
 
-int64_t blocks_of(const Dcnv3Tiling& t) {
-  return std::min<int64_t>(kMaxBlocks, (t.items + t.items_per_block - 1) / t.items_per_block);
-}
-
 void dcnv3_forward_cuda(const Dcnv3Geometry& g, const Dcnv3Fields& f, int64_t batch,
                         const at::Tensor& input, const at::Tensor& offset,
                         const at::Tensor& mask, at::Tensor& output) {
   DEFORMCONV_DISPATCH(input.scalar_type(), "dcnv3_forward_cuda", [&] {
-    with_channel_vectors<scalar_t, kForwardVector<scalar_t>>(
-        g, batch, {&input, &output}, [&](auto width, auto t) {
+    with_channel_vectors<kForwardVector<scalar_t>>(
+        batch * g.out_pixels() * g.groups, g.group_channels, g.points(),
+        kStagedSamples<at::opmath_type<scalar_t>>, {&input, &output}, kDcnv3Paths,
+        [&](auto width, auto t) {
       with_divisors(g, t, [&](auto d) {
         auto* kernel = dcnv3_forward_kernel<scalar_t, decltype(width)::value,
                                             typename decltype(d)::divisor_type>;
@@ -354,8 +308,9 @@ void dcnv3_gradients_cuda(const Dcnv3Geometry& g, const Dcnv3Fields& f, int64_t 
     }
     // The sums too: vectors of them are added in one atomic (scatter_add_run).
     const at::Tensor& sums_or_input = sums.defined() ? sums : input;
-    with_channel_vectors<scalar_t, kBackwardVector<scalar_t>>(
-        g, batch, {&grad_output, &input, &sums_or_input}, [&](auto width, auto t) {
+    with_channel_vectors<kBackwardVector<scalar_t>>(
+        batch * g.out_pixels() * g.groups, g.group_channels, g.points(), kStagedSamples<opmath_t>,
+        {&grad_output, &input, &sums_or_input}, kDcnv3Paths, [&](auto width, auto t) {
       with_divisors(g, t, [&](auto d) {
         auto* kernel = dcnv3_backward_kernel<scalar_t, decltype(width)::value,
                                              typename decltype(d)::divisor_type>;

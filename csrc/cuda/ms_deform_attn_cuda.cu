@@ -50,31 +50,10 @@ constexpr int64_t kStagedSampleBytes = 32 * 1024;
 template <typename opmath_t>
 constexpr int64_t kStagedSamplesPerBlock = kStagedSampleBytes / sizeof(StagedSample<opmath_t>);
 
-// How a launch divides the work (see the top of the file).
-struct MsDeformAttnTiling {
-  int64_t items;          // (image, query, head) triples
-  int64_t vectors;        // vectors of kVector channels in a head: D / kVector
-  int64_t passes;         // vectors each lane takes in turn
-  int lanes;              // threads per item
-  int items_per_block;    // kThreadsPerBlock / lanes
-  int samples_per_round;  // samples of each item staged at once
-};
-
-MsDeformAttnTiling tiling_of(const MsDeformAttnGeometry& g, int vector_width,
-                             int64_t staged_samples) {
-  MsDeformAttnTiling t;
-  t.items = g.batch * g.queries * g.heads;
-  t.vectors = g.channels / vector_width;
-  t.lanes = lanes_for(t.vectors);
-  t.passes = (t.vectors + t.lanes - 1) / t.lanes;
-  t.items_per_block = kThreadsPerBlock / t.lanes;
-  // As few rounds as fit, of samples as even in number as can be.
-  const int64_t most = staged_samples / t.items_per_block;
-  const int64_t rounds = std::max<int64_t>(1, (g.head_samples() + most - 1) / most);
-  t.samples_per_round =
-      static_cast<int>(std::max<int64_t>(1, (g.head_samples() + rounds - 1) / rounds));
-  return t;
-}
+// The names of the launchers' paths.
+constexpr LanePathNames kMsDeformAttnPaths{
+    "ms_deform_attn.cuda.channels.vectors", "ms_deform_attn.cuda.channels.one_at_a_time",
+    "ms_deform_attn.cuda.channels.several_passes", "ms_deform_attn.cuda.samples.several_rounds"};
 
 // Element of channel 0 of an item's head at grid pixel 0 of its image.
 __device__ inline int64_t head_start_of_item(const MsDeformAttnGeometry& g, int64_t item) {
@@ -86,7 +65,7 @@ __device__ inline int64_t head_start_of_item(const MsDeformAttnGeometry& g, int6
 // staged[slot * samples_per_round + sample - first_sample], and wait for one another. Returns
 // the round's number of samples. Every thread of the block calls it.
 template <typename scalar_t>
-__device__ inline int stage_round(const MsDeformAttnGeometry& g, const MsDeformAttnTiling& t,
+__device__ inline int stage_round(const MsDeformAttnGeometry& g, const LaneTiling& t,
                                   const int64_t* shapes, const int64_t* starts,
                                   int64_t first_item, int64_t first_sample,
                                   const scalar_t* locations, const scalar_t* weights,
@@ -129,7 +108,7 @@ __device__ inline void corner_offsets(const StagedSample<opmath_t>& s, int64_t p
 }
 
 template <typename scalar_t, int kVector>
-__global__ void ms_deform_attn_forward_kernel(MsDeformAttnGeometry g, MsDeformAttnTiling t,
+__global__ void ms_deform_attn_forward_kernel(MsDeformAttnGeometry g, LaneTiling t,
                                               const int64_t* shapes, const int64_t* starts,
                                               const scalar_t* value, const scalar_t* locations,
                                               const scalar_t* weights, scalar_t* output) {
@@ -186,7 +165,7 @@ __global__ void ms_deform_attn_forward_kernel(MsDeformAttnGeometry g, MsDeformAt
 // null where not asked for.
 template <typename scalar_t, int kVector>
 __global__ void ms_deform_attn_backward_kernel(
-    MsDeformAttnGeometry g, MsDeformAttnTiling t, const int64_t* shapes, const int64_t* starts,
+    MsDeformAttnGeometry g, LaneTiling t, const int64_t* shapes, const int64_t* starts,
     const scalar_t* grad_output, const scalar_t* value, const scalar_t* locations,
     const scalar_t* weights, at::opmath_type<scalar_t>* grad_sums, scalar_t* grad_locations,
     scalar_t* grad_weights) {
@@ -274,43 +253,16 @@ __global__ void ms_deform_attn_backward_kernel(
   }
 }
 
-// Calls launch(std::integral_constant<int, kVector>{}, tiling) with vectors of kWide channels
-// where the head's channels and `tensors`' alignment allow, else of one channel.
-template <typename scalar_t, int kWide, typename Launch>
-void with_channel_vectors(const MsDeformAttnGeometry& g,
-                          std::initializer_list<const at::Tensor*> tensors, Launch&& launch) {
-  constexpr int64_t kStaged = kStagedSamplesPerBlock<at::opmath_type<scalar_t>>;
-  const bool wide = g.channels % kWide == 0 &&
-      std::all_of(tensors.begin(), tensors.end(),
-                  [](const at::Tensor* t) { return aligned_for_vectors(*t, kWide); });
-  const MsDeformAttnTiling t = tiling_of(g, wide ? kWide : 1, kStaged);
-  record_branch(wide ? "ms_deform_attn.cuda.channels.vectors"
-                     : "ms_deform_attn.cuda.channels.one_at_a_time");
-  if (t.passes > 1) {
-    record_branch("ms_deform_attn.cuda.channels.several_passes");
-  }
-  if (t.samples_per_round < g.head_samples()) {
-    record_branch("ms_deform_attn.cuda.samples.several_rounds");
-  }
-  if (wide) {
-    launch(std::integral_constant<int, kWide>{}, t);
-  } else {
-    launch(std::integral_constant<int, 1>{}, t);
-  }
-}
-
-int64_t blocks_of(const MsDeformAttnTiling& t) {
-  return std::min<int64_t>(kMaxBlocks, (t.items + t.items_per_block - 1) / t.items_per_block);
-}
-
 void ms_deform_attn_forward_launch(const MsDeformAttnGeometry& g, const at::Tensor& value,
                                    const at::Tensor& spatial_shapes,
                                    const at::Tensor& level_start_index,
                                    const at::Tensor& sampling_locations,
                                    const at::Tensor& attention_weights, at::Tensor& output) {
   DEFORMCONV_DISPATCH(value.scalar_type(), "ms_deform_attn_forward_cuda", [&] {
-    with_channel_vectors<scalar_t, 16 / sizeof(scalar_t)>(
-        g, {&value, &output}, [&](auto width, auto t) {
+    with_channel_vectors<16 / sizeof(scalar_t)>(
+        g.batch * g.queries * g.heads, g.channels, g.head_samples(),
+        kStagedSamplesPerBlock<at::opmath_type<scalar_t>>, {&value, &output}, kMsDeformAttnPaths,
+        [&](auto width, auto t) {
           auto* kernel = ms_deform_attn_forward_kernel<scalar_t, decltype(width)::value>;
           DEFORMCONV_LAUNCH(kernel, blocks_of(t), kThreadsPerBlock,
                             c10::cuda::getCurrentCUDAStream())(
@@ -345,8 +297,10 @@ void ms_deform_attn_backward_launch(const MsDeformAttnGeometry& g, const at::Ten
     }
     // The sums too: vectors of them are added in one atomic (scatter_add_run).
     const at::Tensor& sums_or_value = sums.defined() ? sums : value;
-    with_channel_vectors<scalar_t, 16 / sizeof(opmath_t)>(
-        g, {&grad_output, &value, &sums_or_value}, [&](auto width, auto t) {
+    with_channel_vectors<16 / sizeof(opmath_t)>(
+        g.batch * g.queries * g.heads, g.channels, g.head_samples(),
+        kStagedSamplesPerBlock<opmath_t>, {&grad_output, &value, &sums_or_value},
+        kMsDeformAttnPaths, [&](auto width, auto t) {
           auto* kernel = ms_deform_attn_backward_kernel<scalar_t, decltype(width)::value>;
           DEFORMCONV_LAUNCH(kernel, blocks_of(t), kThreadsPerBlock,
                             c10::cuda::getCurrentCUDAStream())(
