@@ -13,9 +13,15 @@ ONNX has no DCNv3 or DCNv4 operator. While an export runs, deformconv.dcnv3 and
 deformconv.dcnv4 compute through dcnv3_with_grid_sample instead, in standard operators only
 (GridSample, which samples bilinearly with zeros outside as the ops do, then Mul and
 ReduceSum), which both exporters translate.
+
+ONNX has no multi-scale deformable attention operator either: under export,
+deformconv.ms_deform_attn computes through ms_deform_attn_with_grid_sample, one GridSample per
+level. The torch.export-based exporter reads the levels' sizes from spatial_shapes in the
+graph; the TorchScript-based one, a tracer, records the sizes it saw as constants.
 """
 
-from typing import Any, Dict, Optional
+import warnings
+from typing import Any, Dict, List, Optional
 
 import torch
 import torch.nn.functional as F
@@ -109,6 +115,42 @@ def dcnv4_in_standard_onnx_ops(input: Tensor, offset_mask: Tensor, kernel_h: int
         input, packed[..., :2 * P].reshape(N, Ho, Wo, group, P, 2), packed[..., 2 * P:],
         kernel_h, kernel_w, stride_h, stride_w, pad_h, pad_w, dilation_h, dilation_w, group,
         group_channels, offset_scale, remove_center)
+
+
+def ms_deform_attn_with_grid_sample(value: Tensor, spatial_shapes: Tensor,
+                                    level_start_index: Tensor, sampling_locations: Tensor,
+                                    attention_weights: Tensor) -> Tensor:
+    """Multi-scale deformable attention (docs/ms_deform_attn.md) in standard operators: each
+    level of each head an image of D channels, sampled by F.grid_sample at 2 loc - 1
+    (align_corners=False, zeros outside: the op's convention exactly), weighted and summed over
+    the levels and points."""
+    N, S, M, D = value.shape
+    Lq, L, P = sampling_locations.shape[1], sampling_locations.shape[3], sampling_locations.shape[4]
+    with warnings.catch_warnings():
+        # torch.jit's tracer warns that the lists become constants: that is what the
+        # TorchScript-based exporter is documented to do with the levels' sizes.
+        warnings.simplefilter("ignore", torch.jit.TracerWarning)
+        sizes: List[List[int]] = spatial_shapes.tolist()
+        starts: List[int] = level_start_index.tolist()
+    output = value.new_zeros(N * M, D, Lq)
+    for level in range(L):
+        height, width, start = sizes[level][0], sizes[level][1], starts[level]
+        if torch.compiler.is_compiling():
+            # Under torch.export the sizes and starts are unbacked symbols: the checks tell it
+            # what the op's own checks guarantee, so that slicing and reshaping by them need no
+            # guess.
+            torch._check(height >= 1)
+            torch._check(width >= 1)
+            torch._check(start >= 0)
+            torch._check(start + height * width <= S)
+        image = value.narrow(1, start, height * width).permute(0, 2, 3, 1)
+        image = image.reshape(N * M, D, height, width)
+        grid = (2 * sampling_locations[:, :, :, level] - 1).transpose(1, 2)
+        samples = F.grid_sample(image, grid.reshape(N * M, Lq, P, 2), mode="bilinear",
+                                padding_mode="zeros", align_corners=False)  # (N M, D, Lq, P)
+        weights = attention_weights[:, :, :, level].transpose(1, 2).reshape(N * M, 1, Lq, P)
+        output = output + (samples * weights).sum(dim=-1)
+    return output.view(N, M, D, Lq).permute(0, 3, 1, 2).reshape(N, Lq, M * D)
 
 
 def translation_table() -> Dict[Any, Any]:

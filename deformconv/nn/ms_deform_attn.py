@@ -24,18 +24,30 @@ def _sampling_offset_bias(heads: int, levels: int, points: int) -> Tensor:
     return (directions.view(heads, 1, 1, 2) * steps).expand(heads, levels, points, 2).flatten()
 
 
+def _last_size(tensor: Tensor) -> int:
+    """tensor.shape[-1] as an int. Under torch.jit's tracer (the TorchScript-based ONNX
+    exporter) a size is a tensor, whose conversion warns that the trace keeps the branch it took:
+    as the originals' traced modules do, and as intended."""
+    if not torch.jit.is_tracing():
+        return tensor.shape[-1]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", torch.jit.TracerWarning)
+        return int(tensor.shape[-1])
+
+
 def _sampling_locations(reference_points: Tensor, offsets: Tensor, spatial_shapes: Tensor,
                         points: int) -> Tensor:
     """Where the samples lie, (N, Lq, M, L, P, 2), from the predicted offsets
     (N, Lq, M, L, P, 2) and the reference points (N, Lq, L, 2 or 4), as the originals place
     them: a point (x, y) moved by the offsets in pixels of each level; a box (x, y, w, h), its
     centre moved by offset / P * (w, h) / 2, so that offsets up to P reach its edges."""
-    if reference_points.shape[-1] == 2:
+    coordinates = _last_size(reference_points)
+    if coordinates == 2:
         # (W, H) of each level: an offset of one unit is one pixel of that level.
         pixels = torch.stack([spatial_shapes[:, 1], spatial_shapes[:, 0]], -1)
         return (reference_points[:, :, None, :, None, :]
                 + offsets / pixels[None, None, None, :, None, :])
-    if reference_points.shape[-1] == 4:
+    if coordinates == 4:
         return (reference_points[:, :, None, :, None, :2]
                 + offsets / points * reference_points[:, :, None, :, None, 2:] * 0.5)
     raise ValueError("expected reference_points to end in 2 (x, y) or 4 (x, y, w, h) "

@@ -5,7 +5,8 @@ from typing import List, Optional
 import torch
 from torch import Tensor
 
-from ._common import _has_static_shape, _on_meta
+from ..onnx import ms_deform_attn_with_grid_sample
+from ._common import _has_static_shape, _in_onnx_export, _on_meta
 
 
 def ms_deform_attn(
@@ -42,6 +43,10 @@ def ms_deform_attn(
     Returns:
         (N, Lq, M * D).
     """
+    if not torch.jit.is_scripting():
+        if _in_onnx_export():
+            return ms_deform_attn_with_grid_sample(value, spatial_shapes, level_start_index,
+                                                   sampling_locations, attention_weights)
     return torch.ops.deformconv.ms_deform_attn(value, spatial_shapes, level_start_index,
                                                sampling_locations, attention_weights,
                                                im2col_step)
