@@ -87,6 +87,36 @@ def test_benchmark_of_dcnv3_and_dcnv4(tmp_path):
     assert result["agreement"]["dcnv4 max abs difference"] == 0
 
 
+def test_benchmark_of_ms_deform_attn(tmp_path):
+    output = tmp_path / "bench.json"
+    assert main(["benchmark", "--shapes", "detr-decoder", "--repeats", "1", "--warmup", "0",
+                 "--output", str(output), "--plot", ""]) == 0
+    report = json.loads(output.read_text())
+    result = report["results"][0]
+    assert result["shape"]["name"] == "detr-decoder"
+    # Compulsory bytes, each tensor once: value (N, S, M, D), locations and weights
+    # (N, Lq, M, L, P, 2 and 1), the output (N, Lq, M D) in float32, and the two int64 index
+    # tensors (L, 2) and (L,).
+    N, S, Lq, M, D, L, P = 2, 64 * 64 + 32 * 32 + 16 * 16 + 8 * 8, 300, 8, 32, 4, 4
+    forward = 4 * (N * S * M * D + N * Lq * M * L * P * 3 + N * Lq * M * D) + 8 * 3 * L
+    compulsory = result["roofline"]["compulsory_bytes"]
+    assert compulsory["ms_deform_attn forward"] == forward
+    assert compulsory["ms_deform_attn forward+backward"] == 2 * forward
+    for measure in ("forward", "forward+backward"):
+        assert result["ratios"][f"grid_sample formulation/ms_deform_attn {measure}"] > 0
+    # Ours allocates its output alone; the formulation a copy of every level per head and every
+    # sample's channels: the bound of a quarter, deterministic (allocations, not time).
+    assert result["ratios"]["grid_sample formulation/ms_deform_attn peak forward memory"] >= 4
+    assert result["agreement"]["grid_sample formulation max abs difference"] < 1e-4
+    document = tmp_path / "performance.md"
+    document.write_text("<!-- table: bench.json msda -->\n<!-- end table -->\n")
+    assert main(["benchmark", "--report", str(document)]) == 0
+    row = next(line for line in document.read_text().split("\n")
+               if line.startswith("| detr-decoder |"))
+    ratio = result["ratios"]["grid_sample formulation/ms_deform_attn forward+backward"]
+    assert "| 64² 32² 16² 8² | 300 | 8 × 32 | 4 |" in row and f"| {ratio:.1f}× |" in row
+
+
 def test_benchmark_of_a_training_step(tmp_path):
     pytest.importorskip("torchvision")
     output = tmp_path / "training.json"

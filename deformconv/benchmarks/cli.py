@@ -7,8 +7,9 @@ and a dense ``F.conv2d`` of the same geometry, and deformconv's GEMMs alone (gem
 CPU in float32 also the forward of ONNX Runtime's own DeformConv kernel (when onnxruntime is
 installed), a one-node model given the same tensors and thread count. Reports medians, the
 ratios, the GFLOP/s of the GEMM part, and the peak memory allocated during one forward and
-during one forward and backward, with the CPU's model and vector ISA. DCNv3 and DCNv4 run
-against the grid_sample formulation, and against the memory roofline: their compulsory bytes
+during one forward and backward, with the CPU's model and vector ISA. DCNv3 and DCNv4, and
+multi-scale deformable attention (Deformable DETR's encoder and decoder), run against their
+grid_sample formulations, and against the memory roofline: their compulsory bytes
 at the bandwidth of a large device-to-device copy measured in the same run. On the CPU (the
 default) steps are timed by the wall clock and memory by the profiler; with ``--device cuda``,
 by CUDA events around blocks of steps issued back to back (at least 2 ms of them, so that
@@ -29,7 +30,7 @@ import deformconv
 from .environment import cpu_description
 from .report import plot, print_result, update_tables
 from .run import benchmark_shape, scaling
-from .shapes import DEFAULT_SHAPES, SHAPES, Dcnv3Shape
+from .shapes import DEFAULT_SHAPES, ROOFLINE_SHAPES, SHAPES
 from .timing import CUDA_BLOCK_SECONDS, busy_core, copy_bandwidth
 
 
@@ -90,7 +91,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                        "cudnn": torch.backends.cudnn.allow_tf32}
                       if args.device == "cuda" else None),
              "cuda_block_seconds": CUDA_BLOCK_SECONDS if args.device == "cuda" else None}
-    if any(isinstance(SHAPES[name], Dcnv3Shape) for name in shapes):
+    if any(isinstance(SHAPES[name], ROOFLINE_SHAPES) for name in shapes):
         setup["copy_bandwidth"] = copy_bandwidth(args.device, args.repeats, args.warmup)
     print("setup:", json.dumps(setup))
     results = []

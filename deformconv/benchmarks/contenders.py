@@ -1,6 +1,7 @@
 """What deformconv is timed against: torchvision's op and a dense convolution of the same
 geometry for DCN v1/v2, ONNX Runtime's DeformConv kernel on the CPU, deformconv's GEMMs alone,
-and the grid_sample formulation of DCNv3/DCNv4 (the one deformconv.onnx exports)."""
+and the grid_sample formulations of DCNv3/DCNv4 and of multi-scale deformable attention (the
+ones deformconv.onnx exports)."""
 
 from typing import Callable, Dict, Optional, Tuple
 
@@ -8,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import deformconv
-from deformconv.onnx import dcnv3_in_standard_onnx_ops
+from deformconv.onnx import dcnv3_in_standard_onnx_ops, ms_deform_attn_with_grid_sample
 
 from .shapes import Dcnv3Shape, Shape, pack_offset_mask
 
@@ -48,6 +49,13 @@ def dcnv3_contenders(shape: Dcnv3Shape, tensors) -> Dict[str, Tuple[Callable, li
                                                                    *geometry, False),
             [input, offset, mask]),
     }
+
+
+def msda_contenders(tensors) -> Dict[str, Tuple[Callable, list]]:
+    """deformconv's op and the per-level grid_sample formulation that Deformable DETR's and
+    mmcv's pure-PyTorch fallbacks compute (deformconv.onnx's), on the same operands."""
+    return {"ms_deform_attn": (deformconv.ms_deform_attn, tensors),
+            "grid_sample formulation": (ms_deform_attn_with_grid_sample, tensors)}
 
 
 def onnxruntime_forward(shape: Shape, tensors) -> Optional[Callable[[], object]]:

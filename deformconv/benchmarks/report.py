@@ -72,8 +72,8 @@ def plot(results: List[dict], path: str, setup: dict) -> None:
 # The tables of docs/performance.md, generated from the JSON files of the runs they report.
 # A table sits between "<!-- table: FILE -->" and "<!-- end table -->", FILE being the JSON
 # file beside the document; update_tables rewrites every such table from its file. A run of
-# both kinds of shape (the GPU's) gives two tables: "<!-- table: FILE deform_conv2d -->" and
-# "<!-- table: FILE dcnv3 -->" pick one.
+# several kinds of shape (the GPU's) gives a table of each: "<!-- table: FILE deform_conv2d -->",
+# "<!-- table: FILE dcnv3 -->" and "<!-- table: FILE msda -->" pick one.
 
 def _mib(size: int, digits: int) -> str:
     return f"{size / 2**20:.{digits}f}"
@@ -155,6 +155,43 @@ def dcnv3_table(report: dict) -> List[str]:
     return rows
 
 
+def msda_table(report: dict) -> List[str]:
+    """Multi-scale deformable attention against the grid_sample formulation; on a GPU, also
+    the share of the memory roofline it reaches."""
+    results = [result for result in report["results"] if "levels" in result["shape"]]
+    with_roofline = any("roofline" in result for result in results)
+    header = ("| shape | N | levels | Lq | M × D | P | ours fwd / fwd+bwd (ms) | grid_sample fwd "
+              "/ fwd+bwd (ms) | grid_sample / ours, fwd | grid_sample / ours, fwd+bwd | peak "
+              "fwd MiB (ours / grid_sample) |")
+    columns = 11
+    if with_roofline:
+        header += " DRAM roofline reached, fwd / fwd+bwd |"
+        columns += 1
+    rows = [header, "|---" * columns + "|"]
+    formulation, ours = "grid_sample formulation", "ms_deform_attn"
+    for result in results:
+        shape, medians, ratios = result["shape"], result["median_seconds"], result["ratios"]
+        peaks = result["peak_forward_bytes"]
+        levels = " ".join(f"{height}²" if height == width else f"{height}×{width}"
+                          for height, width in shape["levels"])
+        queries = "S" if shape["queries"] is None else shape["queries"]
+        row = (f"| {shape['name']} | {shape['batch']} | {levels} | {queries} | "
+               f"{shape['heads']} × {shape['channels']} | {shape['points']} | "
+               f"{medians[f'{ours} forward'] * 1e3:.2f} / "
+               f"{medians[f'{ours} forward+backward'] * 1e3:.2f} | "
+               f"{medians[f'{formulation} forward'] * 1e3:.2f} / "
+               f"{medians[f'{formulation} forward+backward'] * 1e3:.2f} | "
+               f"{ratios[f'{formulation}/{ours} forward']:.1f}× | "
+               f"{ratios[f'{formulation}/{ours} forward+backward']:.1f}× | "
+               f"{_mib(peaks[ours], 1)} / {_mib(peaks[formulation], 1)} |")
+        if with_roofline:
+            fraction = result["roofline"]["fraction"]
+            row += (f" {fraction[f'{ours} forward']:.1%} / "
+                    f"{fraction[f'{ours} forward+backward']:.1%} |")
+        rows.append(row)
+    return rows
+
+
 def training_table(report: dict) -> List[str]:
     """benchmark-training's report: one training step of ResNet-50 with DCN v2 layers, on
     deformconv's op and torchvision's, and of the plain ResNet-50."""
@@ -209,7 +246,7 @@ def kernels_table(report: dict) -> List[str]:
     return rows
 
 
-TABLES = {"deform_conv2d": deform_conv2d_table, "dcnv3": dcnv3_table,
+TABLES = {"deform_conv2d": deform_conv2d_table, "dcnv3": dcnv3_table, "msda": msda_table,
           "training": training_table, "internimage": internimage_table,
           "kernels": kernels_table}
 
@@ -227,6 +264,8 @@ def table_of(report: dict, kind: Optional[str] = None) -> List[str]:
         return training_table(report)
     if any("group" in result["shape"] for result in report["results"]):
         return dcnv3_table(report)
+    if any("levels" in result["shape"] for result in report["results"]):
+        return msda_table(report)
     return deform_conv2d_table(report)
 
 

@@ -1,13 +1,16 @@
 """One shape's report: every contender's medians, the ratios, peak memory, the GEMMs' rate,
-DCNv3/DCNv4 against the memory roofline; and the scaling report."""
+DCNv3/DCNv4 and multi-scale deformable attention against the memory roofline; and the scaling
+report."""
 
 from dataclasses import asdict
 from typing import Dict, Optional
 
 import torch
 
-from .contenders import contenders, dcnv3_contenders, gemm_steps, onnxruntime_forward
-from .shapes import Dcnv3Shape, Shape, make_dcnv3_tensors, make_tensors
+from .contenders import (contenders, dcnv3_contenders, gemm_steps, msda_contenders,
+                         onnxruntime_forward)
+from .shapes import (Dcnv3Shape, MsdaShape, Shape, make_dcnv3_tensors, make_msda_tensors,
+                     make_tensors)
 from .timing import (forward_backward_step, forward_step, peak_forward_backward_bytes,
                      peak_forward_bytes, time_interleaved)
 
@@ -15,14 +18,15 @@ def tensor_bytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def dcnv3_roofline(runs, medians: Dict[str, float], bytes_per_second: float) -> dict:
-    """The compulsory bytes of DCNv3 and DCNv4, each tensor read or written once: forward, the
+def roofline(runs, medians: Dict[str, float], bytes_per_second: float, ops) -> dict:
+    """The compulsory bytes of each of ops, each tensor read or written once: forward, the
     inputs and the output; forward+backward, also the output's gradient and each input's
-    gradient, twice the forward's. The roofline time is those bytes at the copy bandwidth; the
-    fraction is roofline time / measured time (1: as fast as the memory allows). Small shapes
-    whose tensors stay in the GPU's L2 cache from one repeat to the next can exceed 1."""
+    gradient, counted as twice the forward's. The roofline time is those bytes at the copy
+    bandwidth; the fraction is roofline time / measured time (1: as fast as the memory allows).
+    Small shapes whose tensors stay in the GPU's L2 cache from one repeat to the next can
+    exceed 1."""
     report = {"compulsory_bytes": {}, "fraction": {}}
-    for name in ("dcnv3", "dcnv4"):
+    for name in ops:
         run, inputs = runs[name]
         with torch.no_grad():
             forward_bytes = tensor_bytes(inputs) + tensor_bytes([run(*inputs)])
@@ -61,7 +65,38 @@ def benchmark_dcnv3_shape(shape: Dcnv3Shape, args, bandwidth: Optional[dict]) ->
         result["ratios"][f"grid_sample formulation/{name} peak forward memory"] = (
             grid_sample_peak / result["peak_forward_bytes"][name])
     if bandwidth is not None:
-        result["roofline"] = dcnv3_roofline(runs, medians, bandwidth["bytes_per_second"])
+        result["roofline"] = roofline(runs, medians, bandwidth["bytes_per_second"],
+                                      ("dcnv3", "dcnv4"))
+    return result
+
+
+def benchmark_msda_shape(shape: MsdaShape, args, bandwidth: Optional[dict]) -> dict:
+    """Multi-scale deformable attention against the grid_sample formulation: times, ratios,
+    peak forward memory, agreement, and on a run with the copy bandwidth the roofline."""
+    tensors = make_msda_tensors(shape, getattr(torch, args.dtype), device=args.device)
+    runs = msda_contenders(tensors)
+    steps = {}
+    for name, (run, inputs) in runs.items():
+        steps[f"{name} forward"] = forward_step(run, inputs)
+        steps[f"{name} forward+backward"] = forward_backward_step(run, inputs)
+    with torch.no_grad():
+        difference = (runs["grid_sample formulation"][0](*tensors)
+                      - runs["ms_deform_attn"][0](*tensors))
+    medians = time_interleaved(steps, args.repeats, args.warmup, args.device)
+    peaks = {name: peak_forward_bytes(run, inputs, args.device)
+             for name, (run, inputs) in runs.items()}
+    result = {"shape": asdict(shape), "describe": shape.describe(), "median_seconds": medians,
+              "ratios": {}, "peak_forward_bytes": peaks,
+              "agreement": {"grid_sample formulation max abs difference":
+                            difference.abs().max().item()}}
+    for phase in ("forward", "forward+backward"):
+        result["ratios"][f"grid_sample formulation/ms_deform_attn {phase}"] = (
+            medians[f"grid_sample formulation {phase}"] / medians[f"ms_deform_attn {phase}"])
+    result["ratios"]["grid_sample formulation/ms_deform_attn peak forward memory"] = (
+        peaks["grid_sample formulation"] / peaks["ms_deform_attn"])
+    if bandwidth is not None:
+        result["roofline"] = roofline(runs, medians, bandwidth["bytes_per_second"],
+                                      ("ms_deform_attn",))
     return result
 
 
@@ -88,6 +123,8 @@ def benchmark_shape(shape: Shape, args, bandwidth: Optional[dict] = None) -> dic
     """One shape's report; bandwidth (copy_bandwidth's) gives DCNv3/DCNv4 their roofline."""
     if isinstance(shape, Dcnv3Shape):
         return benchmark_dcnv3_shape(shape, args, bandwidth)
+    if isinstance(shape, MsdaShape):
+        return benchmark_msda_shape(shape, args, bandwidth)
     dtype = getattr(torch, args.dtype)
     tensors = make_tensors(shape, dtype, modulated=not args.v1, device=args.device)
     runs = contenders(shape, tensors, args.im2col_step)

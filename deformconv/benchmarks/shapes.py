@@ -1,7 +1,8 @@
-"""The benchmark's shapes: DCN v1/v2 convolutions (Shape) and DCNv3/DCNv4 core ops (Dcnv3Shape),
-the CPU and GPU sets, and their random operands."""
+"""The benchmark's shapes: DCN v1/v2 convolutions (Shape), DCNv3/DCNv4 core ops (Dcnv3Shape) and
+multi-scale deformable attention (MsdaShape), the CPU and GPU sets, and their random operands."""
 
 from dataclasses import dataclass
+from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -52,6 +53,40 @@ class Dcnv3Shape:
                 f"group {self.group} (group_channels {self.channels // self.group}), 3x3")
 
 
+@dataclass(frozen=True)
+class MsdaShape:
+    """Multi-scale deformable attention: batch images of the given levels (H, W), heads heads of
+    channels channels, points points per level; queries queries per image, or one per pixel of
+    every level (an encoder's self-attention) when None."""
+    name: str
+    batch: int
+    levels: Tuple[Tuple[int, int], ...]
+    heads: int
+    channels: int
+    points: int
+    queries: Optional[int] = None
+
+    def pixels(self) -> int:
+        return sum(height * width for height, width in self.levels)
+
+    def query_count(self) -> int:
+        return self.pixels() if self.queries is None else self.queries
+
+    def describe(self) -> str:
+        levels = " ".join(f"{height}x{width}" for height, width in self.levels)
+        return (f"MSDA N={self.batch} levels {levels} (S={self.pixels()}) "
+                f"Lq={self.query_count()} M={self.heads} D={self.channels} P={self.points}")
+
+
+# Deformable DETR's four levels of a 512 x 512 image (strides 8 to 64) at 256 channels in 8
+# heads: the encoder attends from every pixel, a decoder from 300 object queries.
+DETR_LEVELS = ((64, 64), (32, 32), (16, 16), (8, 8))
+MSDA_SHAPES = [
+    MsdaShape("detr-encoder", 2, DETR_LEVELS, heads=8, channels=32, points=4),
+    MsdaShape("detr-decoder", 2, DETR_LEVELS, heads=8, channels=32, points=4, queries=300),
+]
+
+
 # ResNet-50 DCN stages at detection resolution (800 x 1333 input), plus batched and grouped
 # cases: the table of the CPU performance issue. Then FlashInternImage-T's four stages at
 # 224 x 224, batch 4, for DCNv3 and DCNv4.
@@ -66,6 +101,7 @@ CPU_SHAPES = [
     Dcnv3Shape("fit-stage2", 4, 28, 128, 8),
     Dcnv3Shape("fit-stage3", 4, 14, 256, 16),
     Dcnv3Shape("fit-stage4", 4, 7, 512, 32),
+    *MSDA_SHAPES,
 ]
 
 
@@ -80,10 +116,12 @@ GPU_SHAPES = [
     Dcnv3Shape("fit-stage2-batch64", 64, 28, 128, 8),
     Dcnv3Shape("fit-stage3-batch64", 64, 14, 256, 16),
     Dcnv3Shape("fit-stage4-batch64", 64, 7, 512, 32),
+    *MSDA_SHAPES,
 ]
 
 
 SHAPES = {s.name: s for s in CPU_SHAPES + GPU_SHAPES}
+ROOFLINE_SHAPES = (Dcnv3Shape, MsdaShape)
 
 
 DEFAULT_SHAPES = {"cpu": [s.name for s in CPU_SHAPES], "cuda": [s.name for s in GPU_SHAPES]}
@@ -130,3 +168,35 @@ def pack_offset_mask(offset, mask, group: int):
     packed = torch.cat([offset.view(N, H, W, group, -1), mask.view(N, H, W, group, -1)], -1)
     packed = packed.view(N, H, W, -1)
     return F.pad(packed, [0, -packed.shape[-1] % 8])
+
+
+def make_msda_tensors(shape: MsdaShape, dtype: torch.dtype, seed: int = 0,
+                      device: str = "cpu"):
+    """value, spatial_shapes, level_start_index, sampling_locations, attention_weights as
+    Deformable DETR makes them: each query's reference point (in the encoder, the centre of its
+    own pixel; in the decoder, anywhere) moved by offsets of a few pixels of each level, and
+    weights softmax-normalised over a head's levels and points."""
+    generator = torch.Generator().manual_seed(seed)
+    N, M, D, P, L = shape.batch, shape.heads, shape.channels, shape.points, len(shape.levels)
+    spatial_shapes = torch.tensor(shape.levels, dtype=torch.int64)
+    areas = spatial_shapes.prod(1)
+    level_start_index = torch.cat([areas.new_zeros(1), areas.cumsum(0)[:-1]])
+    Lq = shape.query_count()
+    if shape.queries is None:
+        centres = []
+        for height, width in shape.levels:
+            y, x = torch.meshgrid((torch.arange(height) + 0.5) / height,
+                                  (torch.arange(width) + 0.5) / width, indexing="ij")
+            centres.append(torch.stack([x.flatten(), y.flatten()], -1))
+        reference = torch.cat(centres).expand(N, Lq, 2)
+    else:
+        reference = torch.rand(N, Lq, 2, generator=generator)
+    pixel = (1.0 / spatial_shapes.flip(-1)).view(1, 1, 1, L, 1, 2)  # (1 / W_l, 1 / H_l)
+    offsets = torch.randn(N, Lq, M, L, P, 2, generator=generator) * 2
+    locations = reference.view(N, Lq, 1, 1, 1, 2) + offsets * pixel
+    weights = torch.randn(N, Lq, M, L * P, generator=generator).softmax(-1)
+    value = torch.randn(N, shape.pixels(), M, D, generator=generator)
+    floating = [t.to(device=device, dtype=dtype) for t in (value, locations,
+                                                              weights.view(N, Lq, M, L, P))]
+    return [floating[0], spatial_shapes.to(device), level_start_index.to(device), floating[1],
+            floating[2]]

@@ -21,7 +21,9 @@ def forward_step(run: Callable, tensors) -> Callable[[], None]:
 
 
 def forward_backward_step(run: Callable, tensors) -> Callable[[], None]:
-    leaves = [None if t is None else t.detach().clone().requires_grad_() for t in tensors]
+    # Integer operands (multi-scale deformable attention's levels) take no gradient.
+    leaves = [None if t is None else t.detach().clone().requires_grad_(t.is_floating_point())
+              for t in tensors]
     grad = None
 
     def step():
