@@ -1,4 +1,5 @@
-"""The original InternImage and FlashInternImage model files, unchanged, on deformconv.
+"""The original InternImage, FlashInternImage and Deformable DETR model files, unchanged, on
+deformconv.
 
 Their model files import the originals' compiled op packages at import time:
 
@@ -6,26 +7,35 @@ Their model files import the originals' compiled op packages at import time:
   the detection and segmentation backbones): ``from ops_dcnv3 import modules as opsm``, then
   ``getattr(opsm, core_op)`` with ``core_op`` ``'DCNv3'`` or ``'DCNv3_pytorch'``;
 - FlashInternImage (``classification/models/flash_intern_image.py``): ``import DCNv4``, then
-  ``getattr(DCNv4, core_op)`` with ``core_op='DCNv4'``.
+  ``getattr(DCNv4, core_op)`` with ``core_op='DCNv4'``;
+- Deformable DETR (``models/ops/functions/ms_deform_attn_func.py``, and the copies of that
+  folder in DINO, DN-DETR and their descendants): ``import MultiScaleDeformableAttention as
+  MSDA``, whose ``ms_deform_attn_forward`` and ``ms_deform_attn_backward`` its autograd
+  function calls.
 
 Those packages need their CUDA extensions (and DCNv4 a GPU at import), so on a machine without
 them the import of the model file fails. :func:`use_for` puts stand-ins for them into
 ``sys.modules``, whose classes are deformconv's, before the model file is imported::
 
     import deformconv.integrations
-    deformconv.integrations.use_for("internimage")   # or "flash_internimage"
+    deformconv.integrations.use_for("internimage")   # or "flash_internimage", "deformable_detr"
     from models.intern_image import InternImage       # builds deformconv.DCNv3
 
 The stand-ins hold what the model files and the originals' ``functions`` use: ``ops_dcnv3``
 with ``modules.DCNv3`` and ``modules.DCNv3_pytorch`` (both deformconv's DCNv3: the original's
 pure-PyTorch module has the same parameters and keys), ``functions.DCNv3Function.apply`` and
 ``functions.dcnv3_core_pytorch``; ``DCNv4`` with ``DCNv4``, ``modules.DCNv4`` and
-``functions.DCNv4Function.apply``.
+``functions.DCNv4Function.apply``; ``MultiScaleDeformableAttention`` with
+``ms_deform_attn_forward`` and ``ms_deform_attn_backward`` (the extension's functions, on
+deformconv's ops: the model's own module and autograd function run unchanged, on the CPU too).
 """
 
 import sys
 import types
-from typing import Dict
+from typing import Dict, List
+
+import torch
+from torch import Tensor
 
 from .nn import DCNv3, DCNv4
 from .ops import dcnv3, dcnv4
@@ -51,6 +61,26 @@ def dcnv3_core_pytorch(input, offset, mask, kernel_h, kernel_w, stride_h, stride
                  dilation_h, dilation_w, group, group_channels, offset_scale, 0, remove_center)
 
 
+def ms_deform_attn_forward(value: Tensor, spatial_shapes: Tensor, level_start_index: Tensor,
+                           sampling_locations: Tensor, attention_weights: Tensor,
+                           im2col_step: int) -> Tensor:
+    """The Deformable DETR extension's forward: deformconv's op, called from the original's
+    autograd function (so on operands that record no graph)."""
+    return torch.ops.deformconv.ms_deform_attn(value, spatial_shapes, level_start_index,
+                                               sampling_locations, attention_weights,
+                                               im2col_step)
+
+
+def ms_deform_attn_backward(value: Tensor, spatial_shapes: Tensor, level_start_index: Tensor,
+                            sampling_locations: Tensor, attention_weights: Tensor,
+                            grad_output: Tensor, im2col_step: int) -> List[Tensor]:
+    """The Deformable DETR extension's backward, in its argument order (grad_output after the
+    operands): the gradients of value, sampling_locations and attention_weights."""
+    return list(torch.ops.deformconv.ms_deform_attn_backward(
+        grad_output, value, spatial_shapes, level_start_index,
+        sampling_locations, attention_weights, im2col_step, [True, True, True]))
+
+
 def _package(name: str, **attributes) -> types.ModuleType:
     module = types.ModuleType(name, f"deformconv's stand-in for {name} "
                                     "(deformconv.integrations)")
@@ -61,6 +91,13 @@ def _package(name: str, **attributes) -> types.ModuleType:
 
 
 def _stand_ins(codebase: str) -> Dict[str, types.ModuleType]:
+    if codebase == "deformable_detr":
+        extension = types.ModuleType(
+            "MultiScaleDeformableAttention",
+            "deformconv's stand-in for MultiScaleDeformableAttention (deformconv.integrations)")
+        extension.ms_deform_attn_forward = ms_deform_attn_forward
+        extension.ms_deform_attn_backward = ms_deform_attn_backward
+        return {"MultiScaleDeformableAttention": extension}
     if codebase == "internimage":
         modules = _package("ops_dcnv3.modules", DCNv3=DCNv3, DCNv3_pytorch=DCNv3)
         functions = _package("ops_dcnv3.functions", DCNv3Function=DCNv3Function,
@@ -74,12 +111,12 @@ def _stand_ins(codebase: str) -> Dict[str, types.ModuleType]:
             "DCNv4.modules": modules, "DCNv4.functions": functions}
 
 
-CODEBASES = ("internimage", "flash_internimage")
+CODEBASES = ("internimage", "flash_internimage", "deformable_detr")
 
 
 def use_for(codebase: str) -> None:
-    """Makes the model files of ``codebase`` ("internimage" or "flash_internimage") build
-    their core op from deformconv: registers the stand-ins of the module docstring in
+    """Makes the model files of ``codebase`` ("internimage", "flash_internimage" or
+    "deformable_detr") build their core op from deformconv: registers the stand-ins of the module docstring in
     ``sys.modules``, in place of any original package. Call it before the model file is
     imported; a model file imported earlier keeps what it imported."""
     if codebase not in CODEBASES:

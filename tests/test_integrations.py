@@ -1,5 +1,5 @@
 """deformconv.integrations.use_for: model files that import and build their core op as
-InternImage's and FlashInternImage's do (tests/original_style_models), each run in a fresh
+InternImage's, FlashInternImage's and Deformable DETR's do (tests/original_style_models), each run in a fresh
 interpreter that sees no GPU, no CUDA toolkit and neither original op package."""
 
 import json
@@ -21,7 +21,7 @@ WITHOUT_THE_ORIGINALS = """
 import importlib.util, json, sys
 import torch
 assert not torch.cuda.is_available()
-for name in ("DCNv3", "ops_dcnv3", "DCNv4"):
+for name in ("DCNv3", "ops_dcnv3", "DCNv4", "MultiScaleDeformableAttention"):
     assert importlib.util.find_spec(name) is None, name + " is installed"
 """
 
@@ -121,9 +121,50 @@ print(json.dumps({
     assert report["function"] and report["submodules"]
 
 
+def test_deformable_detr_ops_run_on_deformconv(tmp_path):
+    report = run_without_cuda(tmp_path, "deformable_detr", """
+try:
+    import models.ops.modules
+except ModuleNotFoundError as error:
+    before = error.name
+import deformconv, deformconv.integrations
+deformconv.integrations.use_for("deformable_detr")
+from models.ops.modules import MSDeformAttn
+from models.ops.functions import MSDeformAttnFunction
+torch.manual_seed(0)
+original = MSDeformAttn(d_model=32, n_levels=3, n_heads=4, n_points=2)
+ours = deformconv.MSDeformAttn(d_model=32, n_levels=3, n_heads=4, n_points=2)
+ours.load_state_dict(original.state_dict(), strict=True)
+shapes = torch.tensor([[6, 5], [3, 3], [1, 2]])
+starts = torch.tensor([0, 30, 39])
+query, values = torch.randn(2, 7, 32), torch.randn(2, 41, 32)
+reference = torch.rand(2, 7, 3, 2)
+padding = torch.rand(2, 41) < 0.2
+out = original(query, reference, values, shapes, starts, padding)
+expected = ours(query, reference, values, shapes, starts, padding)
+out.square().sum().backward()
+expected.square().sum().backward()
+value = torch.randn(1, 41, 2, 3, dtype=torch.float64, requires_grad=True)
+locations = (torch.rand(1, 4, 2, 3, 2, 2, dtype=torch.float64) * 1.4 - 0.2).requires_grad_()
+weights = torch.randn(1, 4, 2, 3, 2, dtype=torch.float64, requires_grad=True)
+print(json.dumps({
+    "before": before,
+    "same_output": bool(torch.equal(out, expected)),
+    "same_gradients": all(torch.allclose(a.grad, b.grad) for a, b in
+                          zip(original.parameters(), ours.parameters())),
+    "gradcheck": torch.autograd.gradcheck(
+        lambda v, l, w: MSDeformAttnFunction.apply(v, shapes, starts, l, w, 64),
+        (value, locations, weights)),
+}))
+""")
+    assert report["before"] == "MultiScaleDeformableAttention"
+    assert report["same_output"] and report["same_gradients"]
+    assert report["gradcheck"]
+
+
 def test_unknown_codebase_is_refused(monkeypatch):
     monkeypatch.setattr(sys, "modules", dict(sys.modules))
-    with pytest.raises(ValueError, match="'internimage', 'flash_internimage', got 'mmdet'"):
+    with pytest.raises(ValueError, match="'flash_internimage', 'deformable_detr', got 'mmdet'"):
         integrations.use_for("mmdet")
     assert "ops_dcnv3" not in sys.modules and "DCNv4" not in sys.modules
 
