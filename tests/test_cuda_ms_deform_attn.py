@@ -1,6 +1,7 @@
 """Multi-scale deformable attention on a GPU against the CPU op: forward and every gradient, in
 four dtypes, over levels, heads, channels and points of every launcher path; gradcheck;
-devices. Skipped where no GPU is present, which is every machine of this project's CI;
+devices; the levels checked once per pair of index tensors (no synchronisation after the
+first call, so a CUDA graph captures the op). Skipped where no GPU is present, which is every machine of this project's CI;
 tools/gpu_check.sh runs them on a machine with one."""
 
 import pytest
@@ -78,3 +79,49 @@ def test_deterministic_algorithms_refuse_the_value_gradient():
                                                      [False, True, True])
     finally:
         torch.use_deterministic_algorithms(previous)
+
+
+def test_levels_read_once_so_that_a_cuda_graph_captures_the_op():
+    # Forward and backward of the op with index tensors the driver has checked before: no copy
+    # to the host while the stream captures. The replays compute what eager calls do.
+    value, shapes, starts, locations, weights = [
+        t.cuda() for t in make_operands([(6, 5), (3, 3), (1, 2)], queries=7, heads=2,
+                                        channels=8, points=3, dtype=torch.float32)]
+    static = [t.clone().requires_grad_() for t in (value, locations, weights)]
+
+    def step():
+        for t in static:
+            t.grad = None
+        out = deformconv.ms_deform_attn(static[0], shapes, starts, static[1], static[2])
+        out.square().sum().backward()
+        return out
+
+    warmup = torch.cuda.Stream()
+    warmup.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(warmup):
+        step()
+    torch.cuda.current_stream().wait_stream(warmup)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = step()
+    for seed in range(2):
+        generator = torch.Generator().manual_seed(seed)
+        fresh = [torch.rand(t.shape, generator=generator).cuda() for t in static]
+        with torch.no_grad():
+            for t, new in zip(static, fresh):
+                t.copy_(new)
+        graph.replay()
+        leaves = [t.clone().requires_grad_() for t in fresh]
+        expected = deformconv.ms_deform_attn(leaves[0], shapes, starts, leaves[1], leaves[2])
+        expected.square().sum().backward()
+        torch.testing.assert_close(static_out, expected)
+        for t, leaf in zip(static, leaves):
+            torch.testing.assert_close(t.grad, leaf.grad)
+
+
+def test_levels_changed_in_place_on_the_gpu_are_checked_again():
+    operands = [t.cuda() for t in make_operands([(4, 6), (2, 3)])]
+    deformconv.ms_deform_attn(*operands)
+    operands[2][1] += 1
+    with pytest.raises(ValueError, match=r"expected level_start_index\[1\] to be 24"):
+        deformconv.ms_deform_attn(*operands)

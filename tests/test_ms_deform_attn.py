@@ -230,6 +230,50 @@ def test_double_backward_raises():
         grad.sum().backward()
 
 
+def test_emulated_levels_checked_once_while_unmodified(emulated):
+    """Off the CPU, reading the levels waits for the device: the driver checks a pair of index
+    tensors once and remembers it while neither is modified (the emulated op's CPU tensors stand
+    for device tensors). A change in place is checked again; a level changed behind the version
+    counter's back (through .data) so that it no longer fits in value is read by the kernels as
+    empty, never outside value."""
+    operands = make_operands([(4, 6), (2, 3), (1, 1)], queries=4, channels=4, points=3)
+    value, shapes, starts, locations, weights = operands
+    torch.testing.assert_close(emulated.ms_deform_attn(*operands, 64), call(operands))
+    starts[1] += 1
+    with pytest.raises(ValueError, match=r"expected level_start_index\[1\] to be 24"):
+        emulated.ms_deform_attn(*operands, 64)
+    starts[1] -= 1
+    emulated.ms_deform_attn(*operands, 64)
+    starts.data[1] = value.shape[1] - 5  # level 1 (6 pixels) would end one row past S
+    out = emulated.ms_deform_attn(*operands, 64)
+    grad_output = torch.randn(out.shape, dtype=torch.float64)
+    grads = emulated.ms_deform_attn_backward(grad_output, *operands, 64, [True, True, True])
+    # Level 1 read as empty: the op on valid levels with level 1's weights zero, and no
+    # gradient for level 1's samples.
+    valid_starts = torch.tensor([0, 24, 30])
+    without = weights.clone()
+    without[:, :, :, 1] = 0
+    reference = (value, shapes, valid_starts, locations, without)
+    torch.testing.assert_close(out, call(reference))
+    expected = torch.ops.deformconv.ms_deform_attn_backward(grad_output, *reference, 64,
+                                                            [True, True, True])
+    torch.testing.assert_close(grads[0], expected[0])
+    for grad, full in zip(grads[1:], expected[1:]):
+        assert grad[:, :, :, 1].abs().max() == 0
+        torch.testing.assert_close(grad[:, :, :, [0, 2]], full[:, :, :, [0, 2]])
+
+
+def test_emulated_inference_tensors_are_checked_every_time(emulated):
+    # Inference tensors keep no version counter: a change in place cannot be seen, so they are
+    # never remembered.
+    with torch.inference_mode():
+        operands = make_operands([(4, 6), (2, 3)], channels=4)
+        emulated.ms_deform_attn(*operands, 64)
+        operands[2][1] += 1
+        with pytest.raises(ValueError, match=r"expected level_start_index\[1\] to be 24"):
+            emulated.ms_deform_attn(*operands, 64)
+
+
 def changed(name, make):
     return pytest.param(name, make, id=name)
 

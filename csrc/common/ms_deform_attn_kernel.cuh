@@ -43,6 +43,16 @@ struct MsDeformAttnLevel {
   int64_t start;
 };
 
+// Whether a level of at least one pixel lies within value's S rows. The driver checks every
+// level; the CUDA kernels, which read the levels from device memory where the driver may have
+// found them valid on an earlier call, treat one that is not (modified since without its
+// version counter knowing) as empty rather than read outside value.
+C10_HOST_DEVICE inline bool ms_deform_attn_level_fits(const MsDeformAttnLevel& level,
+                                                      int64_t spatial) {
+  return level.height >= 1 && level.width >= 1 && level.height <= spatial / level.width &&
+         level.start >= 0 && level.start <= spatial - level.height * level.width;
+}
+
 // The sample's position in its level's pixel coordinates, from its normalised location:
 // grid_sample's unnormalisation with align_corners=False, (2 loc - 1 + 1) * W / 2 - 0.5.
 template <typename opmath_t>

@@ -4,6 +4,8 @@
 #include <c10/core/ScalarType.h>
 #include <c10/util/Exception.h>
 
+#include <array>
+#include <cstddef>
 #include <cstdint>
 #include <vector>
 
@@ -64,6 +66,75 @@ void check_levels(const at::Tensor& spatial_shapes, const at::Tensor& level_star
                     spatial, ") as spatial_shapes' levels have pixels (", end, ")");
 }
 
+// Levels found valid, remembered for index tensors off the CPU, where reading them is a copy to
+// the host that waits for the device: a synchronisation per call, which stalls the queue of
+// kernels and which a CUDA graph capture refuses. The same two tensors, unmodified since (their
+// version counters), against the same S, need no second look: a model passes one pair to all
+// its layers, forward and backward. Held weakly, so that a tensor freed and another allocated at
+// its address cannot match. Per thread (autograd runs the backward on its own), a few entries
+// replaced in turn. Inference tensors keep no version counter and are read every time.
+#ifdef DEFORMCONV_CUDA_EMULATION
+// The emulated CUDA ops (tests/cuda_emulation) run the CUDA launchers on CPU tensors.
+constexpr bool kCpuTensorsStandForDeviceTensors = true;
+#else
+constexpr bool kCpuTensorsStandForDeviceTensors = false;
+#endif
+
+class CheckedLevels {
+ public:
+  bool contains(const at::Tensor& shapes, const at::Tensor& starts, int64_t spatial) const {
+    for (const Entry& entry : entries_) {
+      if (entry.spatial == spatial && same(entry.shapes, entry.shapes_version, shapes) &&
+          same(entry.starts, entry.starts_version, starts)) {
+        return true;
+      }
+    }
+    return false;
+  }
+
+  void add(const at::Tensor& shapes, const at::Tensor& starts, int64_t spatial) {
+    entries_[next_] = {Weak(shapes.getIntrusivePtr()), Weak(starts.getIntrusivePtr()),
+                       shapes._version(), starts._version(), spatial};
+    next_ = (next_ + 1) % entries_.size();
+  }
+
+  static bool rememberable(const at::Tensor& shapes, const at::Tensor& starts) {
+    return (!shapes.is_cpu() || kCpuTensorsStandForDeviceTensors) && !shapes.is_inference() &&
+           !starts.is_inference();
+  }
+
+ private:
+  using Weak = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>;
+  struct Entry {
+    Weak shapes{c10::intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>()};
+    Weak starts{c10::intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>()};
+    int64_t shapes_version = 0;
+    int64_t starts_version = 0;
+    int64_t spatial = -1;
+  };
+
+  static bool same(const Weak& held, int64_t version, const at::Tensor& tensor) {
+    const auto alive = held.lock();
+    return alive.get() == tensor.unsafeGetTensorImpl() && tensor._version() == version;
+  }
+
+  std::array<Entry, 4> entries_;
+  std::size_t next_ = 0;
+};
+
+void check_levels_once(const at::Tensor& spatial_shapes, const at::Tensor& level_start_index,
+                       int64_t spatial) {
+  if (!CheckedLevels::rememberable(spatial_shapes, level_start_index)) {
+    check_levels(spatial_shapes, level_start_index, spatial);
+    return;
+  }
+  thread_local CheckedLevels checked;
+  if (!checked.contains(spatial_shapes, level_start_index, spatial)) {
+    check_levels(spatial_shapes, level_start_index, spatial);
+    checked.add(spatial_shapes, level_start_index, spatial);
+  }
+}
+
 }  // namespace
 
 void check_ms_deform_attn_devices(const std::optional<at::Tensor>& grad_output,
@@ -119,7 +190,7 @@ MsDeformAttnGeometry check_ms_deform_attn_arguments(
     check_shape("grad_output", *grad_output, {N, Lq, M * D}, "(batch, queries, heads * channels)");
   }
   if (!spatial_shapes.is_meta() && !level_start_index.is_meta()) {
-    check_levels(spatial_shapes, level_start_index, S);
+    check_levels_once(spatial_shapes, level_start_index, S);
   }
   return {N, S, M, D, Lq, levels, P};
 }

@@ -81,10 +81,18 @@ __device__ inline int stage_round(const MsDeformAttnGeometry& g, const LaneTilin
     if (item < t.items) {
       const int64_t index = item * g.head_samples() + sample;
       const int64_t l = sample / g.points;
-      const MsDeformAttnLevel level{shapes[2 * l], shapes[2 * l + 1], starts[l]};
+      MsDeformAttnLevel level{shapes[2 * l], shapes[2 * l + 1], starts[l]};
+      const bool fits = ms_deform_attn_level_fits(level, g.spatial);
+      if (!fits) {
+        level = {1, 1, 0};
+      }
       opmath_t y, x;
       ms_deform_attn_position(static_cast<opmath_t>(locations[2 * index]),
                               static_cast<opmath_t>(locations[2 * index + 1]), level, y, x);
+      if (!fits) {
+        // Outside (-1, 1) x (-1, 1): no corner is read, and the sample has no gradients.
+        y = x = opmath_t(-2);
+      }
       StagedSample<opmath_t> located;
       located.sample = share_sample(y, x, static_cast<opmath_t>(weights[index]), level.height,
                                     level.width);
