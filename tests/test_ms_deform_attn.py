@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 
 import deformconv
-from branching import (assert_close_at, branch_trace, cuda_lane_paths, misaligned,
-                       opmath_bytes, requested_subsets)
+from branching import (assert_close_at, branch_trace, channel_loops, cuda_lane_paths,
+                       misaligned, opmath_bytes, requested_subsets, vector_bytes)
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 
@@ -117,6 +117,48 @@ def test_every_combination_of_requested_gradients(requested):
             assert torch.equal(got, reference)
         else:
             assert got is None
+
+
+LANES = 8  # kLanes of csrc/cpu/cpu_loops.h
+CPU_BRANCHES = ("ms_deform_attn.cpu.scatter.", "ms_deform_attn.cpu.dots.")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("channels", [3, 8, 32, 33])
+def test_cpu_backward_channel_loops(channels, dtype):
+    """The CPU backward's channel loops (the value gradient's scatter in vectors of the clone's
+    register width, then of kLanes, then one by one; the corner dot products kLanes at a time,
+    the last channels in zero-filled lanes), each forced by the head's channels and checked to
+    have run, for every combination of requested gradients, against the reference's gradients
+    in float64 on the same rounded operands."""
+    operands = make_operands([(5, 4), (2, 3), (1, 1)], heads=2, channels=channels, points=3,
+                             seed=channels)
+    rounded = [operands[0].to(dtype), operands[3].to(dtype), operands[4].to(dtype)]
+    leaves = [t.double().requires_grad_() for t in rounded]
+    reference = ms_deform_attn_reference(leaves[0], operands[1], operands[2], leaves[1],
+                                         leaves[2])
+    grad_output = torch.randn(reference.shape, generator=torch.Generator().manual_seed(3),
+                              dtype=torch.float64)
+    expected = torch.autograd.grad(reference, leaves, grad_output)
+    width = vector_bytes() // opmath_bytes(dtype)
+    for requested in requested_subsets(3):
+        with branch_trace() as taken:
+            grads = torch.ops.deformconv.ms_deform_attn_backward(
+                grad_output.to(dtype), rounded[0], operands[1], operands[2], rounded[1],
+                rounded[2], 64, list(requested))
+        names = set()
+        if requested[0]:
+            names |= channel_loops("ms_deform_attn.cpu.scatter", channels,
+                                   [max(width, LANES), LANES])
+        if any(requested[1:]):
+            names |= channel_loops("ms_deform_attn.cpu.dots", channels, [LANES])
+        assert {name for name in taken if name.startswith(CPU_BRANCHES)} == names, sorted(taken)
+        for name, want, grad, full in zip(("value", "sampling_locations", "attention_weights"),
+                                          requested, grads, expected):
+            if want:
+                assert_close_at(grad, full, dtype, f"{name} of {requested}")
+            else:
+                assert grad is None
 
 
 @pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-5), (torch.float16, 2e-2),

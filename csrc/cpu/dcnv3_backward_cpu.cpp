@@ -12,65 +12,16 @@
 #include "../core/launchers.h"
 #include "dcnv3_samples.h"
 #include "dcnv3_stages.h"
+#include "sample_gradients.h"
 
 namespace deformconv {
 namespace {
 
-// dot_i += grad * value_i, lane by lane, for the four corners.
-template <typename Lanes>
-DEFORMCONV_INLINE void add_corner_products(const Lanes& grad, const Lanes& value_0,
-                                           const Lanes& value_1, const Lanes& value_2,
-                                           const Lanes& value_3, Lanes& dot_0, Lanes& dot_1,
-                                           Lanes& dot_2, Lanes& dot_3) {
-  dot_0 += grad * value_0;
-  dot_1 += grad * value_1;
-  dot_2 += grad * value_2;
-  dot_3 += grad * value_3;
-}
-
-// weight[corner] * grad added onto each corner's row grad_row[corner], over the D channels of
-// a group: in vectors as wide as the running clone's registers (kVectorBytes: one AVX-512
-// register for a group of 16 float channels, where kLanes would take two), then kLanes at a
-// time, then one by one. Each channel's sum is the same multiply-add whatever the width.
-template <int kVectorBytes, typename opmath_t>
-DEFORMCONV_INLINE void scatter_sample_gradient(const opmath_t* grad, int64_t D,
-                                               opmath_t* const grad_row[4],
-                                               const opmath_t weight[4]) {
-  using Lanes = typename LanesOf<opmath_t>::type;
-  using UnalignedLanes = typename LanesOf<opmath_t>::unaligned;
-  typedef opmath_t Vector __attribute__((vector_size(kVectorBytes)));
-  typedef opmath_t UnalignedVector
-      __attribute__((vector_size(kVectorBytes), aligned(alignof(opmath_t)), may_alias));
-  constexpr int64_t kWidth = kVectorBytes / sizeof(opmath_t);
-  int64_t c = 0;
-  for (; kWidth > kLanes && c + kWidth <= D; c += kWidth) {
-    Vector grad_vector;
-    load_vector<opmath_t>(grad + c, grad_vector);
-    for (int corner = 0; corner < 4; ++corner) {
-      *reinterpret_cast<UnalignedVector*>(grad_row[corner] + c) += weight[corner] * grad_vector;
-    }
-  }
-#pragma GCC unroll 2
-  for (; c + kLanes <= D; c += kLanes) {
-    Lanes grad_lanes;
-    load_lanes<opmath_t>(grad + c, grad_lanes);
-    for (int corner = 0; corner < 4; ++corner) {
-      *reinterpret_cast<UnalignedLanes*>(grad_row[corner] + c) += weight[corner] * grad_lanes;
-    }
-  }
-  for (; c < D; ++c) {
-    for (int corner = 0; corner < 4; ++corner) {
-      grad_row[corner][c] += weight[corner] * grad[c];
-    }
-  }
-}
-
 // One sample's share of the gradients, over the D channels of its group, from the sampled
 // values' gradients `grad` (in the accumulation type, zero-filled to whole lanes), its corners'
 // rows at the offsets `corners` of `image` and of its gradient `grad_image`: with kDots, the dot
-// products of `grad` with the four corner rows, for offset_mask_grad_sums (which discards those
-// of the corners outside), kLanes channels at a time, the last few channels copied into
-// zero-filled lanes; with kScatter, weight[corner] * grad added onto each corner's gradient row
+// products of `grad` with the four corner rows (corner_dot_products), for offset_mask_grad_sums
+// (which discards those of the corners outside); with kScatter, weight[corner] * grad added onto each corner's gradient row
 // (scatter_sample_gradient), at every corner, or, with kSkipUnweighted, at those of nonzero
 // weight only, the others adding into `unread`, a row that is never read. The dot products all
 // go through the same vector code, whichever pass runs it: scalar code for the last channels
@@ -83,38 +34,13 @@ DEFORMCONV_INLINE void sample_gradients(const opmath_t* grad, int64_t D, const s
                                         const CornerOffsets::OfSample& corners,
                                         const opmath_t weight[4], opmath_t* unread,
                                         opmath_t dots[4]) {
-  using Lanes = typename LanesOf<opmath_t>::type;
   // Read once, before the scatter's stores: the compiler cannot tell that those stores leave
   // the offsets as they were, and would read them again after each.
   const int64_t offset[4] = {corners[0], corners[1], corners[2], corners[3]};
   if constexpr (kDots) {
-    const scalar_t* value_0 = image + offset[0];
-    const scalar_t* value_1 = image + offset[1];
-    const scalar_t* value_2 = image + offset[2];
-    const scalar_t* value_3 = image + offset[3];
-    Lanes dot_0 = {}, dot_1 = {}, dot_2 = {}, dot_3 = {};
-    int64_t c = 0;
-    // Unrolled, so that where D is known (16 channels) its two passes run without a loop.
-#pragma GCC unroll 2
-    for (; c + kLanes <= D; c += kLanes) {
-      Lanes grad_lanes, v0, v1, v2, v3;
-      load_lanes<opmath_t>(grad + c, grad_lanes);
-      load_lanes<opmath_t>(value_0 + c, v0);
-      load_lanes<opmath_t>(value_1 + c, v1);
-      load_lanes<opmath_t>(value_2 + c, v2);
-      load_lanes<opmath_t>(value_3 + c, v3);
-      add_corner_products(grad_lanes, v0, v1, v2, v3, dot_0, dot_1, dot_2, dot_3);
-    }
-    if (c < D) {
-      Lanes grad_lanes, v0, v1, v2, v3;
-      load_lanes<opmath_t>(grad + c, grad_lanes);
-      load_last_lanes<opmath_t>(value_0 + c, D - c, v0);
-      load_last_lanes<opmath_t>(value_1 + c, D - c, v1);
-      load_last_lanes<opmath_t>(value_2 + c, D - c, v2);
-      load_last_lanes<opmath_t>(value_3 + c, D - c, v3);
-      add_corner_products(grad_lanes, v0, v1, v2, v3, dot_0, dot_1, dot_2, dot_3);
-    }
-    sums_of_four_lanes<opmath_t>(dot_0, dot_1, dot_2, dot_3, dots);
+    const scalar_t* const rows[4] = {image + offset[0], image + offset[1], image + offset[2],
+                                     image + offset[3]};
+    corner_dot_products(grad, D, rows, dots);
   }
   if constexpr (kScatter) {
     opmath_t* grad_row[4];

@@ -16,6 +16,7 @@
 #include "../core/parallel_region.h"
 #include "cpu_launchers.h"
 #include "cpu_loops.h"
+#include "sample_gradients.h"
 
 namespace deformconv {
 namespace {
@@ -118,15 +119,20 @@ void ms_deform_attn_forward_cpu(const MsDeformAttnGeometry& g, const at::Tensor&
 
 // The gradients of the samples of heads [begin, end), numbered n * M + m. grad_sums (the value
 // gradient's sums, at::opmath_type) and grad_locations, grad_weights are null where not asked
-// for; `grad` is a buffer of D.
-template <typename scalar_t>
+// for. `grad` is a buffer of D rounded up to whole lanes, its tail zero; `zeros` is a row of D
+// zeros, the corner rows of the dot products for corners outside the level; `unread` a row of D
+// that is never read, which takes the scatter of corners of weight 0, so that 0 times an
+// infinite output gradient adds no NaN to the value gradient.
+template <int kVectorBytes, typename scalar_t>
 DEFORMCONV_VECTOR_CLONES void backward_heads(
     const MsDeformAttnGeometry& g, const MsDeformAttnLevel* levels, const scalar_t* grad_output,
     const scalar_t* value, const scalar_t* locations, const scalar_t* weights,
     at::opmath_type<scalar_t>* grad_sums, scalar_t* grad_locations, scalar_t* grad_weights,
-    at::opmath_type<scalar_t>* grad, int64_t begin, int64_t end) {
+    at::opmath_type<scalar_t>* grad, const scalar_t* zeros, at::opmath_type<scalar_t>* unread,
+    int64_t begin, int64_t end) {
   using opmath_t = at::opmath_type<scalar_t>;
   const int64_t D = g.channels;
+  const int64_t stride = g.pixel_stride();
   const bool position_grads = grad_locations != nullptr || grad_weights != nullptr;
   for (int64_t task = begin; task < end; ++task) {
     const int64_t n = task / g.heads, m = task % g.heads;
@@ -136,7 +142,7 @@ DEFORMCONV_VECTOR_CLONES void backward_heads(
     if (grad_head != nullptr) {
       // This head's value gradient, which no other task writes.
       for (int64_t pixel = 0; pixel < g.spatial; ++pixel) {
-        std::fill_n(grad_head + pixel * g.pixel_stride(), D, opmath_t(0));
+        std::fill_n(grad_head + pixel * stride, D, opmath_t(0));
       }
     }
     for (int64_t q = 0; q < g.queries; ++q) {
@@ -163,32 +169,22 @@ DEFORMCONV_VECTOR_CLONES void backward_heads(
           continue;
         }
         if (grad_head != nullptr) {
+          opmath_t* grad_row[4];
           for (int corner = 0; corner < 4; ++corner) {
-            // As in the forward: a corner of zero weight takes no part.
-            if (weight[corner] == opmath_t(0)) {
-              continue;
-            }
-            opmath_t* grad_pixel = grad_head + row[corner] * g.pixel_stride();
-            for (int64_t c = 0; c < D; ++c) {
-              grad_pixel[c] += weight[corner] * grad[c];
-            }
+            grad_row[corner] =
+                weight[corner] != opmath_t(0) ? grad_head + row[corner] * stride : unread;
           }
+          scatter_sample_gradient<kVectorBytes>(grad, D, grad_row, weight);
         }
         if (position_grads) {
           bool inside[4];
           corners_inside(cell, inside);
-          opmath_t dot[4] = {0, 0, 0, 0};
+          const scalar_t* corner_rows[4];
           for (int corner = 0; corner < 4; ++corner) {
-            if (!inside[corner]) {
-              continue;
-            }
-            const scalar_t* pixel = head + row[corner] * g.pixel_stride();
-            opmath_t products = 0;
-            for (int64_t c = 0; c < D; ++c) {
-              products += grad[c] * static_cast<opmath_t>(pixel[c]);
-            }
-            dot[corner] = products;
+            corner_rows[corner] = inside[corner] ? head + row[corner] * stride : zeros;
           }
+          opmath_t dot[4];
+          corner_dot_products(grad, D, corner_rows, dot);
           // Bilinear's derivatives by x and y, and its value, each summed with the gradient over
           // the channels; the position is loc * W - 0.5, so d/d(loc_x) = W d/dx.
           const OffsetMaskGradSums<opmath_t> sums = offset_mask_grad_sums_of_dots(cell, dot);
@@ -215,23 +211,40 @@ void ms_deform_attn_backward_cpu(const MsDeformAttnGeometry& g, const at::Tensor
                                  at::Tensor& grad_sampling_locations,
                                  at::Tensor& grad_attention_weights) {
   const std::vector<MsDeformAttnLevel> levels = levels_of(g, spatial_shapes, level_start_index);
+  const int64_t D = g.channels;
+  const int64_t whole_lanes = (D + kLanes - 1) / kLanes * kLanes;
   DEFORMCONV_DISPATCH(value.scalar_type(), "ms_deform_attn_backward_cpu", [&] {
     using opmath_t = at::opmath_type<scalar_t>;
     // Note [Input gradient sums in float32]
     at::Tensor sums = grad_value.defined()
                           ? uninitialised_input_gradient_sums<scalar_t>(grad_value)
                           : at::Tensor();
-    parallel_task_runs(g.batch * g.heads, [&](TaskRuns& runs) {
-      std::vector<opmath_t> grad(g.channels);
-      int64_t begin, end;
-      while (runs.take(begin, end)) {
-        backward_heads<scalar_t>(
-            g, levels.data(), grad_output.const_data_ptr<scalar_t>(),
-            value.const_data_ptr<scalar_t>(), sampling_locations.const_data_ptr<scalar_t>(),
-            attention_weights.const_data_ptr<scalar_t>(), mutable_data_or_null<opmath_t>(sums),
-            mutable_data_or_null<scalar_t>(grad_sampling_locations),
-            mutable_data_or_null<scalar_t>(grad_attention_weights), grad.data(), begin, end);
+    const std::vector<scalar_t> zeros(D, scalar_t(0));
+    // The scatter's vectors as wide as a register of the clone that runs.
+    with_register_bytes([&](auto register_bytes) {
+      constexpr int64_t kWidth = register_bytes / sizeof(opmath_t);
+      if (grad_value.defined()) {
+        record_channel_loops("ms_deform_attn.cpu.scatter", D,
+                             {kWidth > kLanes ? kWidth : kLanes, kLanes});
       }
+      if (grad_sampling_locations.defined() || grad_attention_weights.defined()) {
+        record_channel_loops("ms_deform_attn.cpu.dots", D, {kLanes});
+      }
+      parallel_task_runs(g.batch * g.heads, [&](TaskRuns& runs) {
+        std::vector<opmath_t> grad(whole_lanes, opmath_t(0));
+        std::vector<opmath_t> unread(whole_lanes);
+        int64_t begin, end;
+        while (runs.take(begin, end)) {
+          backward_heads<register_bytes, scalar_t>(
+              g, levels.data(), grad_output.const_data_ptr<scalar_t>(),
+              value.const_data_ptr<scalar_t>(), sampling_locations.const_data_ptr<scalar_t>(),
+              attention_weights.const_data_ptr<scalar_t>(),
+              mutable_data_or_null<opmath_t>(sums),
+              mutable_data_or_null<scalar_t>(grad_sampling_locations),
+              mutable_data_or_null<scalar_t>(grad_attention_weights), grad.data(), zeros.data(),
+              unread.data(), begin, end);
+        }
+      });
     });
     if (grad_value.defined()) {
       store_input_gradient_sums(sums, grad_value);
