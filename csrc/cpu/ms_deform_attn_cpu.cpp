@@ -16,6 +16,7 @@
 #include "../core/parallel_region.h"
 #include "cpu_launchers.h"
 #include "cpu_loops.h"
+#include "located_samples.h"
 #include "sample_gradients.h"
 
 namespace deformconv {
@@ -53,38 +54,94 @@ DEFORMCONV_INLINE BilinearCell<opmath_t> locate_sample(const MsDeformAttnLevel& 
   return cell;
 }
 
+// The samples of one query, every head, located level by level at once: one LocatedSamples per
+// level, whose sample j = m * P + p is point p of head m. Its position
+//   x = loc_x * W_l - 0.5 = base -0.5 + (grid 0 + offset loc_x * W_l) * scale 1
+// (and likewise y) is LocatedSamples' form, weighted by the attention weight; the samples are
+// padded to whole vectors with weight 0, located and never read.
+template <typename opmath_t>
+class QuerySamples {
+ public:
+  QuerySamples(const MsDeformAttnGeometry& g, const MsDeformAttnLevel* levels)
+      : per_level_(padded(g.heads * g.points)) {
+    for (int64_t l = 0; l < g.levels; ++l) {
+      located_.emplace_back(per_level_, levels[l].height, levels[l].width);
+    }
+  }
+
+  template <typename scalar_t>
+  DEFORMCONV_INLINE void locate(const MsDeformAttnGeometry& g, const MsDeformAttnLevel* levels,
+                                const scalar_t* locations, const scalar_t* weights,
+                                int64_t first_sample) {
+    for (int64_t l = 0; l < g.levels; ++l) {
+      LocatedSamples<opmath_t>& level = located_[l];
+      const opmath_t height = static_cast<opmath_t>(levels[l].height);
+      const opmath_t width = static_cast<opmath_t>(levels[l].width);
+      for (int64_t m = 0; m < g.heads; ++m) {
+        for (int64_t p = 0; p < g.points; ++p) {
+          const int64_t sample = first_sample + (m * g.levels + l) * g.points + p;
+          const int64_t j = m * g.points + p;
+          level.dx[j] = static_cast<opmath_t>(locations[2 * sample]) * width;
+          level.dy[j] = static_cast<opmath_t>(locations[2 * sample + 1]) * height;
+          level.m[j] = static_cast<opmath_t>(weights[sample]);
+        }
+      }
+      level.locate(per_level_, opmath_t(-0.5), opmath_t(-0.5), opmath_t(1));
+    }
+  }
+
+  // Point p of head m in level l: its corner weights and rows (LocatedSamples::corner_rows).
+  template <typename scalar_t>
+  DEFORMCONV_INLINE void corner_rows(const MsDeformAttnGeometry& g, int64_t l, int64_t m,
+                                     int64_t p, const scalar_t* level_pixels,
+                                     const scalar_t* zeros, opmath_t weight[4],
+                                     const scalar_t* rows[4]) const {
+    located_[l].corner_rows(m * g.points + p, level_pixels, g.pixel_stride(), zeros, weight,
+                            rows);
+  }
+
+ private:
+  static int64_t padded(int64_t samples) {
+    // Whole vectors of the widest clone (16 floats), which are whole kLanes too.
+    constexpr int64_t kWidest = 16;
+    return (samples + kWidest - 1) / kWidest * kWidest;
+  }
+
+  int64_t per_level_;
+  std::vector<LocatedSamples<opmath_t>> located_;
+};
+
+// The outputs of queries [begin, end), numbered n * Lq + q, every head: the query's samples
+// located at once, then each head's D channels summed over its samples, four corner rows a
+// sample, into `sum` (a buffer of D).
 template <typename scalar_t>
 DEFORMCONV_VECTOR_CLONES void forward_queries(const MsDeformAttnGeometry& g,
                                               const MsDeformAttnLevel* levels,
                                               const scalar_t* value, const scalar_t* locations,
                                               const scalar_t* weights, scalar_t* output,
+                                              const scalar_t* zeros,
+                                              QuerySamples<at::opmath_type<scalar_t>>& samples,
                                               at::opmath_type<scalar_t>* sum, int64_t begin,
                                               int64_t end) {
   using opmath_t = at::opmath_type<scalar_t>;
   const int64_t D = g.channels;
   for (int64_t task = begin; task < end; ++task) {
     const int64_t n = task / g.queries, q = task % g.queries;
+    samples.locate(g, levels, locations, weights, ms_deform_attn_sample_index(g, n, q, 0, 0));
     for (int64_t m = 0; m < g.heads; ++m) {
       std::fill_n(sum, D, opmath_t(0));
       const scalar_t* head = value + ms_deform_attn_head_start(g, n, m);
-      for (int64_t s = 0; s < g.head_samples(); ++s) {
-        const int64_t sample = ms_deform_attn_sample_index(g, n, q, m, s);
-        int64_t row[4];
-        opmath_t weight[4];
-        const BilinearCell<opmath_t> cell =
-            locate_sample(levels[s / g.points], locations + 2 * sample,
-                          static_cast<opmath_t>(weights[sample]), row, weight);
-        if (!cell.inside) {
-          continue;
-        }
-        for (int corner = 0; corner < 4; ++corner) {
-          // A corner of zero weight is not read: an infinite value there cannot make NaN.
-          if (weight[corner] == opmath_t(0)) {
-            continue;
-          }
-          const scalar_t* pixel = head + row[corner] * g.pixel_stride();
+      for (int64_t l = 0; l < g.levels; ++l) {
+        const scalar_t* level_pixels = head + levels[l].start * g.pixel_stride();
+        for (int64_t p = 0; p < g.points; ++p) {
+          opmath_t w[4];
+          const scalar_t* rows[4];
+          samples.corner_rows(g, l, m, p, level_pixels, zeros, w, rows);
           for (int64_t c = 0; c < D; ++c) {
-            sum[c] += weight[corner] * static_cast<opmath_t>(pixel[c]);
+            sum[c] += w[0] * static_cast<opmath_t>(rows[0][c]) +
+                w[1] * static_cast<opmath_t>(rows[1][c]) +
+                w[2] * static_cast<opmath_t>(rows[2][c]) +
+                w[3] * static_cast<opmath_t>(rows[3][c]);
           }
         }
       }
@@ -104,14 +161,17 @@ void ms_deform_attn_forward_cpu(const MsDeformAttnGeometry& g, const at::Tensor&
   const std::vector<MsDeformAttnLevel> levels = levels_of(g, spatial_shapes, level_start_index);
   DEFORMCONV_DISPATCH(value.scalar_type(), "ms_deform_attn_forward_cpu", [&] {
     using opmath_t = at::opmath_type<scalar_t>;
+    const std::vector<scalar_t> zeros(g.channels, scalar_t(0));
     parallel_task_runs(g.batch * g.queries, [&](TaskRuns& runs) {
+      QuerySamples<opmath_t> samples(g, levels.data());
       std::vector<opmath_t> sum(g.channels);
       int64_t begin, end;
       while (runs.take(begin, end)) {
         forward_queries<scalar_t>(g, levels.data(), value.const_data_ptr<scalar_t>(),
                                   sampling_locations.const_data_ptr<scalar_t>(),
                                   attention_weights.const_data_ptr<scalar_t>(),
-                                  output.mutable_data_ptr<scalar_t>(), sum.data(), begin, end);
+                                  output.mutable_data_ptr<scalar_t>(), zeros.data(), samples,
+                                  sum.data(), begin, end);
       }
     });
   });
