@@ -158,7 +158,8 @@ profile() {
   fi
   local report rc=0
   report=$(mktemp)
-  ncu --clock-control none --nvtx --kernel-name regex:"dcnv3|im2col|col2im|offset_mask" \
+  ncu --clock-control none --nvtx \
+    --kernel-name regex:"dcnv3|ms_deform_attn|im2col|col2im|offset_mask" \
     --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \
     --section LaunchStats --csv --print-units base \
     "$python" tools/gpu_profile_once.py > "$report" || rc=$?

@@ -2,7 +2,7 @@
 training shape: the program that tools/gpu_check.sh runs under Nsight Compute (ncu) to read each
 kernel's achieved DRAM bandwidth and SM throughput. DCNv3 and DCNv4 at FlashInternImage-T's
 stage 2 (batch 64) in float32 and bfloat16; DCN v2 at ResNet-50's c4 stage (batch 8) in
-float32. Each call runs in an NVTX range of its name, which ncu records beside each kernel
+float32; multi-scale deformable attention at Deformable DETR's encoder shape in float32. Each call runs in an NVTX range of its name, which ncu records beside each kernel
 (tools/ncu_summary.py labels the kernels by it). The ops are called directly, not through
 autograd, whose engine would run the backward on a thread of its own, outside the range.
 
@@ -11,7 +11,8 @@ autograd, whose engine would run the backward on a thread of its own, outside th
 
 import torch
 
-from deformconv.benchmarks.shapes import SHAPES, make_dcnv3_tensors, make_tensors, pack_offset_mask
+from deformconv.benchmarks.shapes import (SHAPES, make_dcnv3_tensors, make_msda_tensors,
+                                          make_tensors, pack_offset_mask)
 
 ops = torch.ops.deformconv
 
@@ -48,13 +49,23 @@ def deform_conv2d_calls():
                                                 [True] * 5))]
 
 
+def ms_deform_attn_calls():
+    operands = make_msda_tensors(SHAPES["detr-encoder"], torch.float32, device="cuda")
+    value, locations = operands[0], operands[3]
+    grad_output = torch.randn(value.shape[0], locations.shape[1], value.shape[2] * value.shape[3],
+                              device="cuda")
+    return [("ms_deform_attn float32 forward", lambda: ops.ms_deform_attn(*operands, 64)),
+            ("ms_deform_attn float32 backward",
+             lambda: ops.ms_deform_attn_backward(grad_output, *operands, 64, [True] * 3))]
+
+
 def main():
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     # No warm-up: ncu replays each kernel on its own, caches flushed, so a first call's one-time
     # costs (module loading, library handles) do not enter its figures.
     for name, call in dcnv3_calls(torch.float32) + dcnv3_calls(torch.bfloat16) + \
-            deform_conv2d_calls():
+            deform_conv2d_calls() + ms_deform_attn_calls():
         torch.cuda.nvtx.range_push(name)
         call()
         torch.cuda.synchronize()
