@@ -18,6 +18,8 @@
 
 #include <cstdint>
 
+#include "bilinear_sampling.cuh"
+
 namespace deformconv {
 
 struct MsDeformAttnGeometry {
@@ -49,8 +51,11 @@ struct MsDeformAttnLevel {
 // version counter knowing) as empty rather than read outside value.
 C10_HOST_DEVICE inline bool ms_deform_attn_level_fits(const MsDeformAttnLevel& level,
                                                       int64_t spatial) {
-  return level.height >= 1 && level.width >= 1 && level.height <= spatial / level.width &&
-         level.start >= 0 && level.start <= spatial - level.height * level.width;
+  // Sides of at most kMaxImageSide first, so that their product cannot overflow; no division,
+  // which a GPU makes in software, once per sample.
+  return level.height >= 1 && level.width >= 1 && level.height <= kMaxImageSide &&
+         level.width <= kMaxImageSide && level.start >= 0 &&
+         level.height * level.width <= spatial - level.start;
 }
 
 // The sample's position in its level's pixel coordinates, from its normalised location:
