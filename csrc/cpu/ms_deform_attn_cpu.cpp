@@ -34,70 +34,49 @@ std::vector<MsDeformAttnLevel> levels_of(const MsDeformAttnGeometry& g,
   return levels;
 }
 
-// The cell of sample (n, q, m, s) in its level, its corners' pixel rows in the head's value
-// (0 for a corner outside, never read) and its corner weights with the attention weight
-// folded in (0 outside).
-template <typename scalar_t, typename opmath_t>
-DEFORMCONV_INLINE BilinearCell<opmath_t> locate_sample(const MsDeformAttnLevel& level,
-                                                       const scalar_t* location,
-                                                       opmath_t attention, int64_t row[4],
-                                                       opmath_t weight[4]) {
-  opmath_t y, x;
-  ms_deform_attn_position(static_cast<opmath_t>(location[0]),
-                          static_cast<opmath_t>(location[1]), level, y, x);
-  const BilinearCell<opmath_t> cell = locate_cell(y, x, level.height, level.width);
-  corner_indices(cell, level.width, row);
-  corner_weights(cell, attention, weight);
-  for (int corner = 0; corner < 4; ++corner) {
-    row[corner] += level.start;
-  }
-  return cell;
-}
-
-// The samples of one query, every head, located level by level at once: one LocatedSamples per
-// level, whose sample j = m * P + p is point p of head m. Its position
+// Samples located level by level at once: one LocatedSamples per level, whose sample
+// j = group * P + p is point p of a group (the forward's groups are a query's heads, the
+// backward's a run of queries of one head). A sample's position
 //   x = loc_x * W_l - 0.5 = base -0.5 + (grid 0 + offset loc_x * W_l) * scale 1
-// (and likewise y) is LocatedSamples' form, weighted by the attention weight; the samples are
-// padded to whole vectors with weight 0, located and never read.
+// (and likewise y) is LocatedSamples' form, weighted by its attention weight. The groups are
+// padded to whole vectors with samples of weight 0, located and never read.
 template <typename opmath_t>
-class QuerySamples {
+class LevelSamples {
  public:
-  QuerySamples(const MsDeformAttnGeometry& g, const MsDeformAttnLevel* levels)
-      : per_level_(padded(g.heads * g.points)) {
+  LevelSamples(const MsDeformAttnGeometry& g, const MsDeformAttnLevel* levels, int64_t groups)
+      : per_level_(padded(groups * g.points)) {
     for (int64_t l = 0; l < g.levels; ++l) {
       located_.emplace_back(per_level_, levels[l].height, levels[l].width);
     }
   }
 
-  template <typename scalar_t>
+  // Locates `groups` groups; sample_index(group, l, p) is the index of point p of `group` in
+  // level l among the op's samples.
+  template <typename scalar_t, typename SampleIndex>
   DEFORMCONV_INLINE void locate(const MsDeformAttnGeometry& g, const MsDeformAttnLevel* levels,
                                 const scalar_t* locations, const scalar_t* weights,
-                                int64_t first_sample) {
+                                int64_t groups, const SampleIndex& sample_index) {
     for (int64_t l = 0; l < g.levels; ++l) {
       LocatedSamples<opmath_t>& level = located_[l];
       const opmath_t height = static_cast<opmath_t>(levels[l].height);
       const opmath_t width = static_cast<opmath_t>(levels[l].width);
-      for (int64_t m = 0; m < g.heads; ++m) {
+      for (int64_t group = 0; group < groups; ++group) {
         for (int64_t p = 0; p < g.points; ++p) {
-          const int64_t sample = first_sample + (m * g.levels + l) * g.points + p;
-          const int64_t j = m * g.points + p;
+          const int64_t sample = sample_index(group, l, p);
+          const int64_t j = group * g.points + p;
           level.dx[j] = static_cast<opmath_t>(locations[2 * sample]) * width;
           level.dy[j] = static_cast<opmath_t>(locations[2 * sample + 1]) * height;
           level.m[j] = static_cast<opmath_t>(weights[sample]);
         }
       }
+      // The padding, which an earlier, fuller locate may have filled.
+      std::fill(level.m.begin() + groups * g.points, level.m.end(), opmath_t(0));
       level.locate(per_level_, opmath_t(-0.5), opmath_t(-0.5), opmath_t(1));
     }
   }
 
-  // Point p of head m in level l: its corner weights and rows (LocatedSamples::corner_rows).
-  template <typename scalar_t>
-  DEFORMCONV_INLINE void corner_rows(const MsDeformAttnGeometry& g, int64_t l, int64_t m,
-                                     int64_t p, const scalar_t* level_pixels,
-                                     const scalar_t* zeros, opmath_t weight[4],
-                                     const scalar_t* rows[4]) const {
-    located_[l].corner_rows(m * g.points + p, level_pixels, g.pixel_stride(), zeros, weight,
-                            rows);
+  DEFORMCONV_INLINE const LocatedSamples<opmath_t>& level(int64_t l) const {
+    return located_[l];
   }
 
  private:
@@ -120,14 +99,17 @@ DEFORMCONV_VECTOR_CLONES void forward_queries(const MsDeformAttnGeometry& g,
                                               const scalar_t* value, const scalar_t* locations,
                                               const scalar_t* weights, scalar_t* output,
                                               const scalar_t* zeros,
-                                              QuerySamples<at::opmath_type<scalar_t>>& samples,
+                                              LevelSamples<at::opmath_type<scalar_t>>& samples,
                                               at::opmath_type<scalar_t>* sum, int64_t begin,
                                               int64_t end) {
   using opmath_t = at::opmath_type<scalar_t>;
   const int64_t D = g.channels;
   for (int64_t task = begin; task < end; ++task) {
     const int64_t n = task / g.queries, q = task % g.queries;
-    samples.locate(g, levels, locations, weights, ms_deform_attn_sample_index(g, n, q, 0, 0));
+    samples.locate(g, levels, locations, weights, g.heads,
+                   [&](int64_t m, int64_t l, int64_t p) DEFORMCONV_INLINE_LAMBDA {
+                     return ms_deform_attn_sample_index(g, n, q, m, l * g.points + p);
+                   });
     for (int64_t m = 0; m < g.heads; ++m) {
       std::fill_n(sum, D, opmath_t(0));
       const scalar_t* head = value + ms_deform_attn_head_start(g, n, m);
@@ -136,7 +118,8 @@ DEFORMCONV_VECTOR_CLONES void forward_queries(const MsDeformAttnGeometry& g,
         for (int64_t p = 0; p < g.points; ++p) {
           opmath_t w[4];
           const scalar_t* rows[4];
-          samples.corner_rows(g, l, m, p, level_pixels, zeros, w, rows);
+          samples.level(l).corner_rows(m * g.points + p, level_pixels, g.pixel_stride(), zeros,
+                                       w, rows);
           for (int64_t c = 0; c < D; ++c) {
             sum[c] += w[0] * static_cast<opmath_t>(rows[0][c]) +
                 w[1] * static_cast<opmath_t>(rows[1][c]) +
@@ -163,7 +146,7 @@ void ms_deform_attn_forward_cpu(const MsDeformAttnGeometry& g, const at::Tensor&
     using opmath_t = at::opmath_type<scalar_t>;
     const std::vector<scalar_t> zeros(g.channels, scalar_t(0));
     parallel_task_runs(g.batch * g.queries, [&](TaskRuns& runs) {
-      QuerySamples<opmath_t> samples(g, levels.data());
+      LevelSamples<opmath_t> samples(g, levels.data(), g.heads);
       std::vector<opmath_t> sum(g.channels);
       int64_t begin, end;
       while (runs.take(begin, end)) {
@@ -177,22 +160,30 @@ void ms_deform_attn_forward_cpu(const MsDeformAttnGeometry& g, const at::Tensor&
   });
 }
 
-// The gradients of the samples of heads [begin, end), numbered n * M + m. grad_sums (the value
-// gradient's sums, at::opmath_type) and grad_locations, grad_weights are null where not asked
-// for. `grad` is a buffer of D rounded up to whole lanes, its tail zero; `zeros` is a row of D
-// zeros, the corner rows of the dot products for corners outside the level; `unread` a row of D
-// that is never read, which takes the scatter of corners of weight 0, so that 0 times an
+// Queries per LevelSamples in the backward: a level's points of this many queries fill a vector
+// of 16 floats (P = 4).
+inline int64_t backward_queries_per_locate(const MsDeformAttnGeometry& g) {
+  return std::max<int64_t>(1, 16 / g.points);
+}
+
+// The gradients of the samples of heads [begin, end), numbered n * M + m, the samples of a run
+// of queries located at once (`samples`, whose groups are the queries of the run). grad_sums (the
+// value gradient's sums, at::opmath_type) and grad_locations, grad_weights are null where not
+// asked for. `grad` is a buffer of D rounded up to whole lanes, its tail zero; `zeros` is a row
+// of D zeros, the corner rows of the dot products for corners outside the level; `unread` a row
+// of D that is never read, which takes the scatter of corners of weight 0, so that 0 times an
 // infinite output gradient adds no NaN to the value gradient.
 template <int kVectorBytes, typename scalar_t>
 DEFORMCONV_VECTOR_CLONES void backward_heads(
     const MsDeformAttnGeometry& g, const MsDeformAttnLevel* levels, const scalar_t* grad_output,
     const scalar_t* value, const scalar_t* locations, const scalar_t* weights,
     at::opmath_type<scalar_t>* grad_sums, scalar_t* grad_locations, scalar_t* grad_weights,
-    at::opmath_type<scalar_t>* grad, const scalar_t* zeros, at::opmath_type<scalar_t>* unread,
-    int64_t begin, int64_t end) {
+    LevelSamples<at::opmath_type<scalar_t>>& samples, at::opmath_type<scalar_t>* grad,
+    const scalar_t* zeros, at::opmath_type<scalar_t>* unread, int64_t begin, int64_t end) {
   using opmath_t = at::opmath_type<scalar_t>;
   const int64_t D = g.channels;
   const int64_t stride = g.pixel_stride();
+  const int64_t run = backward_queries_per_locate(g);
   const bool position_grads = grad_locations != nullptr || grad_weights != nullptr;
   for (int64_t task = begin; task < end; ++task) {
     const int64_t n = task / g.heads, m = task % g.heads;
@@ -205,57 +196,71 @@ DEFORMCONV_VECTOR_CLONES void backward_heads(
         std::fill_n(grad_head + pixel * stride, D, opmath_t(0));
       }
     }
-    for (int64_t q = 0; q < g.queries; ++q) {
-      const scalar_t* grad_query = grad_output + ms_deform_attn_output_start(g, n, q, m);
-      for (int64_t c = 0; c < D; ++c) {
-        grad[c] = static_cast<opmath_t>(grad_query[c]);
-      }
-      for (int64_t s = 0; s < g.head_samples(); ++s) {
-        const int64_t sample = ms_deform_attn_sample_index(g, n, q, m, s);
-        const MsDeformAttnLevel& level = levels[s / g.points];
-        const opmath_t attention = static_cast<opmath_t>(weights[sample]);
-        int64_t row[4];
-        opmath_t weight[4];
-        const BilinearCell<opmath_t> cell =
-            locate_sample(level, locations + 2 * sample, attention, row, weight);
-        if (!cell.inside) {
-          // A sample outside its level reads zeros wherever it moves a little: no gradients.
-          if (grad_locations != nullptr) {
-            grad_locations[2 * sample] = grad_locations[2 * sample + 1] = scalar_t(0);
-          }
-          if (grad_weights != nullptr) {
-            grad_weights[sample] = scalar_t(0);
-          }
-          continue;
+    for (int64_t first = 0; first < g.queries; first += run) {
+      const int64_t queries = std::min(run, g.queries - first);
+      samples.locate(g, levels, locations, weights, queries,
+                     [&](int64_t b, int64_t l, int64_t p) DEFORMCONV_INLINE_LAMBDA {
+                       return ms_deform_attn_sample_index(g, n, first + b, m, l * g.points + p);
+                     });
+      for (int64_t b = 0; b < queries; ++b) {
+        const scalar_t* grad_query =
+            grad_output + ms_deform_attn_output_start(g, n, first + b, m);
+        for (int64_t c = 0; c < D; ++c) {
+          grad[c] = static_cast<opmath_t>(grad_query[c]);
         }
-        if (grad_head != nullptr) {
-          opmath_t* grad_row[4];
+        for (int64_t s = 0; s < g.head_samples(); ++s) {
+          const int64_t l = s / g.points;
+          const int64_t sample = ms_deform_attn_sample_index(g, n, first + b, m, s);
+          const LocatedSamples<opmath_t>& located = samples.level(l);
+          const int64_t j = b * g.points + s % g.points;
+          const BilinearCell<opmath_t> cell = located.cell(j);
+          if (!cell.inside) {
+            // A sample outside its level reads zeros wherever it moves a little: no gradients.
+            if (grad_locations != nullptr) {
+              grad_locations[2 * sample] = grad_locations[2 * sample + 1] = scalar_t(0);
+            }
+            if (grad_weights != nullptr) {
+              grad_weights[sample] = scalar_t(0);
+            }
+            continue;
+          }
+          int64_t row[4];
+          located.corner_grid_indices(j, row);
+          opmath_t weight[4];
           for (int corner = 0; corner < 4; ++corner) {
-            grad_row[corner] =
-                weight[corner] != opmath_t(0) ? grad_head + row[corner] * stride : unread;
+            row[corner] += levels[l].start;
+            weight[corner] = located.weight(corner, j);
           }
-          scatter_sample_gradient<kVectorBytes>(grad, D, grad_row, weight);
-        }
-        if (position_grads) {
-          bool inside[4];
-          corners_inside(cell, inside);
-          const scalar_t* corner_rows[4];
-          for (int corner = 0; corner < 4; ++corner) {
-            corner_rows[corner] = inside[corner] ? head + row[corner] * stride : zeros;
+          if (grad_head != nullptr) {
+            opmath_t* grad_row[4];
+            for (int corner = 0; corner < 4; ++corner) {
+              grad_row[corner] =
+                  weight[corner] != opmath_t(0) ? grad_head + row[corner] * stride : unread;
+            }
+            scatter_sample_gradient<kVectorBytes>(grad, D, grad_row, weight);
           }
-          opmath_t dot[4];
-          corner_dot_products(grad, D, corner_rows, dot);
-          // Bilinear's derivatives by x and y, and its value, each summed with the gradient over
-          // the channels; the position is loc * W - 0.5, so d/d(loc_x) = W d/dx.
-          const OffsetMaskGradSums<opmath_t> sums = offset_mask_grad_sums_of_dots(cell, dot);
-          if (grad_locations != nullptr) {
-            grad_locations[2 * sample] =
-                static_cast<scalar_t>(attention * sums.x * static_cast<opmath_t>(level.width));
-            grad_locations[2 * sample + 1] =
-                static_cast<scalar_t>(attention * sums.y * static_cast<opmath_t>(level.height));
-          }
-          if (grad_weights != nullptr) {
-            grad_weights[sample] = static_cast<scalar_t>(sums.m);
+          if (position_grads) {
+            bool inside[4];
+            corners_inside(cell, inside);
+            const scalar_t* corner_rows[4];
+            for (int corner = 0; corner < 4; ++corner) {
+              corner_rows[corner] = inside[corner] ? head + row[corner] * stride : zeros;
+            }
+            opmath_t dot[4];
+            corner_dot_products(grad, D, corner_rows, dot);
+            // Bilinear's derivatives by x and y, and its value, each summed with the gradient
+            // over the channels; the position is loc * W - 0.5, so d/d(loc_x) = W d/dx.
+            const OffsetMaskGradSums<opmath_t> sums = offset_mask_grad_sums_of_dots(cell, dot);
+            const opmath_t attention = located.mask(j);
+            if (grad_locations != nullptr) {
+              grad_locations[2 * sample] = static_cast<scalar_t>(
+                  attention * sums.x * static_cast<opmath_t>(levels[l].width));
+              grad_locations[2 * sample + 1] = static_cast<scalar_t>(
+                  attention * sums.y * static_cast<opmath_t>(levels[l].height));
+            }
+            if (grad_weights != nullptr) {
+              grad_weights[sample] = static_cast<scalar_t>(sums.m);
+            }
           }
         }
       }
@@ -291,6 +296,7 @@ void ms_deform_attn_backward_cpu(const MsDeformAttnGeometry& g, const at::Tensor
         record_channel_loops("ms_deform_attn.cpu.dots", D, {kLanes});
       }
       parallel_task_runs(g.batch * g.heads, [&](TaskRuns& runs) {
+        LevelSamples<opmath_t> samples(g, levels.data(), backward_queries_per_locate(g));
         std::vector<opmath_t> grad(whole_lanes, opmath_t(0));
         std::vector<opmath_t> unread(whole_lanes);
         int64_t begin, end;
@@ -301,8 +307,8 @@ void ms_deform_attn_backward_cpu(const MsDeformAttnGeometry& g, const at::Tensor
               attention_weights.const_data_ptr<scalar_t>(),
               mutable_data_or_null<opmath_t>(sums),
               mutable_data_or_null<scalar_t>(grad_sampling_locations),
-              mutable_data_or_null<scalar_t>(grad_attention_weights), grad.data(), zeros.data(),
-              unread.data(), begin, end);
+              mutable_data_or_null<scalar_t>(grad_attention_weights), samples, grad.data(),
+              zeros.data(), unread.data(), begin, end);
         }
       });
     });
