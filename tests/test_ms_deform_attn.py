@@ -272,30 +272,44 @@ def test_double_backward_raises():
         grad.sum().backward()
 
 
-def test_emulated_levels_checked_once_while_unmodified(emulated):
+# Changes to level 1 of [(4, 6), (2, 3), (1, 1)] (S = 31) that the version counter does not see:
+# made through .data, which shares the storage but not the counter.
+UNSEEN_CHANGES = {
+    "start past S": lambda shapes, starts: starts.data.__setitem__(1, 26),  # would end at 32
+    "negative start": lambda shapes, starts: starts.data.__setitem__(1, -1),
+    "no rows": lambda shapes, starts: shapes.data.__setitem__((1, 0), 0),
+    "side past the limit": lambda shapes, starts: shapes.data.__setitem__((1, 1), 2**40),
+}
+
+
+@pytest.mark.parametrize("change", UNSEEN_CHANGES)
+def test_emulated_levels_checked_once_while_unmodified(emulated, change):
     """Off the CPU, reading the levels waits for the device: the driver checks a pair of index
-    tensors once and remembers it while neither is modified (the emulated op's CPU tensors stand
-    for device tensors). A change in place is checked again; a level changed behind the version
-    counter's back (through .data) so that it no longer fits in value is read by the kernels as
-    empty, never outside value."""
+    tensors once and remembers it, with value's S, while neither is modified (the emulated op's
+    CPU tensors stand for device tensors). Another S or a change in place is checked again; a
+    level changed behind the version counter's back so that it no longer fits in value is read
+    by the kernels as empty, never outside value."""
     operands = make_operands([(4, 6), (2, 3), (1, 1)], queries=4, channels=4, points=3)
     value, shapes, starts, locations, weights = operands
     torch.testing.assert_close(emulated.ms_deform_attn(*operands, 64), call(operands))
+    with pytest.raises(ValueError, match=r"expected value to have as many rows \(dimension 1, "
+                                         r"30\)"):
+        emulated.ms_deform_attn(value[:, :-1], shapes, starts, locations, weights, 64)
     starts[1] += 1
     with pytest.raises(ValueError, match=r"expected level_start_index\[1\] to be 24"):
         emulated.ms_deform_attn(*operands, 64)
     starts[1] -= 1
     emulated.ms_deform_attn(*operands, 64)
-    starts.data[1] = value.shape[1] - 5  # level 1 (6 pixels) would end one row past S
+    valid_shapes, valid_starts = shapes.clone(), starts.clone()
+    UNSEEN_CHANGES[change](shapes, starts)
     out = emulated.ms_deform_attn(*operands, 64)
     grad_output = torch.randn(out.shape, dtype=torch.float64)
     grads = emulated.ms_deform_attn_backward(grad_output, *operands, 64, [True, True, True])
-    # Level 1 read as empty: the op on valid levels with level 1's weights zero, and no
+    # Level 1 read as empty: the op on the valid levels with level 1's weights zero, and no
     # gradient for level 1's samples.
-    valid_starts = torch.tensor([0, 24, 30])
     without = weights.clone()
     without[:, :, :, 1] = 0
-    reference = (value, shapes, valid_starts, locations, without)
+    reference = (value, valid_shapes, valid_starts, locations, without)
     torch.testing.assert_close(out, call(reference))
     expected = torch.ops.deformconv.ms_deform_attn_backward(grad_output, *reference, 64,
                                                             [True, True, True])

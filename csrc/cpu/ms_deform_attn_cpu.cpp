@@ -38,8 +38,9 @@ std::vector<MsDeformAttnLevel> levels_of(const MsDeformAttnGeometry& g,
 // j = group * P + p is point p of a group (the forward's groups are a query's heads, the
 // backward's a run of queries of one head). A sample's position
 //   x = loc_x * W_l - 0.5 = base -0.5 + (grid 0 + offset loc_x * W_l) * scale 1
-// (and likewise y) is LocatedSamples' form, weighted by its attention weight. The groups are
-// padded to whole vectors with samples of weight 0, located and never read.
+// (and likewise y) is LocatedSamples' form, weighted by its attention weight. The samples are
+// padded to whole vectors: those past the groups of a locate (zeros, or what an earlier locate
+// left there) are located with the rest and never read.
 template <typename opmath_t>
 class LevelSamples {
  public:
@@ -69,8 +70,6 @@ class LevelSamples {
           level.m[j] = static_cast<opmath_t>(weights[sample]);
         }
       }
-      // The padding, which an earlier, fuller locate may have filled.
-      std::fill(level.m.begin() + groups * g.points, level.m.end(), opmath_t(0));
       level.locate(per_level_, opmath_t(-0.5), opmath_t(-0.5), opmath_t(1));
     }
   }
