@@ -38,65 +38,36 @@ def roofline(runs, medians: Dict[str, float], bytes_per_second: float, ops) -> d
     return report
 
 
-def benchmark_dcnv3_shape(shape: Dcnv3Shape, args, bandwidth: Optional[dict]) -> dict:
-    dtype = getattr(torch, args.dtype)
-    tensors = make_dcnv3_tensors(shape, dtype, device=args.device)
-    runs = dcnv3_contenders(shape, tensors)
+def benchmark_against_formulation(shape, runs, ops, args, bandwidth: Optional[dict]) -> dict:
+    """One shape of ops (DCNv3 and DCNv4, or multi-scale deformable attention) against their
+    grid_sample formulation, every contender of runs ({name: (run, inputs)}) timed forward and
+    forward+backward: the ratios, peak forward memory, each peer's agreement with ops[0], and on
+    a run with the copy bandwidth the memory roofline."""
     steps = {}
     for name, (run, inputs) in runs.items():
         steps[f"{name} forward"] = forward_step(run, inputs)
         steps[f"{name} forward+backward"] = forward_backward_step(run, inputs)
     with torch.no_grad():
-        ours = runs["dcnv3"][0](*tensors)
+        reference, reference_inputs = runs[ops[0]]
+        ours = reference(*reference_inputs)
         agreement = {f"{name} max abs difference": (run(*inputs) - ours).abs().max().item()
-                     for name, (run, inputs) in runs.items() if name != "dcnv3"}
+                     for name, (run, inputs) in runs.items() if name != ops[0]}
     medians = time_interleaved(steps, args.repeats, args.warmup, args.device)
     result = {"shape": asdict(shape), "describe": shape.describe(), "median_seconds": medians,
               "ratios": {}, "peak_forward_bytes": {}, "agreement": agreement}
     for phase in ("forward", "forward+backward"):
         peer = medians[f"grid_sample formulation {phase}"]
-        for name in ("dcnv3", "dcnv4"):
+        for name in ops:
             result["ratios"][f"grid_sample formulation/{name} {phase}"] = (
                 peer / medians[f"{name} {phase}"])
     for name, (run, inputs) in runs.items():
         result["peak_forward_bytes"][name] = peak_forward_bytes(run, inputs, args.device)
     grid_sample_peak = result["peak_forward_bytes"]["grid_sample formulation"]
-    for name in ("dcnv3", "dcnv4"):
+    for name in ops:
         result["ratios"][f"grid_sample formulation/{name} peak forward memory"] = (
             grid_sample_peak / result["peak_forward_bytes"][name])
     if bandwidth is not None:
-        result["roofline"] = roofline(runs, medians, bandwidth["bytes_per_second"],
-                                      ("dcnv3", "dcnv4"))
-    return result
-
-
-def benchmark_msda_shape(shape: MsdaShape, args, bandwidth: Optional[dict]) -> dict:
-    """Multi-scale deformable attention against the grid_sample formulation: times, ratios,
-    peak forward memory, agreement, and on a run with the copy bandwidth the roofline."""
-    tensors = make_msda_tensors(shape, getattr(torch, args.dtype), device=args.device)
-    runs = msda_contenders(tensors)
-    steps = {}
-    for name, (run, inputs) in runs.items():
-        steps[f"{name} forward"] = forward_step(run, inputs)
-        steps[f"{name} forward+backward"] = forward_backward_step(run, inputs)
-    with torch.no_grad():
-        difference = (runs["grid_sample formulation"][0](*tensors)
-                      - runs["ms_deform_attn"][0](*tensors))
-    medians = time_interleaved(steps, args.repeats, args.warmup, args.device)
-    peaks = {name: peak_forward_bytes(run, inputs, args.device)
-             for name, (run, inputs) in runs.items()}
-    result = {"shape": asdict(shape), "describe": shape.describe(), "median_seconds": medians,
-              "ratios": {}, "peak_forward_bytes": peaks,
-              "agreement": {"grid_sample formulation max abs difference":
-                            difference.abs().max().item()}}
-    for phase in ("forward", "forward+backward"):
-        result["ratios"][f"grid_sample formulation/ms_deform_attn {phase}"] = (
-            medians[f"grid_sample formulation {phase}"] / medians[f"ms_deform_attn {phase}"])
-    result["ratios"]["grid_sample formulation/ms_deform_attn peak forward memory"] = (
-        peaks["grid_sample formulation"] / peaks["ms_deform_attn"])
-    if bandwidth is not None:
-        result["roofline"] = roofline(runs, medians, bandwidth["bytes_per_second"],
-                                      ("ms_deform_attn",))
+        result["roofline"] = roofline(runs, medians, bandwidth["bytes_per_second"], ops)
     return result
 
 
@@ -121,11 +92,13 @@ def drop_unsupported_contenders(runs: Dict[str, object], tensors) -> Dict[str, s
 
 def benchmark_shape(shape: Shape, args, bandwidth: Optional[dict] = None) -> dict:
     """One shape's report; bandwidth (copy_bandwidth's) gives DCNv3/DCNv4 their roofline."""
-    if isinstance(shape, Dcnv3Shape):
-        return benchmark_dcnv3_shape(shape, args, bandwidth)
-    if isinstance(shape, MsdaShape):
-        return benchmark_msda_shape(shape, args, bandwidth)
     dtype = getattr(torch, args.dtype)
+    if isinstance(shape, Dcnv3Shape):
+        runs = dcnv3_contenders(shape, make_dcnv3_tensors(shape, dtype, device=args.device))
+        return benchmark_against_formulation(shape, runs, ("dcnv3", "dcnv4"), args, bandwidth)
+    if isinstance(shape, MsdaShape):
+        runs = msda_contenders(make_msda_tensors(shape, dtype, device=args.device))
+        return benchmark_against_formulation(shape, runs, ("ms_deform_attn",), args, bandwidth)
     tensors = make_tensors(shape, dtype, modulated=not args.v1, device=args.device)
     runs = contenders(shape, tensors, args.im2col_step)
     if args.no_torchvision:
