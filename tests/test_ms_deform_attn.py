@@ -58,6 +58,17 @@ def make_operands(shapes, batch=2, queries=5, heads=2, channels=3, points=2, spr
             weights.to(dtype))
 
 
+def assert_requested_gradients(requested, grads, expected, dtype):
+    """The backward's (value, sampling_locations, attention_weights) gradients: those requested
+    close to `expected` at dtype's precision, the others not made."""
+    for name, want, grad, full in zip(("value", "sampling_locations", "attention_weights"),
+                                      requested, grads, expected):
+        if want:
+            assert_close_at(grad, full, dtype, f"{name} of {requested}")
+        else:
+            assert grad is None
+
+
 def call(operands, im2col_step=64):
     return deformconv.ms_deform_attn(*operands, im2col_step)
 
@@ -153,12 +164,7 @@ def test_cpu_backward_channel_loops(channels, dtype):
         if any(requested[1:]):
             names |= channel_loops("ms_deform_attn.cpu.dots", channels, [LANES])
         assert {name for name in taken if name.startswith(CPU_BRANCHES)} == names, sorted(taken)
-        for name, want, grad, full in zip(("value", "sampling_locations", "attention_weights"),
-                                          requested, grads, expected):
-            if want:
-                assert_close_at(grad, full, dtype, f"{name} of {requested}")
-            else:
-                assert grad is None
+        assert_requested_gradients(requested, grads, expected, dtype)
 
 
 @pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-5), (torch.float16, 2e-2),
@@ -496,9 +502,4 @@ def test_emulated_cuda_paths(emulated, channels, aligned, dtype):
         if any(requested[1:]):
             kernel.add("ms_deform_attn.cuda.backward.location_weight_gradients")
         assert taken & CUDA_BRANCHES == backward | kernel, sorted(taken)
-        for name, want, grad, full in zip(("value", "sampling_locations", "attention_weights"),
-                                          requested, grads, expected_grads):
-            if want:
-                assert_close_at(grad, full, dtype, f"{name} of {requested}")
-            else:
-                assert grad is None
+        assert_requested_gradients(requested, grads, expected_grads, dtype)
