@@ -305,6 +305,28 @@ def test_emulator_refuses_a_barrier_that_a_thread_has_left(emulated):
     assert emulated.take_bookkeeping()[4] == 1
 
 
+@pytest.mark.parametrize("thread_order", [FORWARD, REVERSE, SHUFFLED])
+def test_emulator_warp_barrier_orders_shared_memory_within_a_warp(emulated, thread_order):
+    # Each lane reads what the next lane of its warp wrote before the __syncwarp.
+    set_emulator(emulated, thread_order=thread_order, seed=5)
+    assert emulated.probe_warp_barrier(64, -1, -1) == [
+        10 * (t // 32 * 32 + (t + 1) % 32) for t in range(64)]
+    assert emulated.take_bookkeeping()[4] == 0
+
+
+def test_emulator_refuses_a_warp_barrier_that_a_lane_has_left(emulated):
+    with pytest.raises(RuntimeError, match="waits for lane 7, which has exited"):
+        emulated.probe_warp_barrier(64, 39, -1)
+    assert emulated.take_bookkeeping()[4] == 1
+
+
+def test_emulator_refuses_a_shuffle_met_at_a_warp_barrier(emulated):
+    # Lane 0 of the first warp shuffles while its other lanes wait at a __syncwarp.
+    with pytest.raises(RuntimeError, match="waits at another shuffle or barrier"):
+        emulated.probe_warp_barrier(32, -1, 0)
+    assert emulated.take_bookkeeping()[4] == 1
+
+
 @pytest.mark.parametrize("in_channels,groups,offset_groups", [
     (40, 1, 1),   # a whole warp per sample, 8 of its lanes take a second channel
     (70, 2, 2),   # 35 channels per deform group: 3 of the 32 lanes take a second one

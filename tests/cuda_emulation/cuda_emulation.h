@@ -13,9 +13,10 @@
 //     C10_CUDA_KERNEL_LAUNCH_CHECK raises;
 //   - the threads of a block run as coroutines (ucontext) that meet at each __shfl_xor_sync,
 //     where the values of a warp's lanes are exchanged once every lane named in the mask has
-//     arrived, and at each __syncthreads, passed once every thread of the block has arrived; a
-//     lane that names an exited lane, reads from a lane outside the mask, or a barrier that a
-//     thread has exited before, fails the launch, as it would hang or read garbage on a GPU;
+//     arrived, at each __syncwarp likewise (exchanging nothing), and at each __syncthreads,
+//     passed once every thread of the block has arrived; a lane that names an exited lane,
+//     reads from a lane outside the mask, or a barrier that a thread has exited before, fails
+//     the launch, as it would hang or read garbage on a GPU;
 //   - __shared__ is thread_local storage: the threads of a block run on one CPU thread, and a
 //     block finds there what the previous one left, as uninitialised shared memory may hold.
 // Running the threads one at a time makes a plain add in place of an atomic add correct; what
@@ -190,18 +191,17 @@ class Block {
   template <typename T>
   T shuffle_xor(unsigned member_mask, T value, int lane_mask, int width) {
     static_assert(sizeof(T) <= sizeof(uint64_t) && std::is_trivially_copyable_v<T>);
-    Thread& thread = threads_[running_];
-    thread.state = State::kAtShuffle;
-    thread.member_mask = member_mask;
-    thread.lane_mask = lane_mask;
-    thread.width = width;
-    thread.value = 0;
-    std::memcpy(&thread.value, &value, sizeof(T));
-    yield_to_scheduler();
+    uint64_t offered = 0;
+    std::memcpy(&offered, &value, sizeof(T));
+    const uint64_t received = meet_lanes(member_mask, offered, lane_mask, width, false);
     T result;
-    std::memcpy(&result, &threads_[running_].value, sizeof(T));
+    std::memcpy(&result, &received, sizeof(T));
     return result;
   }
+
+  // What __syncwarp does in a thread of this block: the lanes of the mask meet as at a shuffle
+  // that exchanges nothing, each of them at a __syncwarp.
+  void warp_barrier(unsigned member_mask) { meet_lanes(member_mask, 0, 0, kWarpSize, true); }
 
   // What __syncthreads does in a thread of this block.
   void barrier() {
@@ -234,7 +234,23 @@ class Block {
     int lane_mask = 0;
     int width = kWarpSize;
     uint64_t value = 0;  // the value offered at a shuffle, then the value received
+    bool warp_barrier = false;  // waits at a __syncwarp rather than at a shuffle
   };
+
+  // Waits until the lanes of the mask have arrived (resolve_shuffles), offering `value`;
+  // returns the value received.
+  uint64_t meet_lanes(unsigned member_mask, uint64_t value, int lane_mask, int width,
+                      bool warp_barrier) {
+    Thread& thread = threads_[running_];
+    thread.state = State::kAtShuffle;
+    thread.member_mask = member_mask;
+    thread.lane_mask = lane_mask;
+    thread.width = width;
+    thread.value = value;
+    thread.warp_barrier = warp_barrier;
+    yield_to_scheduler();
+    return threads_[running_].value;
+  }
 
   static void thread_entry() {
     Block& block = *current_block();
@@ -322,10 +338,11 @@ class Block {
           continue;
         }
         if (other >= lane_count || lanes[other].state != State::kAtShuffle ||
-            lanes[other].member_mask != lane.member_mask) {
+            lanes[other].member_mask != lane.member_mask ||
+            lanes[other].warp_barrier != lane.warp_barrier) {
           return fail("__shfl_xor_sync: lane " + std::to_string(l) + " waits for lane " +
                       std::to_string(other) +
-                      ", which has exited or waits at another shuffle or a barrier");
+                      ", which has exited or waits at another shuffle or barrier");
         }
       }
       // A source past the lane's own group of `width` lanes gives the lane its own value.
@@ -477,3 +494,8 @@ T __shfl_xor_sync(unsigned member_mask, T value, int lane_mask,
 
 // The block-wide barrier.
 inline void __syncthreads() { ::cuda_emulation::Block::current_block()->barrier(); }
+
+// The barrier of a warp's lanes named in the mask.
+inline void __syncwarp(unsigned member_mask = 0xffffffffu) {
+  ::cuda_emulation::Block::current_block()->warp_barrier(member_mask);
+}

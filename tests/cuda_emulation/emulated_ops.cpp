@@ -56,6 +56,9 @@ void configure(int64_t block_order, int64_t thread_order, int64_t grid_cap, int6
       columns_tile_bytes > 0 ? columns_tile_bytes : cuda_launchers().columns_tile_bytes;
 }
 
+// DEFORMCONV_NARROW_INDEX_LIMIT of the launchers, until the next configure().
+void set_narrow_index_limit(int64_t limit) { cuda_emulation::settings().narrow_index_limit = limit; }
+
 // [launches, launch checks, launches off the current stream, launches outside a device guard,
 // invalid launches, launches not followed by their check], then cleared.
 std::vector<int64_t> take_bookkeeping() {
@@ -131,6 +134,39 @@ std::vector<int64_t> probe_barrier(int64_t threads, int64_t exiting_thread) {
   return received;
 }
 
+__global__ void warp_barrier_kernel(int64_t* received, int64_t exiting_thread,
+                                    int64_t shuffling_thread) {
+  constexpr int kMostThreads = 1024;
+  __shared__ int64_t offered[kMostThreads];
+  const int64_t thread = threadIdx.x;
+  if (thread == exiting_thread) {
+    return;
+  }
+  const int64_t warp_start = thread / 32 * 32;
+  offered[thread] = 10 * thread;
+  if (thread == shuffling_thread) {
+    __shfl_xor_sync(0xffffffffu, thread, 0);
+  } else {
+    __syncwarp();
+  }
+  received[thread] = offered[warp_start + (thread + 1) % 32];
+  __syncwarp();
+  offered[thread] = -1;
+}
+
+// One block of `threads` threads (whole warps), each but `exiting_thread` offering 10 times its
+// index in shared memory and, past a __syncwarp (a shuffle in `shuffling_thread`), reading that
+// of the next lane of its warp (-1: took no part), or the launch error. For the tests of the
+// emulator's warp barriers.
+std::vector<int64_t> probe_warp_barrier(int64_t threads, int64_t exiting_thread,
+                                        int64_t shuffling_thread) {
+  std::vector<int64_t> received(static_cast<size_t>(threads), -1);
+  DEFORMCONV_LAUNCH(warp_barrier_kernel, 1, threads, c10::cuda::getCurrentCUDAStream())(
+      received.data(), exiting_thread, shuffling_thread);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return received;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(deformconv_emulated, m) {
@@ -151,6 +187,8 @@ TORCH_LIBRARY(deformconv_emulated, m) {
   m.def("probe_shuffle_xor(int threads, int member_mask, int lane_mask, int width, "
         "int exiting_thread) -> int[]");
   m.def("probe_barrier(int threads, int exiting_thread) -> int[]");
+  m.def("set_narrow_index_limit(int limit) -> ()");
+  m.def("probe_warp_barrier(int threads, int exiting_thread, int shuffling_thread) -> int[]");
 }
 
 TORCH_LIBRARY_IMPL(deformconv_emulated, CPU, m) {
@@ -172,6 +210,8 @@ TORCH_LIBRARY_IMPL(deformconv_emulated, CompositeExplicitAutograd, m) {
   m.impl("probe_launch", TORCH_FN(probe_launch));
   m.impl("probe_shuffle_xor", TORCH_FN(probe_shuffle_xor));
   m.impl("probe_barrier", TORCH_FN(probe_barrier));
+  m.impl("probe_warp_barrier", TORCH_FN(probe_warp_barrier));
+  m.impl("set_narrow_index_limit", TORCH_FN(set_narrow_index_limit));
 }
 
 }  // namespace deformconv
