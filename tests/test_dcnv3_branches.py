@@ -270,3 +270,40 @@ def test_emulated_cuda_paths(emulated, index_width, op, group_channels, aligned,
                 assert_close_at(grad, full, dtype, f"gradient {index} of {requested}")
             else:
                 assert grad is None
+
+
+# (padding, the largest element index the kernels form): with padding 1 the input's, with its
+# far corners past the last pixel; with padding 3 the output's (2 images of 9 x 11 pixels).
+LARGEST_INDEX_CASES = {"input": (1, (2 * 5 * 7 + 7 + 1) * 8), "output": (3, 2 * 9 * 11 * 8)}
+
+
+@pytest.mark.parametrize("case", LARGEST_INDEX_CASES)
+def test_emulated_cuda_index_width_follows_the_largest_element_index(emulated, case):
+    """The 32-bit build indexes the input's and the output's elements in 32 bits, so the
+    launchers take it only where every element index that its kernels form is within the limit,
+    as well as every dividend: at a limit of the largest index, the 32-bit build; one below it,
+    the 64-bit build, though every dividend (items, kernel taps) is still within it. Both
+    against the CPU op, forward and every gradient."""
+    padding, largest = LARGEST_INDEX_CASES[case]
+    geometry = ((3, 3), (1, 1), (padding, padding), (1, 1), 2, 4)
+    operands = random_operands(2, 5, 7, geometry, seed=padding)
+    tail = (*arguments(geometry), 0, False)
+    expected = torch.ops.deformconv.dcnv3(*operands, *tail)
+    grad_output = torch.randn(expected.shape, generator=torch.Generator().manual_seed(2),
+                              dtype=torch.float64)
+    expected_grads = torch.ops.deformconv.dcnv3_backward(grad_output, *operands, *tail,
+                                                         [True] * 3)
+    items = expected.shape[0] * expected.shape[1] * expected.shape[2] * 2
+    assert max(items, 9) < largest - 1
+    for limit, width in [(largest, "32bit"), (largest - 1, "64bit")]:
+        emulated.configure(0, 0, 0, 0, 0, 0, False)
+        emulated.set_narrow_index_limit(limit)
+        with branch_trace(emulated) as taken:
+            out = emulated.dcnv3(*operands, *tail)
+            grads = emulated.dcnv3_backward(grad_output, *operands, *tail, [True] * 3)
+        emulated.configure(0, 0, 0, 0, 0, 0, False)
+        assert taken & {"dcnv3.cuda.index.32bit", "dcnv3.cuda.index.64bit"} == {
+            f"dcnv3.cuda.index.{width}"}, (limit, sorted(taken))
+        torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+        for grad, full in zip(grads, expected_grads):
+            torch.testing.assert_close(grad, full, rtol=1e-12, atol=1e-12)

@@ -170,13 +170,17 @@ C10_HOST_DEVICE inline SharedSample<opmath_t> share_sample(opmath_t y, opmath_t 
 
 // Element offsets of a cell's four corners from its top-left one (corners_inside's order) in
 // an image whose pixels lie `pixel_stride` elements apart. A kernel computes them once, so that
-// a corner's place is the sample's top-left offset plus one of these.
+// a corner's place is the sample's top-left offset plus one of these. index_t is int64_t, or
+// int32_t in a kernel whose element indices all fit it.
+template <typename index_t>
 struct CornerSteps {
-  int64_t from_top_left[4];
+  index_t from_top_left[4];
 };
 
-C10_HOST_DEVICE inline CornerSteps corner_steps(int64_t width, int64_t pixel_stride) {
-  return {{0, pixel_stride, width * pixel_stride, (width + 1) * pixel_stride}};
+template <typename index_t>
+C10_HOST_DEVICE inline CornerSteps<index_t> corner_steps(int64_t width, int64_t pixel_stride) {
+  return {{0, static_cast<index_t>(pixel_stride), static_cast<index_t>(width * pixel_stride),
+           static_cast<index_t>((width + 1) * pixel_stride)}};
 }
 
 // m * bilinear(image, (y, x)) of one channel, `channel` as in the comment at the top, in the

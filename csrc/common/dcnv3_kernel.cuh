@@ -17,6 +17,7 @@
 #include <c10/macros/Macros.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "bilinear_sampling.cuh"
 #include "invariant_divisor.h"
@@ -51,34 +52,36 @@ struct Dcnv3Fields {
   int64_t mask_pixel_stride, mask_group_stride;
 };
 
-// One sample: output pixel `pixel` = (n * Ho + ho) * Wo + wo of the batch, group, point.
-struct Dcnv3Sample {
-  int64_t n, ho, wo, pixel, group, point;
+// An item of the CUDA launchers, numbered pixel * G + group: output pixel `pixel` =
+// (n * Ho + ho) * Wo + wo of the batch, and a group.
+struct Dcnv3Item {
+  int64_t n, ho, wo, pixel, group;
 };
 
 // The divisors of a CUDA thread's index arithmetic, made once per launch: an item (pixel * G +
 // group) into pixel and group, a pixel into image, row and column, a kernel tap into column
 // and row. int64_t, or InvariantDivisor (a multiply-high and a shift instead of a 64-bit
-// division's subroutine) when every dividend of the launch is below 2^31.
+// division's subroutine) when every dividend of the launch is below 2^31; with it, the
+// elements of the input and output (their index_type) are indexed in 32 bits, which the
+// launcher also checks.
 template <typename Divisor>
 struct Dcnv3Divisors {
   using divisor_type = Divisor;
+  using index_type =
+      std::conditional_t<std::is_same_v<Divisor, InvariantDivisor>, int32_t, int64_t>;
   Divisor groups, out_width, out_height, kernel_h;
 
   explicit Dcnv3Divisors(const Dcnv3Geometry& g)
       : groups(g.groups), out_width(g.out_width), out_height(g.out_height), kernel_h(g.kernel_h) {}
 };
 
-// Sample `point` of item `item` = pixel * G + group.
 template <typename Divisor>
-C10_HOST_DEVICE inline Dcnv3Sample dcnv3_sample_of_item(const Dcnv3Divisors<Divisor>& d,
-                                                        int64_t item, int64_t point) {
-  Dcnv3Sample s;
-  s.pixel = divide(item, d.groups, s.group);
-  const int64_t rows = divide(s.pixel, d.out_width, s.wo);  // n * Ho + ho
-  s.n = divide(rows, d.out_height, s.ho);
-  s.point = point;
-  return s;
+C10_HOST_DEVICE inline Dcnv3Item dcnv3_item(const Dcnv3Divisors<Divisor>& d, int64_t item) {
+  Dcnv3Item it;
+  it.pixel = divide(item, d.groups, it.group);
+  const int64_t rows = divide(it.pixel, d.out_width, it.wo);  // n * Ho + ho
+  it.n = divide(rows, d.out_height, it.ho);
+  return it;
 }
 
 // The kernel column i (along x) and row j (along y) of a point: points run column by column,
@@ -105,8 +108,9 @@ C10_HOST_DEVICE inline void dcnv3_centre_tap(const Dcnv3Geometry& g, int64_t ho,
 // and likewise y: the reference point where a convolution's centre tap would be, and the
 // dilation grid and the offset about it, both scaled by s. The terms are added in this order,
 // the originals' order. The reference point depends on the pixel only and the grid term on the
-// point only: dcnv3_reference_point and dcnv3_grid_point, which a CPU launcher computes once
-// each, give the terms of this sum.
+// point only: dcnv3_reference_point and dcnv3_grid_point give the terms of this sum, which the
+// CPU launchers compute once per pixel and per task, and the CUDA kernels once per item and per
+// sample (dcnv3_position).
 template <typename opmath_t>
 C10_HOST_DEVICE inline void dcnv3_reference_point(const Dcnv3Geometry& g, int64_t ho, int64_t wo,
                                                   opmath_t& base_y, opmath_t& base_x) {
@@ -129,23 +133,41 @@ C10_HOST_DEVICE inline void dcnv3_grid_point(const Dcnv3Geometry& g, const Divis
   grid_y = static_cast<opmath_t>(j * g.dilation_h);
 }
 
+// What the positions of an item's points share: its pixel's reference point, and where the
+// offsets and the mask of its point 0 are. A CUDA thread computes it once per item, and then
+// each point's position from it (dcnv3_position).
+template <typename opmath_t>
+struct Dcnv3ItemStart {
+  opmath_t base_y, base_x;
+  int64_t offset_at, mask_at;
+};
+
+template <typename opmath_t>
+C10_HOST_DEVICE inline Dcnv3ItemStart<opmath_t> dcnv3_item_start(const Dcnv3Geometry& g,
+                                                                const Dcnv3Fields& f,
+                                                                const Dcnv3Item& it) {
+  Dcnv3ItemStart<opmath_t> start;
+  dcnv3_reference_point(g, it.ho, it.wo, start.base_y, start.base_x);
+  start.offset_at = it.pixel * f.offset_pixel_stride + it.group * f.offset_group_stride;
+  start.mask_at = it.pixel * f.mask_pixel_stride + it.group * f.mask_group_stride;
+  return start;
+}
+
+// The sampled position (y, x) of an item's point and its mask value m. `kernel_h` divides as
+// Dcnv3Divisors' (dcnv3_tap).
 template <typename scalar_t, typename opmath_t, typename Divisor>
-C10_HOST_DEVICE inline void dcnv3_position(const Dcnv3Geometry& g, const Dcnv3Divisors<Divisor>& d,
-                                           const Dcnv3Fields& f, const Dcnv3Sample& s,
+C10_HOST_DEVICE inline void dcnv3_position(const Dcnv3Geometry& g, const Divisor& kernel_h,
+                                           const Dcnv3ItemStart<opmath_t>& start, int64_t point,
                                            const scalar_t* offset, const scalar_t* mask,
                                            opmath_t& y, opmath_t& x, opmath_t& m) {
-  opmath_t base_y, base_x, grid_y, grid_x;
-  dcnv3_reference_point(g, s.ho, s.wo, base_y, base_x);
-  dcnv3_grid_point(g, d.kernel_h, s.point, grid_y, grid_x);
+  opmath_t grid_y, grid_x;
+  dcnv3_grid_point(g, kernel_h, point, grid_y, grid_x);
   const opmath_t scale = static_cast<opmath_t>(g.offset_scale);
-  const int64_t offset_at =
-      s.pixel * f.offset_pixel_stride + s.group * f.offset_group_stride + 2 * s.point;
-  const opmath_t dx = static_cast<opmath_t>(offset[offset_at]);
-  const opmath_t dy = static_cast<opmath_t>(offset[offset_at + 1]);
-  x = base_x + (grid_x + dx) * scale;
-  y = base_y + (grid_y + dy) * scale;
-  m = static_cast<opmath_t>(
-      mask[s.pixel * f.mask_pixel_stride + s.group * f.mask_group_stride + s.point]);
+  const opmath_t dx = static_cast<opmath_t>(offset[start.offset_at + 2 * point]);
+  const opmath_t dy = static_cast<opmath_t>(offset[start.offset_at + 2 * point + 1]);
+  x = start.base_x + (grid_x + dx) * scale;
+  y = start.base_y + (grid_y + dy) * scale;
+  m = static_cast<opmath_t>(mask[start.mask_at + point]);
 }
 
 // Where the offset and mask gradients of a (pixel, group)'s points start, either null when not

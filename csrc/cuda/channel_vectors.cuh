@@ -42,7 +42,8 @@ inline bool aligned_for_vectors(const at::Tensor& tensor, int vector_width) {
 
 // How a launch divides its work: items of `vectors` channel vectors, each item taken by
 // `lanes` consecutive threads of one warp, lane l taking vectors l, l + lanes, ... (a pass
-// each); a block's items stage their samples in shared memory, in rounds of as many as fit.
+// each); an item's lanes stage its samples in shared memory, in rounds of as many as fit
+// beside those of the block's other items.
 struct LaneTiling {
   int64_t items;          // work items of the launch
   int64_t vectors;        // channel vectors of an item
@@ -107,6 +108,23 @@ void with_channel_vectors(int64_t items, int64_t channels, int64_t samples,
   } else {
     launch(std::integral_constant<int, 1>{}, t);
   }
+}
+
+// Stages `count` samples of an item, its round's: once the item's lanes have read the previous
+// round, lane l locates samples l, l + lanes, ... of the round (locate(k) gives sample k) into
+// the item's slots `samples`, and the lanes wait for one another. An item's lanes lie in one
+// warp and stage their own item's samples only, so a warp's barrier is enough: no warp waits
+// for the others of its block. Every thread of the warp calls it, `active` where its item is.
+template <typename Staged, typename Locate>
+__device__ inline void stage_item_samples(const LaneTiling& t, int lane, bool active, int count,
+                                          Staged* samples, const Locate& locate) {
+  __syncwarp();
+  if (active) {
+    for (int k = lane; k < count; k += t.lanes) {
+      samples[k] = locate(k);
+    }
+  }
+  __syncwarp();
 }
 
 // The sum of `value` over the `lanes` threads of each item (a power of two, an item's lanes

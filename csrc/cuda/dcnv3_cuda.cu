@@ -1,4 +1,4 @@
-// CUDA launchers of DCNv3, on the current stream, int64 indices.
+// CUDA launchers of DCNv3, on the current stream.
 //
 // The work is split into items, the (output pixel, group) pairs of the batch, numbered
 // pixel * G + group, which is also where an item's D channels lie in the output. An item gets
@@ -9,17 +9,22 @@
 // vectors of a corner pixel, and neighbouring items the next group of the same pixel, so that
 // a warp's reads and writes coalesce.
 //
-// A block holds kThreadsPerBlock / lanes items. Before its threads sample, it locates each
-// sample (item, point) of a round of points once, in shared memory (SharedSample): the offsets
-// and the mask are read once, coalesced, and the sampling positions and corner weights are
-// computed once per sample rather than once per channel vector. The backward computes the
+// A block holds kThreadsPerBlock / lanes items. Before an item's lanes sample, they locate each
+// of its samples of a round of points once, in shared memory (SharedSample), lane l the points
+// l, l + lanes, ...: the offsets and the mask are read once, neighbouring lanes reading
+// neighbouring points, and the sampling positions and corner weights are computed once per
+// sample rather than once per channel vector. What the item's points share (its image, pixel
+// and group, its reference point, where its offsets start: Dcnv3ItemStart) each lane computes
+// once per item, not once per sample. The item's lanes wait only for one another between
+// staging and sampling (a warp's barrier, not a block's). The backward computes the
 // input gradient and the offset and mask gradients in one kernel, which reads the output's
 // gradient once for both; a sample's offset and mask gradients are dot products over its
 // group's channels, summed over the item's lanes with warp shuffles and written by lane 0.
 //
-// A thread splits items into image, row, column and group, and points into kernel column and
+// A thread splits an item into image, row, column and group, and a point into kernel column and
 // row: each kernel is built twice, dividing by InvariantDivisor (a multiply-high and a shift)
-// when every dividend of the launch is below 2^31, in int64 otherwise (Dcnv3Divisors).
+// and indexing the input's and output's elements in 32 bits when every dividend and element
+// index of the launch is below 2^31, in int64 otherwise (Dcnv3Divisors, with_divisors).
 
 #include <ATen/Dispatch.h>
 #include <ATen/core/Tensor.h>
@@ -51,38 +56,30 @@ constexpr LanePathNames kDcnv3Paths{
     "dcnv3.cuda.channels.vectors", "dcnv3.cuda.channels.one_at_a_time",
     "dcnv3.cuda.channels.several_passes", "dcnv3.cuda.points.several_rounds"};
 
-// Channel 0 of a sample's group at grid pixel 0 of its image, in a channels-last
-// (N, H, W, G * D) tensor.
-__device__ inline int64_t group_start(const Dcnv3Geometry& g, const Dcnv3Sample& s) {
-  return s.n * g.in_pixels() * g.channels() + s.group * g.group_channels;
+// Channel 0 of an item's group at grid pixel 0 of its image, in a channels-last (N, H, W, G * D)
+// tensor.
+__device__ inline int64_t group_start(const Dcnv3Geometry& g, const Dcnv3Item& it) {
+  return it.n * g.in_pixels() * g.channels() + it.group * g.group_channels;
 }
 
-// Stages the round of points that starts at first_point: once the previous round's readers are
-// done, the threads locate the samples of the block's items at its points, taking them in turn,
-// into staged[slot * samples_per_round + point - first_point], and wait for one another.
-// Returns the round's number of points. Every thread of the block calls it.
+// Stages the round of an item's points that starts at first_point into its slots `samples`
+// (stage_item_samples), each point's position from the item's start. Returns the round's
+// number of points. Every thread of the warp calls it.
 template <typename scalar_t, typename Divisor>
-__device__ inline int stage_round(const Dcnv3Geometry& g, const Dcnv3Divisors<Divisor>& d,
-                                  const Dcnv3Fields& f, const LaneTiling& t,
-                                  int64_t first_item, int64_t first_point,
-                                  const scalar_t* offset, const scalar_t* mask,
-                                  SharedSample<at::opmath_type<scalar_t>>* staged) {
+__device__ inline int stage_round(const Dcnv3Geometry& g, const Divisor& kernel_h,
+                                  const LaneTiling& t, int lane, bool active_item,
+                                  const Dcnv3ItemStart<at::opmath_type<scalar_t>>& start,
+                                  int64_t first_point, const scalar_t* offset,
+                                  const scalar_t* mask,
+                                  SharedSample<at::opmath_type<scalar_t>>* samples) {
   using opmath_t = at::opmath_type<scalar_t>;
   const int64_t left = g.points() - first_point;
   const int points = static_cast<int>(left < t.samples_per_round ? left : t.samples_per_round);
-  __syncthreads();
-  for (int i = threadIdx.x; i < t.items_per_block * points; i += blockDim.x) {
-    const int slot = i / points;
-    const int point = i % points;
-    const int64_t item = first_item + slot;
-    if (item < t.items) {
-      const Dcnv3Sample s = dcnv3_sample_of_item(d, item, first_point + point);
-      opmath_t y, x, m;
-      dcnv3_position(g, d, f, s, offset, mask, y, x, m);
-      staged[slot * t.samples_per_round + point] = share_sample(y, x, m, g.height, g.width);
-    }
-  }
-  __syncthreads();
+  stage_item_samples(t, lane, active_item, points, samples, [&](int point) {
+    opmath_t y, x, m;
+    dcnv3_position(g, kernel_h, start, first_point + point, offset, mask, y, x, m);
+    return share_sample(y, x, m, g.height, g.width);
+  });
   return points;
 }
 
@@ -90,18 +87,19 @@ __device__ inline int stage_round(const Dcnv3Geometry& g, const Dcnv3Divisors<Di
 // so that an infinite value where a sample takes no part cannot make NaN (as
 // sample_value_with_plan). `channels` points at the vector's channels of grid pixel 0, and
 // `corners` holds the image's corner offsets (corner_steps).
-template <typename scalar_t, int kVector>
+template <typename scalar_t, int kVector, typename index_t>
 __device__ inline void add_sample(const SharedSample<at::opmath_type<scalar_t>>& sample,
-                                  const scalar_t* channels, int64_t pixel_stride,
-                                  const CornerSteps& corners, at::opmath_type<scalar_t>* sum) {
+                                  const scalar_t* channels, index_t pixel_stride,
+                                  const CornerSteps<index_t>& corners,
+                                  at::opmath_type<scalar_t>* sum) {
   using opmath_t = at::opmath_type<scalar_t>;
-  const int64_t top_left = sample.top_left * pixel_stride;
+  const index_t top_left = static_cast<index_t>(sample.top_left) * pixel_stride;
   opmath_t value[kVector] = {};
   for (int corner = 0; corner < 4; ++corner) {
     const opmath_t weight = sample.weight[corner];
     if (weight != opmath_t(0)) {
       const auto read = load_vector<scalar_t, kVector>(
-          channels + top_left + corners.from_top_left[corner]);
+          channels + (top_left + corners.from_top_left[corner]));
       for (int e = 0; e < kVector; ++e) {
         value[e] += weight * static_cast<opmath_t>(read.value[e]);
       }
@@ -117,29 +115,39 @@ __global__ void dcnv3_forward_kernel(Dcnv3Geometry g, Dcnv3Divisors<Divisor> d, 
                                      LaneTiling t, const scalar_t* input, const scalar_t* offset,
                                      const scalar_t* mask, scalar_t* output) {
   using opmath_t = at::opmath_type<scalar_t>;
+  using index_t = typename Dcnv3Divisors<Divisor>::index_type;
   __shared__ SharedSample<opmath_t> staged[kStagedSamples<opmath_t>];
   const int slot = threadIdx.x / t.lanes;
   const int lane = threadIdx.x % t.lanes;
+  SharedSample<opmath_t>* const samples = staged + slot * t.samples_per_round;
   const int64_t points = g.points();
-  const CornerSteps corners = corner_steps(g.width, g.channels());
-  // Every thread runs every round of its block, active or not: staging a round holds barriers.
+  const index_t pixel_stride = static_cast<index_t>(g.channels());
+  const CornerSteps<index_t> corners = corner_steps<index_t>(g.width, g.channels());
+  // Every thread runs every round of its warp, active or not: staging a round holds barriers.
   for (int64_t first_item = int64_t(blockIdx.x) * t.items_per_block; first_item < t.items;
        first_item += int64_t(gridDim.x) * t.items_per_block) {
     const int64_t item = first_item + slot;
+    const bool active_item = item < t.items;
+    Dcnv3ItemStart<opmath_t> start{};
+    index_t item_channels = 0;
+    if (active_item) {
+      const Dcnv3Item it = dcnv3_item(d, item);
+      start = dcnv3_item_start<opmath_t>(g, f, it);
+      item_channels = static_cast<index_t>(group_start(g, it));
+    }
     for (int64_t pass = 0; pass < t.passes; ++pass) {
-      const int64_t vector = pass * t.lanes + lane;
-      const bool active = item < t.items && vector < t.vectors;
-      const int64_t channel =
-          active ? group_start(g, dcnv3_sample_of_item(d, item, 0)) + vector * kVector : 0;
+      const index_t vector = static_cast<index_t>(pass * t.lanes + lane);
+      const bool active = active_item && vector < t.vectors;
+      const scalar_t* const channels = input + (item_channels + vector * kVector);
       opmath_t sum[kVector] = {};
       for (int64_t first_point = 0; first_point < points; first_point += t.samples_per_round) {
-        const int round_points =
-            stage_round(g, d, f, t, first_item, first_point, offset, mask, staged);
+        const int round_points = stage_round(g, d.kernel_h, t, lane, active_item, start,
+                                             first_point, offset, mask, samples);
         if (active) {
           for (int point = 0; point < round_points; ++point) {
             // In registers: the sample's fields are read once, not once per corner.
-            const SharedSample<opmath_t> sample = staged[slot * t.samples_per_round + point];
-            add_sample<scalar_t, kVector>(sample, input + channel, g.channels(), corners, sum);
+            const SharedSample<opmath_t> sample = samples[point];
+            add_sample<scalar_t, kVector>(sample, channels, pixel_stride, corners, sum);
           }
         }
       }
@@ -148,7 +156,8 @@ __global__ void dcnv3_forward_kernel(Dcnv3Geometry g, Dcnv3Divisors<Divisor> d, 
         for (int e = 0; e < kVector; ++e) {
           result.value[e] = static_cast<scalar_t>(sum[e]);
         }
-        store_vector(output + item * g.group_channels + vector * kVector, result);
+        store_vector(output + (static_cast<index_t>(item * g.group_channels) + vector * kVector),
+                     result);
       }
     }
   }
@@ -165,47 +174,54 @@ __global__ void dcnv3_backward_kernel(Dcnv3Geometry g, Dcnv3Divisors<Divisor> d,
                                       scalar_t* grad_offset, scalar_t* grad_mask) {
   using opmath_t = at::opmath_type<scalar_t>;
   __shared__ SharedSample<opmath_t> staged[kStagedSamples<opmath_t>];
+  using index_t = typename Dcnv3Divisors<Divisor>::index_type;
   const bool position_grads = grad_offset != nullptr || grad_mask != nullptr;
   const int slot = threadIdx.x / t.lanes;
   const int lane = threadIdx.x % t.lanes;
+  SharedSample<opmath_t>* const samples = staged + slot * t.samples_per_round;
   const int64_t points = g.points();
-  const CornerSteps corners = corner_steps(g.width, g.channels());
+  const index_t pixel_stride = static_cast<index_t>(g.channels());
+  const CornerSteps<index_t> corners = corner_steps<index_t>(g.width, g.channels());
   for (int64_t first_item = int64_t(blockIdx.x) * t.items_per_block; first_item < t.items;
        first_item += int64_t(gridDim.x) * t.items_per_block) {
     const int64_t item = first_item + slot;
     const bool active_item = item < t.items;
-    int64_t start = 0;
+    Dcnv3ItemStart<opmath_t> start{};
+    index_t item_channels = 0;
     scalar_t *group_grad_offset = nullptr, *group_grad_mask = nullptr;
     if (active_item) {
-      const Dcnv3Sample s = dcnv3_sample_of_item(d, item, 0);
-      start = group_start(g, s);
-      dcnv3_group_grads(f, s.pixel, s.group, grad_offset, grad_mask, group_grad_offset,
+      const Dcnv3Item it = dcnv3_item(d, item);
+      start = dcnv3_item_start<opmath_t>(g, f, it);
+      item_channels = static_cast<index_t>(group_start(g, it));
+      dcnv3_group_grads(f, it.pixel, it.group, grad_offset, grad_mask, group_grad_offset,
                         group_grad_mask);
     }
     for (int64_t first_point = 0; first_point < points; first_point += t.samples_per_round) {
-      const int round_points =
-          stage_round(g, d, f, t, first_item, first_point, offset, mask, staged);
+      const int round_points = stage_round(g, d.kernel_h, t, lane, active_item, start,
+                                           first_point, offset, mask, samples);
       for (int point = 0; point < round_points; ++point) {
         // The dot products of the output's gradient with each corner's values (0 outside),
         // as offset_mask_grad_sums_of_dots takes them.
         opmath_t dots[4] = {0, 0, 0, 0};
         if (active_item) {
           // In registers: the sample's fields are read once, not once per corner and pass.
-          const SharedSample<opmath_t> sample = staged[slot * t.samples_per_round + point];
-          const int64_t top_left = start + sample.top_left * g.channels();
+          const SharedSample<opmath_t> sample = samples[point];
+          const index_t top_left =
+              item_channels + static_cast<index_t>(sample.top_left) * pixel_stride;
           for (int64_t pass = 0; pass < t.passes; ++pass) {
-            const int64_t vector = pass * t.lanes + lane;
+            const index_t vector = static_cast<index_t>(pass * t.lanes + lane);
             if (vector >= t.vectors) {
               continue;
             }
             const auto grad_read = load_vector<scalar_t, kVector>(
-                grad_output + item * g.group_channels + vector * kVector);
+                grad_output +
+                (static_cast<index_t>(item * g.group_channels) + vector * kVector));
             opmath_t grad[kVector];
             for (int e = 0; e < kVector; ++e) {
               grad[e] = static_cast<opmath_t>(grad_read.value[e]);
             }
             for (int corner = 0; corner < 4; ++corner) {
-              const int64_t at = top_left + vector * kVector + corners.from_top_left[corner];
+              const index_t at = top_left + vector * kVector + corners.from_top_left[corner];
               const opmath_t weight = sample.weight[corner];
               if (grad_input != nullptr && weight != opmath_t(0)) {
                 opmath_t weighted[kVector];
@@ -228,7 +244,7 @@ __global__ void dcnv3_backward_kernel(Dcnv3Geometry g, Dcnv3Divisors<Divisor> d,
             dots[corner] = sum_over_lanes(dots[corner], t.lanes);
           }
           if (active_item && lane == 0) {
-            const SharedSample<opmath_t>& sample = staged[slot * t.samples_per_round + point];
+            const SharedSample<opmath_t>& sample = samples[point];
             dcnv3_write_grad(g, first_point + point, sample.mask,
                              offset_mask_grad_sums_of_dots(sample.ly, sample.lx, dots[0],
                                                            dots[1], dots[2], dots[3]),
@@ -252,12 +268,19 @@ constexpr int kForwardVector = 16 / sizeof(scalar_t);
 template <typename scalar_t>
 constexpr int kBackwardVector = 16 / sizeof(at::opmath_type<scalar_t>);
 
-// Calls launch(divisors) with the launch's Dcnv3Divisors: InvariantDivisor when every dividend
-// (an item, a pixel, a row, a kernel tap) is at most DEFORMCONV_NARROW_INDEX_LIMIT, int64_t
-// otherwise.
+// Calls launch(divisors) with the launch's Dcnv3Divisors: InvariantDivisor and 32-bit element
+// indices when every dividend (an item, a pixel, a row, a kernel tap) and every index of the
+// input's and the output's elements that the kernels form is at most
+// DEFORMCONV_NARROW_INDEX_LIMIT, int64_t otherwise. The kernels form the indices of a cell's
+// corners outside the image too (never reading them): past the batch's last pixel, up to a
+// row and a pixel of elements further.
 template <typename Launch>
-void with_divisors(const Dcnv3Geometry& g, const LaneTiling& t, Launch&& launch) {
-  if (std::max(t.items, g.kernel_h * g.kernel_w) <= DEFORMCONV_NARROW_INDEX_LIMIT) {
+void with_divisors(const Dcnv3Geometry& g, int64_t batch, const LaneTiling& t,
+                   Launch&& launch) {
+  const int64_t input_indices = (batch * g.in_pixels() + g.width + 1) * g.channels();
+  const int64_t output_indices = t.items * g.group_channels;
+  if (std::max({t.items, g.kernel_h * g.kernel_w, input_indices, output_indices}) <=
+      DEFORMCONV_NARROW_INDEX_LIMIT) {
     record_branch("dcnv3.cuda.index.32bit");
     launch(Dcnv3Divisors<InvariantDivisor>(g));
   } else {
@@ -274,7 +297,7 @@ void dcnv3_forward_cuda(const Dcnv3Geometry& g, const Dcnv3Fields& f, int64_t ba
         batch * g.out_pixels() * g.groups, g.group_channels, g.points(),
         kStagedSamples<at::opmath_type<scalar_t>>, {&input, &output}, kDcnv3Paths,
         [&](auto width, auto t) {
-      with_divisors(g, t, [&](auto d) {
+      with_divisors(g, batch, t, [&](auto d) {
         auto* kernel = dcnv3_forward_kernel<scalar_t, decltype(width)::value,
                                             typename decltype(d)::divisor_type>;
         DEFORMCONV_LAUNCH(kernel, blocks_of(t), kThreadsPerBlock,
@@ -311,7 +334,7 @@ void dcnv3_gradients_cuda(const Dcnv3Geometry& g, const Dcnv3Fields& f, int64_t 
     with_channel_vectors<kBackwardVector<scalar_t>>(
         batch * g.out_pixels() * g.groups, g.group_channels, g.points(), kStagedSamples<opmath_t>,
         {&grad_output, &input, &sums_or_input}, kDcnv3Paths, [&](auto width, auto t) {
-      with_divisors(g, t, [&](auto d) {
+      with_divisors(g, batch, t, [&](auto d) {
         auto* kernel = dcnv3_backward_kernel<scalar_t, decltype(width)::value,
                                              typename decltype(d)::divisor_type>;
         DEFORMCONV_LAUNCH(kernel, blocks_of(t), kThreadsPerBlock,

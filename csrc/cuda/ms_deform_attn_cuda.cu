@@ -6,10 +6,10 @@
 // DCNv3 kernels (dcnv3_cuda.cu), an item gets `lanes` consecutive threads of one warp, lane l
 // taking the vectors of kVector channels l, l + lanes, ... (a pass each): 16 bytes of the dtype
 // in the forward, 16 bytes of the float32 sums in the backward, where the head's channels and
-// the tensors' alignment allow, else one channel. A block locates the L * P samples of its
-// items once, in shared memory (StagedSample), in rounds of as many as fit: each sample's
-// position, corner weights (the attention weight folded in) and its cell's place in value are
-// computed once, not once per channel vector. The backward computes the value gradient (atomic
+// the tensors' alignment allow, else one channel. An item's lanes locate its L * P samples
+// once, in shared memory (StagedSample), in rounds of as many as fit, lane l the samples l,
+// l + lanes, ...: each sample's position, corner weights (the attention weight folded in) and
+// its cell's place in value are computed once, not once per channel vector. The backward computes the value gradient (atomic
 // adds of 16-byte vectors, scatter_add_run) and the location and attention-weight gradients (dot
 // products of the output's gradient with the corners' values, summed over the item's lanes by
 // warp shuffles and written by lane 0) in one kernel.
@@ -60,48 +60,41 @@ __device__ inline int64_t head_start_of_item(const MsDeformAttnGeometry& g, int6
   return ms_deform_attn_head_start(g, item / (g.queries * g.heads), item % g.heads);
 }
 
-// Stages the round of samples that starts at first_sample: once the previous round's readers
-// are done, the threads locate the samples of the block's items, taking them in turn, into
-// staged[slot * samples_per_round + sample - first_sample], and wait for one another. Returns
-// the round's number of samples. Every thread of the block calls it.
+// Stages the round of an item's samples that starts at first_sample into its slots `samples`
+// (stage_item_samples). Returns the round's number of samples. Every thread of the warp calls
+// it.
 template <typename scalar_t>
-__device__ inline int stage_round(const MsDeformAttnGeometry& g, const LaneTiling& t,
-                                  const int64_t* shapes, const int64_t* starts,
-                                  int64_t first_item, int64_t first_sample,
+__device__ inline int stage_round(const MsDeformAttnGeometry& g, const LaneTiling& t, int lane,
+                                  bool active_item, int64_t item, const int64_t* shapes,
+                                  const int64_t* starts, int64_t first_sample,
                                   const scalar_t* locations, const scalar_t* weights,
-                                  StagedSample<at::opmath_type<scalar_t>>* staged) {
+                                  StagedSample<at::opmath_type<scalar_t>>* samples) {
   using opmath_t = at::opmath_type<scalar_t>;
   const int64_t left = g.head_samples() - first_sample;
   const int count = static_cast<int>(left < t.samples_per_round ? left : t.samples_per_round);
-  __syncthreads();
-  for (int i = threadIdx.x; i < t.items_per_block * count; i += blockDim.x) {
-    const int slot = i / count;
-    const int64_t sample = first_sample + i % count;
-    const int64_t item = first_item + slot;
-    if (item < t.items) {
-      const int64_t index = item * g.head_samples() + sample;
-      const int64_t l = sample / g.points;
-      MsDeformAttnLevel level{shapes[2 * l], shapes[2 * l + 1], starts[l]};
-      const bool fits = ms_deform_attn_level_fits(level, g.spatial);
-      if (!fits) {
-        level = {1, 1, 0};
-      }
-      opmath_t y, x;
-      ms_deform_attn_position(static_cast<opmath_t>(locations[2 * index]),
-                              static_cast<opmath_t>(locations[2 * index + 1]), level, y, x);
-      if (!fits) {
-        // Outside (-1, 1) x (-1, 1): no corner is read, and the sample has no gradients.
-        y = x = opmath_t(-2);
-      }
-      StagedSample<opmath_t> located;
-      located.sample = share_sample(y, x, static_cast<opmath_t>(weights[index]), level.height,
-                                    level.width);
-      located.sample.top_left += level.start;
-      located.row_step = level.width * g.pixel_stride();
-      staged[slot * t.samples_per_round + (sample - first_sample)] = located;
+  const int64_t first_index = item * g.head_samples() + first_sample;
+  stage_item_samples(t, lane, active_item, count, samples, [&](int k) {
+    const int64_t index = first_index + k;
+    const int64_t l = (first_sample + k) / g.points;
+    MsDeformAttnLevel level{shapes[2 * l], shapes[2 * l + 1], starts[l]};
+    const bool fits = ms_deform_attn_level_fits(level, g.spatial);
+    if (!fits) {
+      level = {1, 1, 0};
     }
-  }
-  __syncthreads();
+    opmath_t y, x;
+    ms_deform_attn_position(static_cast<opmath_t>(locations[2 * index]),
+                            static_cast<opmath_t>(locations[2 * index + 1]), level, y, x);
+    if (!fits) {
+      // Outside (-1, 1) x (-1, 1): no corner is read, and the sample has no gradients.
+      y = x = opmath_t(-2);
+    }
+    StagedSample<opmath_t> located;
+    located.sample = share_sample(y, x, static_cast<opmath_t>(weights[index]), level.height,
+                                  level.width);
+    located.sample.top_left += level.start;
+    located.row_step = level.width * g.pixel_stride();
+    return located;
+  });
   return count;
 }
 
@@ -124,25 +117,27 @@ __global__ void ms_deform_attn_forward_kernel(MsDeformAttnGeometry g, LaneTiling
   __shared__ StagedSample<opmath_t> staged[kStagedSamplesPerBlock<opmath_t>];
   const int slot = threadIdx.x / t.lanes;
   const int lane = threadIdx.x % t.lanes;
+  StagedSample<opmath_t>* const samples = staged + slot * t.samples_per_round;
   const int64_t pixel_stride = g.pixel_stride();
-  // Every thread runs every round of its block, active or not: staging a round holds barriers.
+  // Every thread runs every round of its warp, active or not: staging a round holds barriers.
   for (int64_t first_item = int64_t(blockIdx.x) * t.items_per_block; first_item < t.items;
        first_item += int64_t(gridDim.x) * t.items_per_block) {
     const int64_t item = first_item + slot;
+    const bool active_item = item < t.items;
     for (int64_t pass = 0; pass < t.passes; ++pass) {
       const int64_t vector = pass * t.lanes + lane;
-      const bool active = item < t.items && vector < t.vectors;
+      const bool active = active_item && vector < t.vectors;
       const scalar_t* channels =
           active ? value + head_start_of_item(g, item) + vector * kVector : value;
       opmath_t sum[kVector] = {};
       for (int64_t first = 0; first < g.head_samples(); first += t.samples_per_round) {
-        const int count =
-            stage_round(g, t, shapes, starts, first_item, first, locations, weights, staged);
+        const int count = stage_round(g, t, lane, active_item, item, shapes, starts, first,
+                                      locations, weights, samples);
         if (!active) {
           continue;
         }
         for (int k = 0; k < count; ++k) {
-          const StagedSample<opmath_t> s = staged[slot * t.samples_per_round + k];
+          const StagedSample<opmath_t> s = samples[k];
           int64_t offset[4];
           corner_offsets(s, pixel_stride, offset);
           const scalar_t* top_left = channels + s.sample.top_left * pixel_stride;
@@ -182,6 +177,7 @@ __global__ void ms_deform_attn_backward_kernel(
   const bool position_grads = grad_locations != nullptr || grad_weights != nullptr;
   const int slot = threadIdx.x / t.lanes;
   const int lane = threadIdx.x % t.lanes;
+  StagedSample<opmath_t>* const samples = staged + slot * t.samples_per_round;
   const int64_t pixel_stride = g.pixel_stride();
   for (int64_t first_item = int64_t(blockIdx.x) * t.items_per_block; first_item < t.items;
        first_item += int64_t(gridDim.x) * t.items_per_block) {
@@ -189,14 +185,14 @@ __global__ void ms_deform_attn_backward_kernel(
     const bool active_item = item < t.items;
     const int64_t head_start = active_item ? head_start_of_item(g, item) : 0;
     for (int64_t first = 0; first < g.head_samples(); first += t.samples_per_round) {
-      const int count =
-          stage_round(g, t, shapes, starts, first_item, first, locations, weights, staged);
+      const int count = stage_round(g, t, lane, active_item, item, shapes, starts, first,
+                                    locations, weights, samples);
       for (int k = 0; k < count; ++k) {
         // The dot products of the output's gradient with each corner's values (0 outside).
         opmath_t dots[4] = {0, 0, 0, 0};
         if (active_item) {
           // In registers: the sample's fields are read once, not once per corner and pass.
-          const StagedSample<opmath_t> s = staged[slot * t.samples_per_round + k];
+          const StagedSample<opmath_t> s = samples[k];
           int64_t offset[4];
           corner_offsets(s, pixel_stride, offset);
           const int64_t top_left = head_start + s.sample.top_left * pixel_stride;
@@ -235,7 +231,7 @@ __global__ void ms_deform_attn_backward_kernel(
             dots[corner] = sum_over_lanes(dots[corner], t.lanes);
           }
           if (active_item && lane == 0) {
-            const StagedSample<opmath_t>& s = staged[slot * t.samples_per_round + k];
+            const StagedSample<opmath_t>& s = samples[k];
             const int64_t sample = first + k;
             const int64_t index = item * g.head_samples() + sample;
             const int64_t l = sample / g.points;
