@@ -22,7 +22,7 @@ HEADER = ["ID", "Process ID", "Process Name", "Host Name",
 SOL = "GPU Speed Of Light Throughput"
 
 
-def launch(launch_id, call, kernel, duration_ns, dram, sm):
+def launch(launch_id, call, kernel, duration_ns, dram, sm, instructions=1000, issue=50.0):
     nvtx = f"<default domain>:{call}:none:none:none:none:none:none" if call else ""
     common = [str(launch_id), "1", "python3", "host", nvtx, "", kernel, "1", "7",
               "(256, 1, 1)", "(100, 1, 1)", "0", "9.0"]
@@ -30,7 +30,10 @@ def launch(launch_id, call, kernel, duration_ns, dram, sm):
             common + [SOL, "DRAM Throughput", "%", str(dram)],
             common + [SOL, "Compute (SM) Throughput", "%", str(sm)],
             common + ["Launch Statistics", "Registers Per Thread", "register/thread", "62"],
-            common + ["Occupancy", "Achieved Occupancy", "%", "n/a"]]
+            common + ["Occupancy", "Achieved Occupancy", "%", "n/a"],
+            common + ["Instruction Statistics", "Executed Instructions", "inst",
+                      f"{instructions:,}"],
+            common + ["Instruction Statistics", "Issue Slots Busy", "%", str(issue)]]
 
 
 def write_report(path, launches):
@@ -47,8 +50,8 @@ def test_sums_launches_per_kernel_and_call_with_duration_weighted_throughputs(tm
     forward = "void (anonymous namespace)::im2col_kernel<float, 4>(Geometry, const T1 *)"
     report = tmp_path / "ncu.csv"
     write_report(report, [
-        launch(0, "deform_conv2d forward", forward, 1000, 10.0, 60.0),
-        launch(1, "deform_conv2d forward", forward, 3000, 30.0, 80.0),
+        launch(0, "deform_conv2d forward", forward, 1000, 10.0, 60.0, 1_500_000, 40.0),
+        launch(1, "deform_conv2d forward", forward, 3000, 30.0, 80.0, 2_500_000, 80.0),
         launch(2, "deform_conv2d backward", forward, 2000, 50.0, 40.0),
         launch(3, "", forward, 5000, 90.0, 90.0),  # outside every range: not a profiled call
     ])
@@ -63,6 +66,9 @@ def test_sums_launches_per_kernel_and_call_with_duration_weighted_throughputs(tm
     assert first["dram_throughput_percent"] == pytest.approx((10 * 1 + 30 * 3) / 4)
     assert first["sm_throughput_percent"] == pytest.approx((60 * 1 + 80 * 3) / 4)
     assert first["registers_per_thread"] == 62
+    assert first["executed_instructions"] == 4_000_000  # summed, not averaged
+    assert first["issue_slots_busy_percent"] == pytest.approx((40 * 1 + 80 * 3) / 4)
+    assert "warp_cycles_per_issued_instruction" not in first  # not in this report
     assert "achieved_occupancy_percent" not in first  # 'n/a' is no figure
     assert (second["call"], second["launches"]) == ("deform_conv2d backward", 1)
     assert second["dram_throughput_percent"] == pytest.approx(50.0)

@@ -11,8 +11,9 @@
 #              and bfloat16, on its training batches (GPU_SHAPES) with DCNv3/DCNv4 against
 #              the memory roofline; and a ResNet-50 training step with DCN v2 (batch 32,
 #              bf16 autocast) against torchvision's op and the plain ResNet-50;
-#   5. ncu     Nsight Compute's achieved DRAM bandwidth and SM throughput of the main kernels
-#              (tools/gpu_profile_once.py), clocks left as they are, into ncu.json.
+#   5. ncu     Nsight Compute's achieved DRAM bandwidth and SM throughput of the main kernels,
+#              their executed instructions and issue statistics (tools/gpu_profile_once.py),
+#              clocks left as they are, into ncu.json.
 # Everything it writes goes into OUTDIR, at most 8 files: log.txt (every stage's output),
 # summary.json (each stage's status and wall time, the GPU, torch, CUDA), benchmark-*.json, ncu.json
 # and one PNG. It always ends with a line "gpu_check: ..." that sums the stages up, and exits 0 only
@@ -161,7 +162,8 @@ profile() {
   ncu --clock-control none --nvtx \
     --kernel-name regex:"dcnv3|ms_deform_attn|im2col|col2im|offset_mask" \
     --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \
-    --section LaunchStats --csv --print-units base \
+    --section LaunchStats --section InstructionStats --section SchedulerStats \
+    --section WarpStateStats --csv --print-units base \
     "$python" tools/gpu_profile_once.py > "$report" || rc=$?
   cat "$report"
   "$python" tools/ncu_summary.py "$report" "$out/ncu.json" || rc=1
@@ -180,7 +182,7 @@ run_stage build $(( 240 * scale )) bash -ec build || exit 1
 run_stage tests $(( 60 * scale )) bash -ec gpu_tests
 run_stage sanitizer $(( 60 * scale )) bash -ec sanitizer
 run_stage benchmark $(( 90 * scale )) bash -ec benchmark
-run_stage ncu $(( 45 * scale )) bash -ec profile
+run_stage ncu $(( 60 * scale )) bash -ec profile
 for stage in "${stages[@]}"; do
   [ "${status[$stage]}" = passed ] || exit 1
 done

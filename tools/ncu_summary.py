@@ -1,10 +1,13 @@
 """Nsight Compute's CSV report of tools/gpu_profile_once.py (sections SpeedOfLight,
-MemoryWorkloadAnalysis, Occupancy, LaunchStats; --print-units base) as JSON that
-`python -m deformconv benchmark --report` turns into docs/performance.md's kernel table.
+MemoryWorkloadAnalysis, Occupancy, LaunchStats, InstructionStats, SchedulerStats,
+WarpStateStats; --print-units base) as JSON that `python -m deformconv benchmark --report`
+turns into docs/performance.md's kernel table.
 
 Each row is one kernel of one profiled call (the NVTX range the kernel ran in): its launches,
-their total duration, and the duration-weighted means of the throughputs, as percentages of the
-GPU's peaks.
+their total duration and executed (warp) instructions, and the duration-weighted means of the
+throughputs, as percentages of the GPU's peaks, and of the issue figures: how busy the issue
+slots were, how many warps were eligible to issue, how many cycles a warp took per instruction
+issued. Whether a kernel waits on memory or on issuing instructions is read from these.
 
     python tools/ncu_summary.py NCU_CSV OUTPUT_JSON [--gpu NAME]
 """
@@ -15,14 +18,22 @@ import json
 import re
 import sys
 
-# (section, metric) of ncu's report -> the JSON's key.
-PERCENTAGES = {
+# (section, metric) of ncu's report -> the JSON's key: means weighted by the launches' durations.
+WEIGHTED_MEANS = {
     ("GPU Speed Of Light Throughput", "DRAM Throughput"): "dram_throughput_percent",
     ("GPU Speed Of Light Throughput", "Compute (SM) Throughput"): "sm_throughput_percent",
     ("GPU Speed Of Light Throughput", "L2 Cache Throughput"): "l2_throughput_percent",
     ("GPU Speed Of Light Throughput", "L1/TEX Cache Throughput"): "l1_throughput_percent",
     ("Memory Workload Analysis", "L2 Hit Rate"): "l2_hit_rate_percent",
     ("Occupancy", "Achieved Occupancy"): "achieved_occupancy_percent",
+    ("Instruction Statistics", "Issue Slots Busy"): "issue_slots_busy_percent",
+    ("Scheduler Statistics", "Eligible Warps Per Scheduler"): "eligible_warps_per_scheduler",
+    ("Warp State Statistics", "Warp Cycles Per Issued Instruction"):
+        "warp_cycles_per_issued_instruction",
+}
+# ... and sums over the launches.
+SUMS = {
+    ("Instruction Statistics", "Executed Instructions"): "executed_instructions",
 }
 DURATION = ("GPU Speed Of Light Throughput", "Duration")
 REGISTERS = ("Launch Statistics", "Registers Per Thread")
@@ -67,9 +78,12 @@ def summarise(rows):
         entry["launches"] += 1
         entry["duration_seconds"] += duration
         entry["registers_per_thread"] = int(metrics.get(REGISTERS, 0))
-        for key, name in PERCENTAGES.items():
+        for key, name in WEIGHTED_MEANS.items():
             if key in metrics:
                 entry["weighted"][name] = entry["weighted"].get(name, 0.0) + metrics[key] * duration
+        for key, name in SUMS.items():
+            if key in metrics:
+                entry[name] = entry.get(name, 0) + int(metrics[key])
     kernels = []
     for entry in summary.values():
         weighted = entry.pop("weighted")
@@ -99,9 +113,11 @@ def main(argv=None) -> int:
         json.dump({"setup": {"gpu": gpu, "tool": "Nsight Compute, clocks as found"},
                    "kernels": kernels}, f, indent=1)
     for k in kernels:
+        issue = k.get("issue_slots_busy_percent")
         print(f"{k['call']:32s} {k['kernel'][:40]:40s} x{k['launches']:<3d} "
               f"{k['duration_seconds'] * 1e6:8.1f} us  DRAM {k['dram_throughput_percent']:5.1f}%"
-              f"  SM {k['sm_throughput_percent']:5.1f}%")
+              f"  SM {k['sm_throughput_percent']:5.1f}%"
+              + (f"  issue {issue:5.1f}%" if issue is not None else ""))
     return 0
 
 
