@@ -47,10 +47,10 @@ def opmath_bytes(dtype):
 
 # The CUDA launchers that share a sample's channels among a warp's lanes (dcnv3_cuda.cu,
 # ms_deform_attn_cuda.cu): launch.cuh's warp and block, and the shared memory of their staged
-# samples (kStagedBytes, kStagedSampleBytes).
+# samples (kStagedBytesPerBlock of channel_vectors.cuh).
 CUDA_WARP = 32
 CUDA_THREADS_PER_BLOCK = 256
-CUDA_STAGED_BYTES = 32 * 1024
+CUDA_STAGED_BYTES = 8 * 1024
 
 
 def cuda_lane_paths(channels, dtype, aligned, backward, staged_sample_bytes, samples):
@@ -65,7 +65,7 @@ def cuda_lane_paths(channels, dtype, aligned, backward, staged_sample_bytes, sam
     lanes = 1
     while lanes < vectors and lanes < CUDA_WARP:
         lanes *= 2
-    staged = CUDA_STAGED_BYTES // staged_sample_bytes
+    staged = max(CUDA_STAGED_BYTES // staged_sample_bytes, CUDA_THREADS_PER_BLOCK)
     return (width > 1, -(-vectors // lanes) > 1,
             staged // (CUDA_THREADS_PER_BLOCK // lanes) < samples)
 

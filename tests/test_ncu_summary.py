@@ -30,6 +30,8 @@ def launch(launch_id, call, kernel, duration_ns, dram, sm, instructions=1000, is
             common + [SOL, "DRAM Throughput", "%", str(dram)],
             common + [SOL, "Compute (SM) Throughput", "%", str(sm)],
             common + ["Launch Statistics", "Registers Per Thread", "register/thread", "62"],
+            common + ["Launch Statistics", "Shared Memory Configuration Size", "byte",
+                      "65,536"],
             common + ["Occupancy", "Achieved Occupancy", "%", "n/a"],
             common + ["Instruction Statistics", "Executed Instructions", "inst",
                       f"{instructions:,}"],
@@ -66,6 +68,7 @@ def test_sums_launches_per_kernel_and_call_with_duration_weighted_throughputs(tm
     assert first["dram_throughput_percent"] == pytest.approx((10 * 1 + 30 * 3) / 4)
     assert first["sm_throughput_percent"] == pytest.approx((60 * 1 + 80 * 3) / 4)
     assert first["registers_per_thread"] == 62
+    assert first["shared_memory_configuration_bytes"] == 65536
     assert first["executed_instructions"] == 4_000_000  # summed, not averaged
     assert first["issue_slots_busy_percent"] == pytest.approx((40 * 1 + 80 * 3) / 4)
     assert "warp_cycles_per_issued_instruction" not in first  # not in this report

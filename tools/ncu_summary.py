@@ -37,6 +37,9 @@ SUMS = {
 }
 DURATION = ("GPU Speed Of Light Throughput", "Duration")
 REGISTERS = ("Launch Statistics", "Registers Per Thread")
+# The shared memory the driver configured an SM with for the kernel (the rest of the SM's
+# storage is its L1 cache), in bytes with --print-units base.
+SHARED_MEMORY = ("Launch Statistics", "Shared Memory Configuration Size")
 
 
 def kernel_name(signature: str) -> str:
@@ -78,6 +81,8 @@ def summarise(rows):
         entry["launches"] += 1
         entry["duration_seconds"] += duration
         entry["registers_per_thread"] = int(metrics.get(REGISTERS, 0))
+        if SHARED_MEMORY in metrics:
+            entry["shared_memory_configuration_bytes"] = int(metrics[SHARED_MEMORY])
         for key, name in WEIGHTED_MEANS.items():
             if key in metrics:
                 entry["weighted"][name] = entry["weighted"].get(name, 0.0) + metrics[key] * duration

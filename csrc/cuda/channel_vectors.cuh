@@ -68,6 +68,7 @@ inline LaneTiling lane_tiling(int64_t items, int64_t channels, int vector_width,
   t.items_per_block = kThreadsPerBlock / t.lanes;
   // As few rounds as fit, of samples as even in number as can be.
   const int64_t most = staged_samples / t.items_per_block;
+  TORCH_INTERNAL_ASSERT(most >= 1, "lane_tiling: no room for a sample of each item");
   const int64_t rounds = std::max<int64_t>(1, (samples + most - 1) / most);
   t.samples_per_round = static_cast<int>(std::max<int64_t>(1, (samples + rounds - 1) / rounds));
   return t;
@@ -109,6 +110,20 @@ void with_channel_vectors(int64_t items, int64_t channels, int64_t samples,
     launch(std::integral_constant<int, 1>{}, t);
   }
 }
+
+// The samples a block stages at once: a round holds as many as fit. Few, because an SM's shared
+// memory is carved out of the storage of its L1 cache, and the kernels gather each sample's
+// corners from the input, which nearby samples read again (each input pixel is a corner of
+// about 36 samples of a 3 x 3 DCNv3 kernel): at 32 KiB a block, the five or six blocks an SM
+// holds would leave L1 about 60 of its 256 KiB, less than their samples' corners take; at
+// 10 to 20 KiB (8 KiB, or one sample per thread where that is more), 100 to 190. A round more
+// costs little, an item's lanes waiting only for one another. At least one sample per thread,
+// so that a round holds a sample of every item of a block whatever its lanes.
+constexpr int64_t kStagedBytesPerBlock = 8 * 1024;
+
+template <typename Staged>
+constexpr int64_t kStagedPerBlock =
+    std::max<int64_t>(kStagedBytesPerBlock / sizeof(Staged), kThreadsPerBlock);
 
 // Stages `count` samples of an item, its round's: once the item's lanes have read the previous
 // round, lane l locates samples l, l + lanes, ... of the round (locate(k) gives sample k) into

@@ -45,11 +45,8 @@
 namespace deformconv {
 namespace {
 
-// Shared memory of a block's staged samples: a round holds as many as fit.
-constexpr int64_t kStagedBytes = 32 * 1024;
-
 template <typename opmath_t>
-constexpr int64_t kStagedSamples = kStagedBytes / sizeof(SharedSample<opmath_t>);
+constexpr int64_t kStagedSamples = kStagedPerBlock<SharedSample<opmath_t>>;
 
 // The names of the launchers' paths.
 constexpr LanePathNames kDcnv3Paths{

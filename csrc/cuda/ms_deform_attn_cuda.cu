@@ -44,11 +44,8 @@ struct StagedSample {
   int64_t row_step;
 };
 
-// Shared memory of a block's staged samples: a round holds as many as fit.
-constexpr int64_t kStagedSampleBytes = 32 * 1024;
-
 template <typename opmath_t>
-constexpr int64_t kStagedSamplesPerBlock = kStagedSampleBytes / sizeof(StagedSample<opmath_t>);
+constexpr int64_t kStagedSamplesPerBlock = kStagedPerBlock<StagedSample<opmath_t>>;
 
 // The names of the launchers' paths.
 constexpr LanePathNames kMsDeformAttnPaths{
