@@ -24,6 +24,7 @@ WEIGHTED_MEANS = {
     ("GPU Speed Of Light Throughput", "Compute (SM) Throughput"): "sm_throughput_percent",
     ("GPU Speed Of Light Throughput", "L2 Cache Throughput"): "l2_throughput_percent",
     ("GPU Speed Of Light Throughput", "L1/TEX Cache Throughput"): "l1_throughput_percent",
+    ("Memory Workload Analysis", "L1/TEX Hit Rate"): "l1_hit_rate_percent",
     ("Memory Workload Analysis", "L2 Hit Rate"): "l2_hit_rate_percent",
     ("Occupancy", "Achieved Occupancy"): "achieved_occupancy_percent",
     ("Instruction Statistics", "Issue Slots Busy"): "issue_slots_busy_percent",
