@@ -125,14 +125,17 @@ template <typename Staged>
 constexpr int64_t kStagedPerBlock =
     std::max<int64_t>(kStagedBytesPerBlock / sizeof(Staged), kThreadsPerBlock);
 
-// Stages `count` samples of an item, its round's: once the item's lanes have read the previous
-// round, lane l locates samples l, l + lanes, ... of the round (locate(k) gives sample k) into
-// the item's slots `samples`, and the lanes wait for one another. An item's lanes lie in one
-// warp and stage their own item's samples only, so a warp's barrier is enough: no warp waits
-// for the others of its block. Every thread of the warp calls it, `active` where its item is.
+// Stages a round of an item's samples, as many of the `left` from the round's first on as a
+// round holds: once the item's lanes have read the previous round, lane l locates samples l,
+// l + lanes, ... of the round (locate(k) gives sample k) into the item's slots `samples`, and
+// the lanes wait for one another. Returns the round's number of samples. An item's lanes lie in
+// one warp and stage their own item's samples only, so a warp's barrier is enough: no warp
+// waits for the others of its block. Every thread of the warp calls it, `active` where its item
+// is.
 template <typename Staged, typename Locate>
-__device__ inline void stage_item_samples(const LaneTiling& t, int lane, bool active, int count,
-                                          Staged* samples, const Locate& locate) {
+__device__ inline int stage_item_samples(const LaneTiling& t, int lane, bool active, int64_t left,
+                                         Staged* samples, const Locate& locate) {
+  const int count = static_cast<int>(left < t.samples_per_round ? left : t.samples_per_round);
   __syncwarp();
   if (active) {
     for (int k = lane; k < count; k += t.lanes) {
@@ -140,6 +143,7 @@ __device__ inline void stage_item_samples(const LaneTiling& t, int lane, bool ac
     }
   }
   __syncwarp();
+  return count;
 }
 
 // The sum of `value` over the `lanes` threads of each item (a power of two, an item's lanes

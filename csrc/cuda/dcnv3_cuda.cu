@@ -70,14 +70,12 @@ __device__ inline int stage_round(const Dcnv3Geometry& g, const Divisor& kernel_
                                   const scalar_t* mask,
                                   SharedSample<at::opmath_type<scalar_t>>* samples) {
   using opmath_t = at::opmath_type<scalar_t>;
-  const int64_t left = g.points() - first_point;
-  const int points = static_cast<int>(left < t.samples_per_round ? left : t.samples_per_round);
-  stage_item_samples(t, lane, active_item, points, samples, [&](int point) {
+  return stage_item_samples(t, lane, active_item, g.points() - first_point, samples,
+                            [&](int point) {
     opmath_t y, x, m;
     dcnv3_position(g, kernel_h, start, first_point + point, offset, mask, y, x, m);
     return share_sample(y, x, m, g.height, g.width);
   });
-  return points;
 }
 
 // Adds m * bilinear(sample) of kVector channels to `sum`: corners of zero weight are not read,
@@ -135,7 +133,7 @@ __global__ void dcnv3_forward_kernel(Dcnv3Geometry g, Dcnv3Divisors<Divisor> d, 
     for (int64_t pass = 0; pass < t.passes; ++pass) {
       const index_t vector = static_cast<index_t>(pass * t.lanes + lane);
       const bool active = active_item && vector < t.vectors;
-      const scalar_t* const channels = input + (item_channels + vector * kVector);
+      const index_t channel = item_channels + vector * kVector;
       opmath_t sum[kVector] = {};
       for (int64_t first_point = 0; first_point < points; first_point += t.samples_per_round) {
         const int round_points = stage_round(g, d.kernel_h, t, lane, active_item, start,
@@ -144,7 +142,7 @@ __global__ void dcnv3_forward_kernel(Dcnv3Geometry g, Dcnv3Divisors<Divisor> d, 
           for (int point = 0; point < round_points; ++point) {
             // In registers: the sample's fields are read once, not once per corner.
             const SharedSample<opmath_t> sample = samples[point];
-            add_sample<scalar_t, kVector>(sample, channels, pixel_stride, corners, sum);
+            add_sample<scalar_t, kVector>(sample, input + channel, pixel_stride, corners, sum);
           }
         }
       }

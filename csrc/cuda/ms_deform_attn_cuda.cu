@@ -9,10 +9,11 @@
 // the tensors' alignment allow, else one channel. An item's lanes locate its L * P samples
 // once, in shared memory (StagedSample), in rounds of as many as fit, lane l the samples l,
 // l + lanes, ...: each sample's position, corner weights (the attention weight folded in) and
-// its cell's place in value are computed once, not once per channel vector. The backward computes the value gradient (atomic
-// adds of 16-byte vectors, scatter_add_run) and the location and attention-weight gradients (dot
-// products of the output's gradient with the corners' values, summed over the item's lanes by
-// warp shuffles and written by lane 0) in one kernel.
+// its cell's place in value are computed once, not once per channel vector. The backward
+// computes the value gradient (atomic adds of 16-byte vectors, scatter_add_run) and the
+// location and attention-weight gradients (dot products of the output's gradient with the
+// corners' values, summed over the item's lanes by warp shuffles and written by lane 0) in one
+// kernel.
 
 #include <ATen/Dispatch.h>
 #include <ATen/core/Tensor.h>
@@ -67,10 +68,9 @@ __device__ inline int stage_round(const MsDeformAttnGeometry& g, const LaneTilin
                                   const scalar_t* locations, const scalar_t* weights,
                                   StagedSample<at::opmath_type<scalar_t>>* samples) {
   using opmath_t = at::opmath_type<scalar_t>;
-  const int64_t left = g.head_samples() - first_sample;
-  const int count = static_cast<int>(left < t.samples_per_round ? left : t.samples_per_round);
   const int64_t first_index = item * g.head_samples() + first_sample;
-  stage_item_samples(t, lane, active_item, count, samples, [&](int k) {
+  return stage_item_samples(t, lane, active_item, g.head_samples() - first_sample, samples,
+                            [&](int k) {
     const int64_t index = first_index + k;
     const int64_t l = (first_sample + k) / g.points;
     MsDeformAttnLevel level{shapes[2 * l], shapes[2 * l + 1], starts[l]};
@@ -92,7 +92,6 @@ __device__ inline int stage_round(const MsDeformAttnGeometry& g, const LaneTilin
     located.row_step = level.width * g.pixel_stride();
     return located;
   });
-  return count;
 }
 
 // Element offsets of a staged sample's corners from its top-left one (corners_inside's order).
