@@ -195,6 +195,7 @@ CUDA_BRANCHES = {"dcnv3.cuda.channels.vectors", "dcnv3.cuda.channels.one_at_a_ti
                  "dcnv3.cuda.channels.several_passes", "dcnv3.cuda.points.several_rounds",
                  "dcnv3.cuda.index.32bit", "dcnv3.cuda.index.64bit",
                  "dcnv3.cuda.backward.input_gradient",
+                 "dcnv3.cuda.backward.input_gradient_in_shared_memory",
                  "dcnv3.cuda.backward.offset_mask_gradients"}
 
 
@@ -232,7 +233,8 @@ def test_emulated_cuda_paths(emulated, index_width, op, group_channels, aligned,
     """The CUDA launchers under the emulator, each of their paths forced by the group's channels,
     the input's alignment and the index width, and checked to have run: the forward, and the
     backward kernel for every combination of requested gradients, against the float64 CPU op
-    with every gradient."""
+    with every gradient. Bands of these images' rows fit a block's shared memory: with the input
+    gradient, the banded kernel."""
     geometry = geometry_of(group_channels)
     input, offset, mask = random_operands(2, 5, 7, geometry, seed=group_channels)
     if op == "dcnv3":
@@ -261,7 +263,10 @@ def test_emulated_cuda_paths(emulated, index_width, op, group_channels, aligned,
     for requested in requested_subsets(len(exact)):
         with branch_trace(emulated) as taken:
             grads = cuda_backward(grad_output.to(dtype), *operands, *tail, list(requested))
-        kernel = {"dcnv3.cuda.backward.input_gradient"} if requested[0] else set()
+        kernel = set()
+        if requested[0]:
+            kernel |= {"dcnv3.cuda.backward.input_gradient",
+                       "dcnv3.cuda.backward.input_gradient_in_shared_memory"}
         if any(requested[1:]):
             kernel.add("dcnv3.cuda.backward.offset_mask_gradients")
         assert taken & CUDA_BRANCHES == paths | kernel, sorted(taken)
@@ -270,6 +275,59 @@ def test_emulated_cuda_paths(emulated, index_width, op, group_channels, aligned,
                 assert_close_at(grad, full, dtype, f"gradient {index} of {requested}")
             else:
                 assert grad is None
+
+
+# (batch, height, width, offset spread, DEFORMCONV_INPUT_GRADIENT_BANDS, whether the input
+# gradient is summed in bands of shared memory), 3 x 3 kernel, padding 1, two groups of 16
+# channels. "beyond-the-band": images of 30 rows, bands of at most 18 (in float32: a strip's 8
+# output rows of 10 pixels, the footprint's reach, the margin) and offsets of up to 8 pixels:
+# corners in the band and outside it, bands clipped at the images' first and last rows, 5
+# strips an image. "bands-off": the same, the environment turning bands off. "rows-too-wide": a
+# band of 200-pixel rows would not fit 24 KiB. Without bands, the input gradient adds to global
+# memory directly.
+BAND_CASES = {"beyond-the-band": (2, 30, 10, 8.0, None, True),
+              "bands-off": (2, 30, 10, 8.0, "0", False),
+              "rows-too-wide": (1, 3, 200, 2.0, None, False)}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", BAND_CASES)
+def test_emulated_cuda_input_gradient_in_bands_or_directly(emulated, monkeypatch, case, dtype):
+    """The backward's two kernels with the input gradient (Note [Input gradient in a band of
+    shared memory] in csrc/cuda/dcnv3_cuda.cu), each forced by the image's width or the
+    environment and checked to have run, for every combination of requested gradients, against
+    the float64 CPU op, on a grid of 3 blocks, which take several strips (or items) each."""
+    batch, height, width, spread, setting, banded = BAND_CASES[case]
+    if setting is None:
+        monkeypatch.delenv("DEFORMCONV_INPUT_GRADIENT_BANDS", raising=False)
+    else:
+        monkeypatch.setenv("DEFORMCONV_INPUT_GRADIENT_BANDS", setting)
+    geometry = geometry_of(16)
+    exact = random_operands(batch, height, width, geometry, spread=spread, seed=height)
+    operands = [t.to(dtype) for t in exact]
+    rounded = [t.double() for t in operands]
+    tail = (*arguments(geometry), 0, False)
+    expected = torch.ops.deformconv.dcnv3(*rounded, *tail)
+    grad_output = torch.randn(expected.shape, generator=torch.Generator().manual_seed(3),
+                              dtype=torch.float64)
+    expected_grads = torch.ops.deformconv.dcnv3_backward(grad_output, *rounded, *tail,
+                                                         [True] * 3)
+    emulated.configure(0, 0, 3, 0, 0, 0, False)
+    try:
+        for requested in requested_subsets(3):
+            with branch_trace(emulated) as taken:
+                grads = emulated.dcnv3_backward(grad_output.to(dtype), *operands, *tail,
+                                                list(requested))
+            assert ("dcnv3.cuda.backward.input_gradient" in taken) == requested[0], sorted(taken)
+            assert ("dcnv3.cuda.backward.input_gradient_in_shared_memory" in taken) == (
+                requested[0] and banded), sorted(taken)
+            for index, (want, grad, full) in enumerate(zip(requested, grads, expected_grads)):
+                if want:
+                    assert_close_at(grad, full, dtype, f"gradient {index} of {requested}")
+                else:
+                    assert grad is None
+    finally:
+        emulated.configure(0, 0, 0, 0, 0, 0, False)
 
 
 # (padding, the largest element index the kernels form): with padding 1 the input's, with its

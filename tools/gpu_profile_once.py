@@ -2,12 +2,17 @@
 training shape: the program that tools/gpu_check.sh runs under Nsight Compute (ncu) to read each
 kernel's achieved DRAM bandwidth and SM throughput. DCNv3 and DCNv4 at FlashInternImage-T's
 stage 2 (batch 64) in float32 and bfloat16; DCN v2 at ResNet-50's c4 stage (batch 8) in
-float32; multi-scale deformable attention at Deformable DETR's encoder shape in float32. Each call runs in an NVTX range of its name, which ncu records beside each kernel
+float32; multi-scale deformable attention at Deformable DETR's encoder shape in float32.
+DCNv3's float32 backward runs twice, the second time with DEFORMCONV_INPUT_GRADIENT_BANDS=0 (its
+input gradient added in global memory, not in bands of shared memory), to compare the two
+kernels. Each call runs in an NVTX range of its name, which ncu records beside each kernel
 (tools/ncu_summary.py labels the kernels by it). The ops are called directly, not through
 autograd, whose engine would run the backward on a thread of its own, outside the range.
 
     python tools/gpu_profile_once.py
 """
+
+import os
 
 import torch
 
@@ -15,6 +20,17 @@ from deformconv.benchmarks.shapes import (SHAPES, make_dcnv3_tensors, make_msda_
                                           make_tensors, pack_offset_mask)
 
 ops = torch.ops.deformconv
+
+
+def without_bands(call):
+    """call, run with the input gradient of DCNv3's CUDA backward in global memory."""
+    def run():
+        os.environ["DEFORMCONV_INPUT_GRADIENT_BANDS"] = "0"
+        try:
+            call()
+        finally:
+            del os.environ["DEFORMCONV_INPUT_GRADIENT_BANDS"]
+    return run
 
 
 def dcnv3_calls(dtype):
@@ -29,9 +45,12 @@ def dcnv3_calls(dtype):
         grad_output = torch.randn_like(input)
         every_gradient = [True] * len(operands)
         calls.append((f"{op} {name} forward", lambda f=forward, o=operands: f(*o, *tail)))
-        calls.append((f"{op} {name} backward",
-                      lambda b=backward, o=operands, m=every_gradient: b(grad_output, *o, *tail,
-                                                                          m)))
+        backward_call = (lambda b=backward, o=operands, m=every_gradient:
+                         b(grad_output, *o, *tail, m))
+        calls.append((f"{op} {name} backward", backward_call))
+        if op == "dcnv3" and dtype == torch.float32:
+            calls.append((f"{op} {name} backward, input gradient in global memory",
+                          without_bands(backward_call)))
     return calls
 
 
