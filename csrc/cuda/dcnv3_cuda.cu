@@ -336,11 +336,14 @@ template <typename opmath_t>
 std::optional<BandShape> band_shape(const Dcnv3Geometry& g, const LaneTiling& t) {
   const double scale = g.offset_scale;
   const int64_t centre = g.dilation_h * (g.kernel_h - 1) / 2;
-  // The footprint's rows about the centre tap, unscaled: -centre and span - centre.
+  // The footprint's first and last rows from the centre tap, before offsets: (-centre) * scale
+  // and (span - centre) * scale, one of them at most 0 and the other at least 0 (offset_scale
+  // is finite), each reach at most the image's height.
   const double low = -centre * scale;
   const double high = (g.dilation_h * (g.kernel_h - 1) - centre) * scale;
   const double height = static_cast<double>(g.height);
-  const int64_t reach_above = static_cast<int64_t>(std::min(height, std::ceil(-std::min(low, high))));
+  const int64_t reach_above =
+      static_cast<int64_t>(std::min(height, std::ceil(-std::min(low, high))));
   const int64_t reach_below =
       static_cast<int64_t>(std::min(height, std::floor(std::max(low, high)))) + 1;
   const int64_t strip_rows =
