@@ -199,6 +199,17 @@ CUDA_BRANCHES = {"dcnv3.cuda.channels.vectors", "dcnv3.cuda.channels.one_at_a_ti
                  "dcnv3.cuda.backward.offset_mask_gradients"}
 
 
+def cpu_expectations(op, operands, tail, seed):
+    """The CPU op's output on `operands`, an output gradient drawn from `seed`, and every
+    gradient of the op for it."""
+    expected = getattr(torch.ops.deformconv, op)(*operands, *tail)
+    grad_output = torch.randn(expected.shape, generator=torch.Generator().manual_seed(seed),
+                              dtype=torch.float64)
+    grads = getattr(torch.ops.deformconv, op + "_backward")(grad_output, *operands, *tail,
+                                                            [True] * len(operands))
+    return expected, grad_output, grads
+
+
 @pytest.fixture
 def index_width(request, emulated):
     """The kernels' index arithmetic (parametrised indirectly): 32-bit divisions, which the
@@ -245,14 +256,10 @@ def test_emulated_cuda_paths(emulated, index_width, op, group_channels, aligned,
     if not aligned:
         operands[0] = misaligned(operands[0])
     rounded = [t.double() for t in operands]
-    cpu_backward = getattr(torch.ops.deformconv, op + "_backward")
     cuda_forward = getattr(emulated, op)
     cuda_backward = getattr(emulated, op + "_backward")
     tail = (*arguments(geometry), 0, False)
-    expected = getattr(torch.ops.deformconv, op)(*rounded, *tail)
-    grad_output = torch.randn(expected.shape, generator=torch.Generator().manual_seed(1),
-                              dtype=torch.float64)
-    expected_grads = cpu_backward(grad_output, *rounded, *tail, [True] * len(exact))
+    expected, grad_output, expected_grads = cpu_expectations(op, rounded, tail, seed=1)
     index = {f"dcnv3.cuda.index.{index_width}"}
     paths = expected_cuda_branches(group_channels, dtype, 9, aligned, backward=False) | index
     with branch_trace(emulated) as taken:
@@ -307,11 +314,7 @@ def test_emulated_cuda_input_gradient_in_bands_or_directly(emulated, monkeypatch
     operands = [t.to(dtype) for t in exact]
     rounded = [t.double() for t in operands]
     tail = (*arguments(geometry), 0, False)
-    expected = torch.ops.deformconv.dcnv3(*rounded, *tail)
-    grad_output = torch.randn(expected.shape, generator=torch.Generator().manual_seed(3),
-                              dtype=torch.float64)
-    expected_grads = torch.ops.deformconv.dcnv3_backward(grad_output, *rounded, *tail,
-                                                         [True] * 3)
+    _, grad_output, expected_grads = cpu_expectations("dcnv3", rounded, tail, seed=3)
     emulated.configure(0, 0, 3, 0, 0, 0, False)
     try:
         for requested in requested_subsets(3):
@@ -346,11 +349,7 @@ def test_emulated_cuda_index_width_follows_the_largest_element_index(emulated, c
     geometry = ((3, 3), (1, 1), (padding, padding), (1, 1), 2, 4)
     operands = random_operands(2, 5, 7, geometry, seed=padding)
     tail = (*arguments(geometry), 0, False)
-    expected = torch.ops.deformconv.dcnv3(*operands, *tail)
-    grad_output = torch.randn(expected.shape, generator=torch.Generator().manual_seed(2),
-                              dtype=torch.float64)
-    expected_grads = torch.ops.deformconv.dcnv3_backward(grad_output, *operands, *tail,
-                                                         [True] * 3)
+    expected, grad_output, expected_grads = cpu_expectations("dcnv3", operands, tail, seed=2)
     items = expected.shape[0] * expected.shape[1] * expected.shape[2] * 2
     assert max(items, 9) < largest - 1
     for limit, width in [(largest, "32bit"), (largest - 1, "64bit")]:
