@@ -22,3 +22,19 @@ def im2col_forward(monkeypatch):
     """The CPU forward as im2col and GEMMs, as it runs for weights too large for the fused
     forward (Note [Fused forward]), which the tests' small ones would otherwise take."""
     monkeypatch.setenv("DEFORMCONV_FUSED_FORWARD", "0")
+
+
+@pytest.fixture(scope="session")
+def emulated():
+    """torch.ops.deformconv_emulated: the CUDA launchers and kernels of csrc/cuda compiled
+    against the CPU emulator (tests/emulated_cuda.py), built on first use."""
+    from emulated_cuda import load
+
+    return load()
+
+
+def pytest_collection_modifyitems(items):
+    # The marker follows the fixture, so that no emulated test can miss it.
+    for item in items:
+        if "emulated" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.emulated)

@@ -8,6 +8,8 @@ from torch import nn
 import deformconv
 from cases import GEOMETRIES, make_operands
 
+pytestmark = pytest.mark.workflows
+
 
 @pytest.fixture
 def operands():

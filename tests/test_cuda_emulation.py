@@ -15,16 +15,10 @@ import torch
 import deformconv  # noqa: F401  (registers torch.ops.deformconv, the CPU op compared against)
 from branching import assert_close_at, branch_trace, requested_subsets
 from cases import GEOMETRIES, Geometry, forward_and_grads, make_operands, strided_copies
-from emulated_cuda import load
 from reference import deform_conv2d_reference
 
 FORWARD, REVERSE, SHUFFLED = 0, 1, 2
 STREAM = 7  # the current stream the tests set; every launch must be on it
-
-
-@pytest.fixture(scope="module")
-def emulated():
-    return load()
 
 
 @pytest.fixture(autouse=True)

@@ -16,7 +16,7 @@ from cases import (GEOMETRIES, check_indices_past_two_to_the_31, differentiable,
 needs_cuda = pytest.mark.skipif(
     not (torch.cuda.is_available() and deformconv.cuda_compiled()),
     reason="needs a CUDA device and deformconv built with its CUDA kernels")
-pytestmark = [pytest.mark.cuda, needs_cuda]
+pytestmark = [pytest.mark.cuda, pytest.mark.workflows, needs_cuda]
 
 
 def on_gpu(operands, dtype=None):

@@ -12,6 +12,8 @@ import torch.nn.functional as F
 import deformconv
 from dcnv3_reference import dcnv3_reference, unpack_offset_mask
 
+pytestmark = pytest.mark.workflows
+
 
 def dcnv3_keys(C, P, G, dwk, norm="LN", center_feature_scale=False):
     """The original DCNv3's parameters: key -> shape."""

@@ -7,7 +7,8 @@ import torch
 
 import deformconv
 from dcnv3_reference import GEOMETRIES, pack_offset_mask, random_operands
-from emulated_cuda import load
+
+pytestmark = pytest.mark.workflows
 
 OPS = ["dcnv3", "dcnv4"]
 
@@ -79,11 +80,6 @@ def test_torch_compile_fullgraph_and_export(op):
     torch.testing.assert_close(compiled(*operands), expected)
     program = torch.export.export(Core(), tuple(operands))
     torch.testing.assert_close(program.module()(*operands), expected)
-
-
-@pytest.fixture(scope="module")
-def emulated():
-    return load()
 
 
 @pytest.mark.parametrize("geometry", GEOMETRIES)

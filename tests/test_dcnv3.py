@@ -13,7 +13,6 @@ import deformconv
 from branching import branch_trace
 from dcnv3_reference import (FORMULA_VECTORS, GEOMETRIES, dcnv3_reference, formula_operands,
                              random_operands, run, spec_vectors_input)
-from emulated_cuda import load
 
 
 def test_vector_v1_tap_order_and_xy_order():
@@ -371,7 +370,3 @@ def test_wrong_dtype_raises_type_error():
     with pytest.raises(TypeError, match="mask to have the dtype of input"):
         run(deformconv.dcnv3, input, offset, mask.float(), geometry)
 
-
-@pytest.fixture(scope="module")
-def emulated():
-    return load()

@@ -166,12 +166,6 @@ def test_dcnv4_paths(group_channels, passes, size, dtype):
                     assert_close_at(grad, full, dtype, f"{name} of {requested}")
 
 
-@pytest.fixture(scope="module")
-def emulated():
-    from emulated_cuda import load
-    return load()
-
-
 def shared_sample_bytes(dtype):
     """sizeof(SharedSample<opmath_t>): an int64, an int and 7 values, 8-byte aligned."""
     return 40 if opmath_bytes(dtype) == 4 else 72

@@ -9,6 +9,8 @@ import deformconv
 import deformconv.onnx
 from dcnv3_reference import GEOMETRIES, pack_offset_mask, random_operands
 
+pytestmark = pytest.mark.workflows
+
 
 # torch.export's exporter, and the legacy TorchScript one, which torch deprecates when asked
 # for it (dynamo=False): that warning is torch's answer to the request.

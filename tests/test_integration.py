@@ -10,6 +10,8 @@ import torch
 import deformconv
 from cases import GEOMETRIES, make_operands
 
+pytestmark = pytest.mark.workflows
+
 # (module class, number of forward inputs)
 MODULES = [
     (deformconv.DeformConv2d, 2),

@@ -14,6 +14,8 @@ import torch
 import deformconv
 from deformconv import integrations
 
+pytestmark = pytest.mark.workflows
+
 MODELS = Path(__file__).resolve().parent / "original_style_models"
 
 # Run first in each child: what it must not have.

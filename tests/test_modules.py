@@ -7,6 +7,8 @@ import torch.nn.functional as F
 import deformconv
 from reference import deform_conv2d_reference
 
+pytestmark = pytest.mark.workflows
+
 
 def test_deform_conv2d_module_matches_functional():
     layer = deformconv.DeformConv2d(4, 6, (3, 2), stride=(2, 1), padding=1, dilation=(1, 2),

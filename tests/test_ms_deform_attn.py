@@ -429,13 +429,7 @@ def test_autocast_runs_in_float32():
     torch.testing.assert_close(out, expected)
 
 
-# The CUDA launchers under the emulator (tests/emulated_cuda.py), csrc/cuda/ms_deform_attn_cuda.cu.
-@pytest.fixture(scope="module")
-def emulated():
-    from emulated_cuda import load
-    return load()
-
-
+# The CUDA launchers under the emulator (the emulated fixture), csrc/cuda/ms_deform_attn_cuda.cu.
 def expected_cuda_branches(channels, dtype, samples, aligned, backward):
     """The paths of ms_deform_attn_cuda.cu's tiling for a shape (cuda_lane_paths): vectors of
     16 bytes of the dtype (forward) or of the float32/float64 sums (backward); a staged sample is

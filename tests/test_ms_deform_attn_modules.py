@@ -11,6 +11,8 @@ import torch.nn.functional as F
 import deformconv
 from test_ms_deform_attn import levels_of, ms_deform_attn_reference
 
+pytestmark = pytest.mark.workflows
+
 LEVELS = [(6, 8), (3, 4), (2, 2), (1, 1)]
 
 

@@ -11,6 +11,8 @@ import deformconv
 import deformconv.onnx
 from test_ms_deform_attn import GRID, call, levels_of, make_operands
 
+pytestmark = pytest.mark.workflows
+
 # torch.export's exporter, and the legacy TorchScript one, which torch deprecates when asked
 # for it (dynamo=False): that warning is torch's answer to the request.
 EXPORTERS = [pytest.param(True, id="dynamo"),

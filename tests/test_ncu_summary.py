@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.workflows
+
 TOOL = Path(__file__).resolve().parent.parent / "tools" / "ncu_summary.py"
 spec = importlib.util.spec_from_file_location("ncu_summary", TOOL)
 ncu_summary = importlib.util.module_from_spec(spec)
