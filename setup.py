@@ -1,14 +1,18 @@
 """Build of the deformconv extension against the torch installed where it is built.
 
-The CPU kernels are always built. The CUDA kernels are built when a CUDA build of torch and a
-CUDA toolkit of the same major version are present, unless DEFORMCONV_WITH_CUDA says otherwise:
-    DEFORMCONV_WITH_CUDA=1   require the CUDA kernels (stop at once if they cannot be built)
-    DEFORMCONV_WITH_CUDA=0   CPU kernels only
-    (unset or auto)          CUDA kernels when possible, else the CPU kernels, saying why
+The CPU kernels are always built. The CUDA kernels are built as torchvision and mmcv build
+theirs: when torch is a CUDA build, a CUDA toolkit of the same major version is found, and either
+a GPU is visible or the build is asked for them:
+    FORCE_CUDA=1 or DEFORMCONV_WITH_CUDA=1   require the CUDA kernels (stop at once if they
+                                             cannot be built), GPU or not
+    DEFORMCONV_WITH_CUDA=0                   CPU kernels only
+    (neither)                                CUDA kernels when a GPU is visible and they can be
+                                             built, else the CPU kernels, saying why
 The toolkit is CUDA_HOME (or CUDA_PATH) if it holds include/cuda_runtime.h, else the one that the
 nvcc on PATH belongs to, else /usr/local/cuda. The GPU architectures are TORCH_CUDA_ARCH_LIST if
-set, else those of the visible GPUs, else (a build machine without a GPU) those that torch itself
-was built for. MAX_JOBS bounds the parallel compile jobs. DEFORMCONV_SANITIZE=1 compiles the C++
+set, taken as given; else those of the visible GPUs, else (a build machine without a GPU) those
+that torch itself was built for; of the last two, the newest is also embedded as PTX, which the
+driver compiles for GPUs newer than any listed. MAX_JOBS bounds the parallel compile jobs. DEFORMCONV_SANITIZE=1 compiles the C++
 with AddressSanitizer and UndefinedBehaviorSanitizer (tools/run_sanitized_tests.sh uses it).
 On x86-64 the CPU kernels carry AVX-512, AVX2 and baseline copies, picked at load time;
 DEFORMCONV_CPU_CLONES=avx2 leaves the AVX-512 copies out, so that an AVX-512 machine measures
@@ -48,12 +52,22 @@ def say(message: str) -> None:
 
 
 def cuda_switch() -> str:
-    value = os.environ.get("DEFORMCONV_WITH_CUDA", "auto").strip().lower()
-    for meaning, spellings in (("1", ("1", "true", "on", "yes")),
-                               ("0", ("0", "false", "off", "no")), ("auto", ("auto", ""))):
-        if value in spellings:
-            return meaning
-    sys.exit(f"deformconv build: DEFORMCONV_WITH_CUDA must be 0, 1 or auto, got {value!r}")
+    """"1" (CUDA kernels required), "0" (CPU kernels only) or "auto", from DEFORMCONV_WITH_CUDA
+    and, as torchvision and mmcv read it, FORCE_CUDA."""
+    values = {}
+    for variable in ("DEFORMCONV_WITH_CUDA", "FORCE_CUDA"):
+        value = os.environ.get(variable, "auto").strip().lower()
+        for meaning, spellings in (("1", ("1", "true", "on", "yes")),
+                                   ("0", ("0", "false", "off", "no")), ("auto", ("auto", ""))):
+            if value in spellings:
+                values[variable] = meaning
+                break
+        else:
+            sys.exit(f"deformconv build: {variable} must be 0, 1 or auto, got {value!r}")
+    # FORCE_CUDA=0 means "not forced" to torchvision and mmcv, never "CPU only".
+    if values["DEFORMCONV_WITH_CUDA"] == "auto" and values["FORCE_CUDA"] == "1":
+        return "1"
+    return values["DEFORMCONV_WITH_CUDA"]
 
 
 def cpu_clones() -> str:
@@ -138,6 +152,18 @@ def architectures_of_torch(torch, cuda_home: Path, notes):
     return archs
 
 
+def newest_as_ptx(archs) -> str:
+    """TORCH_CUDA_ARCH_LIST entries joined, the newest architecture also as PTX: a GPU newer
+    than every listed one then runs the kernels, compiled by its driver, instead of failing
+    with "no kernel image is available"."""
+    if not archs:
+        return ""
+    as_number = lambda entry: tuple(int(part) for part in entry.split("+")[0].split("."))
+    newest = max(archs, key=as_number)
+    return ";".join(entry + "+PTX" if entry == newest and not entry.endswith("+PTX") else entry
+                    for entry in sorted(archs, key=as_number))
+
+
 def plan_cuda(torch):
     """(CUDA kernels built?, the arch list or the reason they are not) per the switch."""
     switch = cuda_switch()
@@ -164,14 +190,17 @@ def plan_cuda(torch):
                        "toolkit and set CUDA_HOME to it, or a torch built for "
                        f"CUDA {release[0]}")
     archs = os.environ.get("TORCH_CUDA_ARCH_LIST", "").strip()
+    gpu_visible = torch.version.cuda is not None and torch.cuda.is_available()
+    if problem is None and switch == "auto" and not gpu_visible:
+        problem = "no GPU visible (FORCE_CUDA=1 builds the CUDA kernels without one)"
     if problem is None and not archs:
-        if torch.cuda.is_available():
-            archs = ";".join(sorted({"{}.{}".format(*torch.cuda.get_device_capability(i))
-                                     for i in range(torch.cuda.device_count())}))
+        if gpu_visible:
+            archs = newest_as_ptx(sorted({"{}.{}".format(*torch.cuda.get_device_capability(i))
+                                          for i in range(torch.cuda.device_count())}))
             notes.append(f"architectures of the visible GPUs: {archs}")
         else:
             try:
-                archs = ";".join(architectures_of_torch(torch, cuda_home, notes))
+                archs = newest_as_ptx(architectures_of_torch(torch, cuda_home, notes))
             except RuntimeError as error:
                 problem = str(error)
             else:
@@ -183,8 +212,8 @@ def plan_cuda(torch):
         say(note)
     if problem is not None:
         if switch == "1":
-            sys.exit(f"deformconv build: DEFORMCONV_WITH_CUDA=1, but the CUDA kernels cannot be "
-                     f"built: {problem}.")
+            sys.exit("deformconv build: the CUDA kernels were asked for (FORCE_CUDA=1 or "
+                     f"DEFORMCONV_WITH_CUDA=1), but they cannot be built: {problem}.")
         return False, problem
     # torch's build helper reads both when it is imported and when it compiles.
     os.environ["CUDA_HOME"] = str(cuda_home)
@@ -193,42 +222,46 @@ def plan_cuda(torch):
     return True, archs
 
 
-def sources(pattern):
-    return sorted(str(p.relative_to(ROOT)) for p in ROOT.glob(pattern))
+def listed_sources(*builds):
+    """csrc/sources.txt's sources of any of these builds (library, python, cuda, emulation),
+    which CMakeLists.txt and the emulated build of the tests read too."""
+    chosen = []
+    for line in (ROOT / "csrc" / "sources.txt").read_text().splitlines():
+        fields = line.split()
+        if fields and not fields[0].startswith("#") and set(builds) & set(fields[1:]):
+            chosen.append(fields[0])
+    return chosen
+
+
+def compile_flags():
+    """csrc/compile_flags.txt's flags (it says why), which CMakeLists.txt reads too."""
+    return [line.strip() for line in (ROOT / "csrc" / "compile_flags.txt").read_text().splitlines()
+            if line.startswith("-")]
 
 
 def extension(cpp_extension, with_cuda: bool):
-    common = (
-        ["csrc/deformconv.cpp", "csrc/python/module.cpp"]
-        + sources("csrc/core/*.cpp")
-        + sources("csrc/cpu/*.cpp")
-    )
     # No OpenMP flags: the kernels run in parallel regions that ATen compiled (Note [Parallel
     # regions through ATen], csrc/core/parallel_region.h), on every compiler and platform.
-    # -fno-trapping-math: floating-point exceptions are never unmasked, and without it GCC
-    # keeps loops with comparisons and conversions scalar (the DCNv3 samples' cells,
-    # cpu/dcnv3_cpu.cpp); no value changes. -Wno-psabi, as torch's own build: GCC warns at
-    # each call of cpu/vector_shuffle.h's helpers that wide vectors change the calling
-    # convention, but they are always inlined, so there is no call.
-    cxx_flags = ["-O3", "-fno-trapping-math", "-Wno-psabi"]
+    # -g0: Python's own flags ask for debug information, which makes every compile a quarter
+    # slower and the library several times larger.
+    cxx_flags = ["-O3", "-g0"] + compile_flags()
     link_flags = []
     if os.environ.get("DEFORMCONV_SANITIZE", "0") == "1":
         sanitize = ["-fsanitize=address,undefined", "-fno-sanitize-recover=undefined",
                     "-fno-omit-frame-pointer", "-g"]
-        cxx_flags = ["-O1", "-fno-trapping-math", "-Wno-psabi"] + sanitize
+        cxx_flags = ["-O1"] + compile_flags() + sanitize
         link_flags += sanitize
     if cpu_clones() == "avx2":
         cxx_flags.append("-DDEFORMCONV_NO_AVX512_CLONES")
     if with_cuda:
         return cpp_extension.CUDAExtension(
-            "deformconv._C",
-            common + sources("csrc/cuda/*.cpp") + sources("csrc/cuda/*.cu"),
+            "deformconv._C", listed_sources("library", "python", "cuda"),
             extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3"]},
             extra_link_args=link_flags,
         )
     return cpp_extension.CppExtension(
-        "deformconv._C", common, extra_compile_args={"cxx": cxx_flags},
-        extra_link_args=link_flags,
+        "deformconv._C", listed_sources("library", "python"),
+        extra_compile_args={"cxx": cxx_flags}, extra_link_args=link_flags,
     )
 
 
@@ -279,6 +312,16 @@ def build_options():
 
         cpu_only_reason = None if with_cuda else archs_or_reason
 
+        def finalize_options(self):
+            super().finalize_options()
+            # pip's editable installs compile in a new temporary folder each time, so a second
+            # `pip install -e .` would compile everything again. A folder of the source tree,
+            # one per Python and torch, lets ninja recompile only what changed (it also reruns
+            # any command whose flags changed).
+            torch_tag = "".join(c if c.isalnum() else "_" for c in torch.__version__)
+            self.build_temp = str(ROOT / "build" /
+                                  f"objects-{sys.implementation.cache_tag}-torch{torch_tag}")
+
         def build_extensions(self):
             try:
                 super().build_extensions()
@@ -320,9 +363,12 @@ def torch_requirement(commands) -> str:
     return "torch==" + torch.__version__.split("+")[0]
 
 
-commands = sys.argv[1:]
-setup(
-    version=read_version(),
-    install_requires=[torch_requirement(commands)],
-    **(build_options() if COMPILING_COMMANDS.intersection(commands) else {}),
-)
+# Run by pip's build backend and by `python setup.py` alike as __main__; imported by the tests,
+# which call the functions above.
+if __name__ == "__main__":
+    commands = sys.argv[1:]
+    setup(
+        version=read_version(),
+        install_requires=[torch_requirement(commands)],
+        **(build_options() if COMPILING_COMMANDS.intersection(commands) else {}),
+    )

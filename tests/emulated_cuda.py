@@ -13,6 +13,8 @@ from pathlib import Path
 import torch
 from torch.utils import cpp_extension
 
+from setup_py import load_setup_py
+
 ROOT = Path(__file__).resolve().parent.parent
 EMULATION = ROOT / "tests" / "cuda_emulation"
 SANITIZER_FLAGS = ["-fsanitize=address,undefined", "-fno-sanitize-recover=undefined",
@@ -27,13 +29,9 @@ def load():
     torch_tag = "".join(c if c.isalnum() else "_" for c in torch.__version__)
     cpp_extension.load(
         name=f"deformconv_cuda_emulation_{torch_tag}" + ("_sanitized" if sanitize else ""),
-        sources=[str(EMULATION / "emulated_ops.cpp"), str(ROOT / "csrc" / "cuda" / "ops_cuda.cpp"),
-                 *[str(ROOT / "csrc" / "core" / f"deform_conv2d_{part}.cpp")
-                   for part in ("checks", "tiling", "gemms", "forward", "backward")],
-                 str(ROOT / "csrc" / "core" / "dcnv3.cpp"),
-                 str(ROOT / "csrc" / "core" / "ms_deform_attn.cpp"),
-                 str(ROOT / "csrc" / "core" / "branch_trace.cpp"),
-                 str(ROOT / "csrc" / "core" / "parallel_region.cpp")],
+        # The emulator's ops, and csrc/sources.txt's sources of the emulation build.
+        sources=[str(EMULATION / "emulated_ops.cpp")]
+        + [str(ROOT / path) for path in load_setup_py().listed_sources("emulation")],
         # Ahead of torch's own headers: the shims of c10/cuda.
         extra_include_paths=[str(EMULATION / "include")],
         extra_cflags=["-O1" if sanitize else "-O2", "-DDEFORMCONV_CUDA_EMULATION",

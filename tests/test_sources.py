@@ -1,0 +1,87 @@
+"""One list of sources (csrc/sources.txt) and one of C++ flags (csrc/compile_flags.txt): every
+source under csrc/ is listed, and setup.py, CMakeLists.txt (cmake/sources.cmake) and the
+emulated CUDA build of the tests each compile what the list gives them, with the same flags."""
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+import emulated_cuda
+import setup_py
+
+if not setup_py.PATH.is_file():
+    pytest.skip("no setup.py beside the tests", allow_module_level=True)
+
+pytestmark = pytest.mark.workflows
+
+ROOT = setup_py.PATH.parent
+BUILDS = {"library", "python", "cuda", "emulation"}
+
+
+def listing():
+    """{path: set of builds}, read here independently of the build files."""
+    rows = {}
+    for line in (ROOT / "csrc" / "sources.txt").read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            path, *builds = line.split()
+            assert path not in rows, f"{path} is listed twice"
+            rows[path] = set(builds)
+    return rows
+
+
+def of(*builds):
+    return sorted(path for path, tags in listing().items() if tags & set(builds))
+
+
+def test_every_source_under_csrc_is_listed_once_with_known_builds():
+    on_disk = sorted(str(path.relative_to(ROOT)) for path in (ROOT / "csrc").rglob("*")
+                     if path.suffix in (".cpp", ".cu"))
+    rows = listing()
+    assert sorted(rows) == on_disk
+    for path, builds in rows.items():
+        assert builds and builds <= BUILDS, f"{path}: {builds}"
+
+
+@pytest.mark.parametrize("with_cuda", [False, True], ids=["cpu", "cuda"])
+def test_setup_py_compiles_the_listed_sources_with_the_listed_flags(with_cuda, monkeypatch):
+    from torch.utils import cpp_extension
+
+    module = setup_py.load_setup_py()
+    monkeypatch.delenv("DEFORMCONV_SANITIZE", raising=False)
+    monkeypatch.delenv("DEFORMCONV_CPU_CLONES", raising=False)
+    # CUDAExtension only names the toolkit's folders; nothing is compiled here.
+    monkeypatch.setattr(cpp_extension, "CUDAExtension", cpp_extension.CppExtension)
+    extension = module.extension(cpp_extension, with_cuda)
+    builds = ("library", "python", "cuda") if with_cuda else ("library", "python")
+    assert sorted(extension.sources) == of(*builds)
+    assert extension.extra_compile_args["cxx"] == ["-O3", "-g0", "-fno-trapping-math", "-Wno-psabi"]
+    assert module.compile_flags() == ["-fno-trapping-math", "-Wno-psabi"]
+
+
+def test_the_emulated_build_compiles_the_listed_sources(monkeypatch):
+    calls = []
+    monkeypatch.setattr(emulated_cuda.cpp_extension, "load",
+                        lambda **arguments: calls.append(arguments))
+    emulated_cuda.load()
+    (arguments,) = calls
+    emulator = str(ROOT / "tests" / "cuda_emulation" / "emulated_ops.cpp")
+    assert arguments["sources"][0] == emulator
+    assert sorted(arguments["sources"][1:]) == [str(ROOT / path) for path in of("emulation")]
+
+
+@pytest.mark.skipif(shutil.which("cmake") is None, reason="needs cmake")
+def test_cmake_compiles_the_listed_sources_with_the_listed_flags(tmp_path):
+    script = tmp_path / "print_sources.cmake"
+    script.write_text(f'include("{ROOT}/cmake/sources.cmake")\n'
+                      "deformconv_sources(cpu library)\n"
+                      "deformconv_sources(cuda library cuda)\n"
+                      'message("cpu=${cpu}")\nmessage("cuda=${cuda}")\n'
+                      'message("flags=${DEFORMCONV_COMPILE_FLAGS}")\n')
+    result = subprocess.run(["cmake", "-P", str(script)], capture_output=True, text=True,
+                            check=True)
+    printed = dict(line.split("=", 1) for line in result.stderr.splitlines() if "=" in line)
+    assert sorted(printed["cpu"].split(";")) == of("library")
+    assert sorted(printed["cuda"].split(";")) == of("library", "cuda")
+    assert printed["flags"].split(";") == ["-fno-trapping-math", "-Wno-psabi"]
