@@ -11,6 +11,9 @@ import torch
 
 import deformconv
 from deformconv import _build_info
+from deformconv.ops import _common
+
+pytestmark = pytest.mark.workflows
 
 
 def test_build_records_the_torch_it_was_compiled_against():
@@ -59,3 +62,45 @@ def test_build_stops_below_the_minimum_compiler(tmp_path, macros, message):
                                  "DEFORMCONV_WITH_CUDA": "0"})
     assert result.returncode != 0
     assert f"deformconv build: {compiler} {message}" in result.stderr
+
+
+def test_the_reason_for_missing_cuda_kernels_is_the_builds():
+    reason = _common._cuda_kernels_missing_reason()
+    if deformconv.cuda_compiled():
+        assert reason is None
+    else:
+        assert reason == _build_info.CPU_ONLY_REASON
+
+
+OPS_ON_CUDA = {
+    "deform_conv2d": lambda: deformconv.deform_conv2d(
+        torch.empty(1, 2, 5, 5, device="cuda"), torch.empty(1, 18, 3, 3, device="cuda"),
+        torch.empty(4, 2, 3, 3, device="cuda")),
+    "dcnv3": lambda: deformconv.dcnv3(
+        torch.empty(1, 5, 5, 8, device="cuda"), torch.empty(1, 3, 3, 36, device="cuda"),
+        torch.empty(1, 3, 3, 18, device="cuda"), 3, 3, 1, 1, 0, 0, 1, 1, 2, 4, 1.0),
+    "dcnv4": lambda: deformconv.dcnv4(
+        torch.empty(1, 5, 5, 8, device="cuda"), torch.empty(1, 3, 3, 56, device="cuda"),
+        3, 3, 1, 1, 0, 0, 1, 1, 2, 4, 1.0),
+    "ms_deform_attn": lambda: deformconv.ms_deform_attn(
+        torch.empty(1, 4, 2, 4, device="cuda"), torch.tensor([[2, 2]], device="cuda"),
+        torch.tensor([0], device="cuda"), torch.empty(1, 3, 2, 1, 1, 2, device="cuda"),
+        torch.empty(1, 3, 2, 1, 1, device="cuda")),
+}
+
+
+@pytest.mark.parametrize("op", OPS_ON_CUDA)
+def test_an_op_on_cuda_without_cuda_kernels_names_force_cuda(op, monkeypatch):
+    # Fake CUDA tensors, which need no GPU, and a build that says it has no CUDA kernels.
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    monkeypatch.setattr(_common, "_cuda_kernels_missing_reason",
+                        lambda: "no GPU visible (FORCE_CUDA=1 builds the CUDA kernels without one)")
+    with FakeTensorMode(), pytest.raises(RuntimeError) as error:
+        OPS_ON_CUDA[op]()
+    assert str(error.value) == (
+        f"{op}(): this build of deformconv has no CUDA kernels (no GPU visible (FORCE_CUDA=1 "
+        "builds the CUDA kernels without one)), so it cannot run on cuda:0. Reinstall it with "
+        "FORCE_CUDA=1 set (pip install --no-build-isolation --force-reinstall --no-deps . from "
+        "its source folder, with a CUDA toolkit and a CUDA build of torch); python -m deformconv "
+        "info shows the build.")

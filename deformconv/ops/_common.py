@@ -1,5 +1,6 @@
 """Argument handling that the functional ops and their fake kernels share."""
 
+import functools
 from typing import List, Optional, Tuple, Union
 
 import torch
@@ -38,6 +39,33 @@ def _in_onnx_export() -> bool:
     # layers of a model; so it is asked only while tracing.
     return ((torch.jit.is_tracing() or torch.compiler.is_compiling())
             and torch.onnx.is_in_onnx_export())
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_kernels_missing_reason() -> Optional[str]:
+    """None where this build holds CUDA kernels, else why not (setup.py records it)."""
+    if torch.ops.deformconv.deform_conv2d.default.has_kernel_for_dispatch_key("CUDA"):
+        return None
+    try:
+        from .._build_info import CPU_ONLY_REASON
+    except ImportError:  # built by CMake, which records no reason
+        return "built without them"
+    return CPU_ONLY_REASON
+
+
+@torch.jit.unused
+def _check_cuda_kernels(op: str, device: torch.device) -> None:
+    # Python only: the dispatcher's own error ("Could not run ... with arguments from the
+    # 'CUDA' backend") says nothing of how to get the kernels.
+    if device.type != "cuda":
+        return
+    reason = _cuda_kernels_missing_reason()
+    if reason is not None:
+        raise RuntimeError(
+            f"{op}(): this build of deformconv has no CUDA kernels ({reason}), so it cannot run "
+            f"on {device}. Reinstall it with FORCE_CUDA=1 set (pip install --no-build-isolation "
+            "--force-reinstall --no-deps . from its source folder, with a CUDA toolkit and a "
+            "CUDA build of torch); python -m deformconv info shows the build.")
 
 
 def _output_size(size, kernel: int, stride: int, pad: int, dilation: int):

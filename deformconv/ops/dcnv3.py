@@ -7,7 +7,8 @@ import torch
 from torch import Tensor
 
 from ..onnx import dcnv3_in_standard_onnx_ops, dcnv4_in_standard_onnx_ops
-from ._common import _check_devices, _has_static_shape, _in_onnx_export, _on_meta, _output_size
+from ._common import (_check_cuda_kernels, _check_devices, _has_static_shape, _in_onnx_export,
+                      _on_meta, _output_size)
 
 
 def dcnv3(
@@ -54,6 +55,7 @@ def dcnv3(
         (N, H_out, W_out, group * group_channels), H_out as for a convolution.
     """
     if not torch.jit.is_scripting():
+        _check_cuda_kernels("dcnv3", input.device)
         if _in_onnx_export():
             return dcnv3_in_standard_onnx_ops(
                 input, offset, mask, kernel_h, kernel_w, stride_h, stride_w, pad_h, pad_w,
@@ -96,6 +98,7 @@ def dcnv4(
         (N, H_out, W_out, group * group_channels).
     """
     if not torch.jit.is_scripting():
+        _check_cuda_kernels("dcnv4", input.device)
         if _in_onnx_export():
             return dcnv4_in_standard_onnx_ops(
                 input, offset_mask, kernel_h, kernel_w, stride_h, stride_w, pad_h, pad_w,

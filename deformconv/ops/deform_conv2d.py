@@ -5,8 +5,8 @@ from typing import List, Optional
 import torch
 from torch import Tensor
 
-from ._common import (IntOrPair, _check_devices, _has_static_shape, _on_meta, _output_size,
-                      _pair)
+from ._common import (IntOrPair, _check_cuda_kernels, _check_devices, _has_static_shape, _on_meta,
+                      _output_size, _pair)
 
 
 def deform_conv2d(
@@ -44,6 +44,8 @@ def deform_conv2d(
     Returns:
         (N, C_out, H_out, W_out) with H_out = (H + 2 p_h - (d_h (kH - 1) + 1)) // s_h + 1.
     """
+    if not torch.jit.is_scripting():
+        _check_cuda_kernels("deform_conv2d", input.device)
     groups = 1
     offset_groups = 1
     if input.dim() == 4 and weight.dim() == 4 and offset.dim() == 4:

@@ -6,7 +6,7 @@ import torch
 from torch import Tensor
 
 from ..onnx import ms_deform_attn_with_grid_sample
-from ._common import _has_static_shape, _in_onnx_export, _on_meta
+from ._common import _check_cuda_kernels, _has_static_shape, _in_onnx_export, _on_meta
 
 
 def ms_deform_attn(
@@ -44,6 +44,7 @@ def ms_deform_attn(
         (N, Lq, M * D).
     """
     if not torch.jit.is_scripting():
+        _check_cuda_kernels("ms_deform_attn", value.device)
         if _in_onnx_export():
             return ms_deform_attn_with_grid_sample(value, spatial_shapes, level_start_index,
                                                    sampling_locations, attention_weights)
