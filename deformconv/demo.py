@@ -29,9 +29,11 @@ IMAGE_SIZE = 32
 def load_digits_tensors():
     try:
         from sklearn.datasets import load_digits
+        import matplotlib  # noqa: F401  (for the charts, drawn after training)
     except ImportError as error:
-        raise SystemExit("the demo needs scikit-learn for its data set: "
-                         "pip install scikit-learn matplotlib") from error
+        raise SystemExit(f"the demo needs the demo extra's packages, scikit-learn for its data "
+                         f"set and matplotlib for its charts ({error.name} is missing): pip "
+                         "install scikit-learn matplotlib") from error
     digits = load_digits()
     images = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0
     labels = torch.tensor(digits.target, dtype=torch.long)

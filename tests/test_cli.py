@@ -3,6 +3,7 @@
 import importlib.util
 import json
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,8 @@ import torch
 from deformconv.__main__ import main
 from deformconv.benchmarks.timing import (MOST_STEPS_PER_BLOCK, busy_core, seconds_of,
                                            steps_per_sample)
+
+pytestmark = pytest.mark.workflows
 
 
 def test_help_lists_the_commands(capsys):
@@ -52,6 +55,22 @@ def test_benchmark_writes_json_and_chart(tmp_path):
         assert result["ratios"]["onnxruntime/deformconv forward"] > 0
         # The same tensors through ONNX Runtime's own kernel: the same output.
         assert result["agreement"]["onnxruntime max abs difference"] < 1e-4
+
+
+def test_benchmark_without_matplotlib_skips_the_chart_naming_the_extra(tmp_path, monkeypatch,
+                                                                        capsys):
+    # As in a venv of the required dependencies only: the JSON is written, the chart skipped.
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *rest: None if name == "matplotlib"
+                        else real_find_spec(name, *rest))
+    output, chart = tmp_path / "bench.json", tmp_path / "bench.png"
+    assert main(["benchmark", "--shapes", "c5", "--repeats", "1", "--warmup", "0",
+                 "--no-torchvision", "--output", str(output), "--plot", str(chart)]) == 0
+    assert json.loads(output.read_text())["results"][0]["shape"]["name"] == "c5"
+    assert not chart.exists()
+    assert ("no chart: it needs matplotlib, of the benchmark extra (pip install matplotlib"
+            in capsys.readouterr().out)
 
 
 def test_benchmark_of_dcnv3_and_dcnv4(tmp_path):
@@ -152,6 +171,16 @@ def test_demo_trains_and_writes_pngs(tmp_path, capsys):
     assert "deformable test accuracy" in out and "plain      test accuracy" in out
     for name in ("training_curves.png", "sampling_locations.png"):
         assert (tmp_path / name).stat().st_size > 0
+
+
+@pytest.mark.parametrize("missing", ["sklearn.datasets", "matplotlib"])
+def test_demo_without_its_extra_names_the_packages(tmp_path, monkeypatch, missing):
+    # None in sys.modules makes an import of that module fail, as in a venv without the extra.
+    monkeypatch.setitem(sys.modules, missing, None)
+    with pytest.raises(SystemExit, match=rf"needs the demo extra's packages.*\({missing} is "
+                                         r"missing\): pip install scikit-learn matplotlib"):
+        main(["demo", "--epochs", "1", "--output", str(tmp_path)])
+    assert not any(tmp_path.iterdir())
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal where no GPU is visible")

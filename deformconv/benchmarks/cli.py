@@ -20,6 +20,7 @@ the JSON files of earlier runs instead. A benchmark, not a test: nothing here as
 """
 
 import argparse
+import importlib.util
 import json
 from typing import List, Optional
 
@@ -108,6 +109,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         json.dump(report, f, indent=1)
     print(f"\nwrote {args.output}")
     if args.plot:
-        plot(results, args.plot, setup)
-        print(f"wrote {args.plot}")
+        if importlib.util.find_spec("matplotlib") is None:
+            print("no chart: it needs matplotlib, of the benchmark extra (pip install matplotlib; "
+                  "--plot '' skips the chart)")
+        else:
+            plot(results, args.plot, setup)
+            print(f"wrote {args.plot}")
     return 0
