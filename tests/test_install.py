@@ -12,6 +12,7 @@ import torch
 import deformconv
 from deformconv import _build_info
 from deformconv.ops import _common
+import setup_py
 
 pytestmark = pytest.mark.workflows
 
@@ -50,14 +51,13 @@ def test_import_under_another_torch_names_both_versions(tmp_path):
 def test_build_stops_below_the_minimum_compiler(tmp_path, macros, message):
     # A stand-in compiler that predefines what an old one does: setup.py must stop before any
     # compiling, naming the compiler and the minimum.
-    setup_py = Path(__file__).resolve().parent.parent / "setup.py"
-    if not setup_py.is_file():
+    if not setup_py.PATH.is_file():
         pytest.skip("no setup.py beside the tests")
     compiler = tmp_path / "old-c++"
     compiler.write_text(f"#!/bin/sh\ncat <<'MACROS'\n{macros}\nMACROS\n")
     compiler.chmod(0o755)
-    result = subprocess.run([sys.executable, str(setup_py), "build_ext", "--inplace"],
-                            cwd=setup_py.parent, capture_output=True, text=True, timeout=300,
+    result = subprocess.run([sys.executable, str(setup_py.PATH), "build_ext", "--inplace"],
+                            cwd=setup_py.PATH.parent, capture_output=True, text=True, timeout=300,
                             env={**os.environ, "CXX": str(compiler),
                                  "DEFORMCONV_WITH_CUDA": "0"})
     assert result.returncode != 0

@@ -44,7 +44,9 @@ def _in_onnx_export() -> bool:
 @functools.lru_cache(maxsize=None)
 def _cuda_kernels_missing_reason() -> Optional[str]:
     """None where this build holds CUDA kernels, else why not (setup.py records it)."""
-    if torch.ops.deformconv.deform_conv2d.default.has_kernel_for_dispatch_key("CUDA"):
+    from .. import cuda_compiled  # at call time: the package imports this module first
+
+    if cuda_compiled():
         return None
     try:
         from .._build_info import CPU_ONLY_REASON
