@@ -45,9 +45,9 @@ def opmath_bytes(dtype):
     return 8 if dtype == torch.float64 else 4
 
 
-# The CUDA launchers that share a sample's channels among a warp's lanes (dcnv3_cuda.cu,
-# ms_deform_attn_cuda.cu): launch.cuh's warp and block, and the shared memory of their staged
-# samples (kStagedBytesPerBlock of channel_vectors.cuh).
+# The CUDA launchers that share a sample's channels among a warp's lanes (DCN v2's im2col,
+# dcnv3_cuda.cu, ms_deform_attn_cuda.cu): launch.cuh's warp and block, and the shared memory of
+# their staged samples (kStagedBytesPerBlock of channel_vectors.cuh).
 CUDA_WARP = 32
 CUDA_THREADS_PER_BLOCK = 256
 CUDA_STAGED_BYTES = 8 * 1024
@@ -68,6 +68,12 @@ def cuda_lane_paths(channels, dtype, aligned, backward, staged_sample_bytes, sam
     staged = max(CUDA_STAGED_BYTES // staged_sample_bytes, CUDA_THREADS_PER_BLOCK)
     return (width > 1, -(-vectors // lanes) > 1,
             staged // (CUDA_THREADS_PER_BLOCK // lanes) < samples)
+
+
+def shared_sample_bytes(dtype):
+    """sizeof(SharedSample<opmath_t>), which the DCN v2 and DCNv3 kernels stage: an int64, an
+    int and 7 values, 8-byte aligned."""
+    return 40 if opmath_bytes(dtype) == 4 else 72
 
 
 def misaligned(tensor):

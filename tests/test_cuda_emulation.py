@@ -13,7 +13,8 @@ import pytest
 import torch
 
 import deformconv  # noqa: F401  (registers torch.ops.deformconv, the CPU op compared against)
-from branching import assert_close_at, branch_trace, requested_subsets
+from branching import (assert_close_at, branch_trace, cuda_lane_paths, misaligned,
+                       requested_subsets, shared_sample_bytes)
 from cases import GEOMETRIES, Geometry, forward_and_grads, make_operands, strided_copies
 from reference import deform_conv2d_reference
 
@@ -390,3 +391,92 @@ def test_paths_with_every_combination_of_requested_gradients(emulated, path, dty
                 assert_close_at(grad, full, dtype, f"{name} of {output_mask}")
             else:
                 assert grad is None, name
+
+
+IM2COL_BRANCHES = {"deform_conv2d.cuda.im2col.vectors", "deform_conv2d.cuda.im2col.one_at_a_time",
+                   "deform_conv2d.cuda.im2col.several_passes",
+                   "deform_conv2d.cuda.im2col.several_rounds"}
+INDEX_BRANCHES = {"deform_conv2d.cuda.index.32bit", "deform_conv2d.cuda.index.64bit"}
+
+
+def expected_im2col_branches(geometry, dtype, aligned):
+    """The paths of im2col's tiling (cuda_lane_paths): items of one pixel's taps of a deform
+    group, in vectors of 16 bytes of the dtype where the deform group's channels, the conv
+    group's (a vector must not straddle two) and the alignment allow."""
+    deform_group_channels = geometry.in_channels // geometry.offset_groups
+    conv_group_channels = geometry.in_channels // geometry.groups
+    whole_vectors = conv_group_channels % (16 // dtype.itemsize) == 0
+    taps = geometry.kernel[0] * geometry.kernel[1]
+    vectors, passes, rounds = cuda_lane_paths(deform_group_channels, dtype,
+                                              aligned and whole_vectors, False,
+                                              shared_sample_bytes(dtype), taps)
+    names = {"deform_conv2d.cuda.im2col." + ("vectors" if vectors else "one_at_a_time")}
+    if passes:
+        names.add("deform_conv2d.cuda.im2col.several_passes")
+    if rounds:
+        names.add("deform_conv2d.cuda.im2col.several_rounds")
+    return names
+
+
+# (in_channels, groups, offset_groups, input aligned to 16 bytes), 3 x 3 taps. 16 channels:
+# vectors in every dtype, 2 to 8 lanes an item, its taps staged in several rounds. 128: a warp
+# of lanes (float32, float64) or half of one (16-bit types) and one round; two passes in
+# float64. 16 in conv groups of 4: vectors of 8 half-precision channels would straddle two, one
+# channel at a time there. 33: one at a time, two passes of a warp. 2 in deform groups of one
+# channel: one lane an item, a tap a round. 16 misaligned: one at a time.
+IM2COL_CASES = [(16, 1, 1, True), (128, 1, 1, True), (16, 4, 1, True), (33, 1, 1, True),
+                (2, 1, 2, True), (16, 1, 1, False)]
+
+
+# Every dtype with 32-bit indices; the 64-bit build with float32's vectors of 4 channels and
+# bfloat16's of 8.
+IM2COL_INDEX_WIDTHS_AND_DTYPES = [
+    ("32bit", dtype) for dtype in (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+] + [("64bit", torch.float32), ("64bit", torch.bfloat16)]
+
+
+@pytest.mark.parametrize("index_width,dtype", IM2COL_INDEX_WIDTHS_AND_DTYPES,
+                         ids=[f"{w}-{d}" for w, d in IM2COL_INDEX_WIDTHS_AND_DTYPES])
+@pytest.mark.parametrize("in_channels,groups,offset_groups,aligned", IM2COL_CASES,
+                         ids=[f"C{c}-G{g}-OG{og}-{'aligned' if a else 'misaligned'}"
+                              for c, g, og, a in IM2COL_CASES])
+def test_im2col_paths(emulated, in_channels, groups, offset_groups, aligned, index_width, dtype):
+    """Each path of im2col forced by the channels, the input's alignment and the index width,
+    checked to have run in the forward and in the backward wherever the weight gradient (the
+    only one that needs the columns) is asked for, and not otherwise; results against the
+    float64 CPU op."""
+    set_emulator(emulated, wide_indices=index_width == "64bit")
+    geometry = Geometry("im2col", 2, in_channels, 4, 3, 4, (3, 3), padding=(1, 1), groups=groups,
+                        offset_groups=offset_groups)
+    exact = make_operands(geometry, offset_scale=2.0, seed=in_channels)
+    operands = [None if t is None else t.to(dtype) for t in exact]
+    if not aligned:
+        # channels-last and misaligned, so that the driver passes it to im2col as it lies
+        operands[0] = misaligned(operands[0].permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+    grad_output = grad_output_for(operands, geometry)
+    rounded = [None if t is None else t.double() for t in operands]
+    expected = run_op(torch.ops.deformconv, rounded, geometry, grad_output.double())
+    paths = expected_im2col_branches(geometry, dtype, aligned)
+    index_build = {"deform_conv2d.cuda.index." + index_width}
+    x, o, w, b, m = operands
+    geometry_args = (list(geometry.stride), list(geometry.padding), list(geometry.dilation),
+                     groups, offset_groups, 0)
+    with branch_trace(emulated) as taken:
+        out = emulated.deform_conv2d(x, o, w, m, b, *geometry_args)
+    assert taken & IM2COL_BRANCHES == paths, sorted(taken)
+    assert taken & INDEX_BRANCHES == index_build, sorted(taken)
+    assert_close_at(out, expected[0], dtype, "output")
+    for output_mask in requested_subsets(5):
+        with branch_trace(emulated) as taken:
+            grads = emulated.deform_conv2d_backward(grad_output, x, o, w, m, *geometry_args,
+                                                    list(output_mask))
+        assert taken & IM2COL_BRANCHES == (paths if output_mask[2] else set()), sorted(taken)
+        kernels_ran = any(output_mask[:4])
+        assert taken & INDEX_BRANCHES == (index_build if kernels_ran else set()), sorted(taken)
+        for name, wanted, grad, full in zip(("input", "offset", "weight", "mask", "bias"),
+                                            output_mask, grads, expected[1]):
+            if wanted:
+                assert_close_at(grad, full, dtype, f"{name} of {output_mask}")
+            else:
+                assert grad is None, name
+    assert_launches_well_kept(emulated)

@@ -12,7 +12,8 @@ import torch
 
 import deformconv
 from branching import (assert_close_at, branch_trace, channel_loops, cuda_lane_paths,
-                       misaligned, opmath_bytes, requested_subsets, threads, vector_bytes)
+                       misaligned, opmath_bytes, requested_subsets, shared_sample_bytes, threads,
+                       vector_bytes)
 from dcnv3_reference import dcnv3_reference, pack_offset_mask, random_operands
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
@@ -164,11 +165,6 @@ def test_dcnv4_paths(group_channels, passes, size, dtype):
                                               all_grads):
                 if want:
                     assert_close_at(grad, full, dtype, f"{name} of {requested}")
-
-
-def shared_sample_bytes(dtype):
-    """sizeof(SharedSample<opmath_t>): an int64, an int and 7 values, 8-byte aligned."""
-    return 40 if opmath_bytes(dtype) == 4 else 72
 
 
 def expected_cuda_branches(group_channels, dtype, points, aligned, backward):

@@ -23,6 +23,7 @@
 #include <c10/macros/Macros.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "bilinear_sampling.cuh"
 #include "deform_conv2d_geometry.h"
@@ -73,10 +74,14 @@ C10_HOST_DEVICE inline SampleIndex make_sample_index(const DeformConv2dGeometry&
 }
 
 // The divisors of the GPU launchers' index arithmetic (decompose_sample_index,
-// decompose_column_index), made once per launch: int64_t, or InvariantDivisor when every
-// dividend of the launch is below 2^31.
+// decompose_column_index, decompose_item_index), made once per launch: int64_t, or
+// InvariantDivisor when every dividend of the launch is below 2^31; with it, a kernel indexes
+// the elements of its tensors in 32 bits (index_type), which the launcher also checks.
 template <typename Divisor>
 struct IndexDivisors {
+  using divisor_type = Divisor;
+  using index_type =
+      std::conditional_t<std::is_same_v<Divisor, InvariantDivisor>, int32_t, int64_t>;
   Divisor channels_per_group, channels_per_offset_group, taps, window_pixels, groups,
       offset_groups, out_width, kernel_w;
 
@@ -116,6 +121,31 @@ C10_HOST_DEVICE inline SampleIndex decompose_sample_index(const DeformConv2dGeom
   index = divide(index, d.taps, tap);
   const int64_t n = divide(index, d.offset_groups, group);
   return sample_of_window(g, window, d, n, group, tap, window_pixel);
+}
+
+// The GPU's im2col takes the samples of a window by items, one per (block image, window pixel,
+// deform group), numbered in that order: neighbouring items take neighbouring channels of one
+// pixel, where the input and the columns hold them side by side. An item's sample of tap 0;
+// its tap k is sample_of_tap(g, d, item_sample, k).
+template <typename Divisor>
+C10_HOST_DEVICE inline SampleIndex decompose_item_index(const DeformConv2dGeometry& g,
+                                                        const PixelWindow& window,
+                                                        const IndexDivisors<Divisor>& d,
+                                                        int64_t item) {
+  int64_t group, window_pixel;
+  const int64_t pixels = divide(item, d.offset_groups, group);  // n * window pixels + pixel
+  const int64_t n = divide(pixels, d.window_pixels, window_pixel);
+  return sample_of_window(g, window, d, n, group, 0, window_pixel);
+}
+
+// Tap `tap` of the same image, deform group and output pixel as sample s of tap 0.
+template <typename Divisor>
+C10_HOST_DEVICE inline SampleIndex sample_of_tap(const DeformConv2dGeometry& g,
+                                                 const IndexDivisors<Divisor>& d,
+                                                 const SampleIndex& s, int64_t tap) {
+  int64_t kernel_x;
+  const int64_t kernel_y = divide(tap, d.kernel_w, kernel_x);
+  return sample_at(g, s.n, s.group, tap, s.pixel, s.out_y, s.out_x, kernel_y, kernel_x);
 }
 
 // The sample of the next output pixel, same image, deform group and tap. A caller

@@ -1,9 +1,10 @@
 #pragma once
 
-// What the kernels that give a sample's channels to several lanes share (dcnv3_cuda.cu,
-// ms_deform_attn_cuda.cu): vectors of consecutive channels loaded in one access, the tiling of
-// a launch into items of a few lanes with their samples staged in rounds, the choice of the
-// vectors' width from the tensors' alignment, and sums over an item's lanes.
+// What the kernels that give a sample's channels to several lanes share (deform_conv2d_cuda.cu,
+// dcnv3_cuda.cu, ms_deform_attn_cuda.cu): vectors of consecutive channels loaded in one access,
+// the bilinear value of a staged sample for a vector, the tiling of a launch into items of a
+// few lanes with their samples staged in rounds, the choice of the vectors' width from the
+// channels and the tensors' alignment, and sums over an item's lanes.
 
 #include <ATen/core/Tensor.h>
 
@@ -12,6 +13,7 @@
 #include <initializer_list>
 #include <type_traits>
 
+#include "../common/bilinear_sampling.cuh"
 #include "../core/branch_trace.h"
 #include "launch.cuh"
 
@@ -32,6 +34,33 @@ template <typename scalar_t, int kVector>
 __device__ inline void store_vector(scalar_t* address,
                                     const ChannelVector<scalar_t, kVector>& vector) {
   *reinterpret_cast<ChannelVector<scalar_t, kVector>*>(address) = vector;
+}
+
+// Adds m * bilinear(sample) of kVector channels to `sum`: corners of zero weight are not read,
+// so that an infinite value where a sample takes no part cannot make NaN (as
+// sample_value_with_plan). `channels` points at the vector's channels of grid pixel 0, and
+// `corners` holds the image's corner offsets (corner_steps).
+template <typename scalar_t, int kVector, typename index_t>
+__device__ inline void add_sample(const SharedSample<at::opmath_type<scalar_t>>& sample,
+                                  const scalar_t* channels, index_t pixel_stride,
+                                  const CornerSteps<index_t>& corners,
+                                  at::opmath_type<scalar_t>* sum) {
+  using opmath_t = at::opmath_type<scalar_t>;
+  const index_t top_left = static_cast<index_t>(sample.top_left) * pixel_stride;
+  opmath_t value[kVector] = {};
+  for (int corner = 0; corner < 4; ++corner) {
+    const opmath_t weight = sample.weight[corner];
+    if (weight != opmath_t(0)) {
+      const auto read = load_vector<scalar_t, kVector>(
+          channels + (top_left + corners.from_top_left[corner]));
+      for (int e = 0; e < kVector; ++e) {
+        value[e] += weight * static_cast<opmath_t>(read.value[e]);
+      }
+    }
+  }
+  for (int e = 0; e < kVector; ++e) {
+    sum[e] += value[e];
+  }
 }
 
 // Whether `tensor` starts where vectors of `vector_width` of its elements may be loaded.
@@ -87,13 +116,15 @@ struct LanePathNames {
 };
 
 // Calls launch(std::integral_constant<int, kVector>{}, tiling) with vectors of kWide channels
-// where `channels` and `tensors`' alignment allow, else of one channel, recording the paths
-// taken under `names`.
+// where `channels` (an item's), `run` and `tensors`' alignment allow, else of one channel,
+// recording the paths taken under `names`. `run` is the length of the runs of consecutive
+// channels in which a kernel addresses its tensors, `channels` itself where an item's channels
+// lie side by side everywhere: a vector must not straddle two runs.
 template <int kWide, typename Launch>
-void with_channel_vectors(int64_t items, int64_t channels, int64_t samples,
+void with_channel_vectors(int64_t items, int64_t channels, int64_t run, int64_t samples,
                           int64_t staged_samples, std::initializer_list<const at::Tensor*> tensors,
                           const LanePathNames& names, Launch&& launch) {
-  const bool wide = channels % kWide == 0 &&
+  const bool wide = channels % kWide == 0 && run % kWide == 0 &&
       std::all_of(tensors.begin(), tensors.end(),
                   [](const at::Tensor* t) { return aligned_for_vectors(*t, kWide); });
   const LaneTiling t = lane_tiling(items, channels, wide ? kWide : 1, samples, staged_samples);
@@ -124,6 +155,10 @@ constexpr int64_t kStagedBytesPerBlock = 8 * 1024;
 template <typename Staged>
 constexpr int64_t kStagedPerBlock =
     std::max<int64_t>(kStagedBytesPerBlock / sizeof(Staged), kThreadsPerBlock);
+
+// The same for SharedSample, which the DCN v2 and DCNv3 kernels stage.
+template <typename opmath_t>
+constexpr int64_t kStagedSamples = kStagedPerBlock<SharedSample<opmath_t>>;
 
 // Stages a round of an item's samples, as many of the `left` from the round's first on as a
 // round holds: once the item's lanes have read the previous round, lane l locates samples l,

@@ -51,9 +51,6 @@
 namespace deformconv {
 namespace {
 
-template <typename opmath_t>
-constexpr int64_t kStagedSamples = kStagedPerBlock<SharedSample<opmath_t>>;
-
 // The names of the launchers' paths.
 constexpr LanePathNames kDcnv3Paths{
     "dcnv3.cuda.channels.vectors", "dcnv3.cuda.channels.one_at_a_time",
@@ -82,33 +79,6 @@ __device__ inline int stage_round(const Dcnv3Geometry& g, const Divisor& kernel_
     dcnv3_position(g, kernel_h, start, first_point + point, offset, mask, y, x, m);
     return share_sample(y, x, m, g.height, g.width);
   });
-}
-
-// Adds m * bilinear(sample) of kVector channels to `sum`: corners of zero weight are not read,
-// so that an infinite value where a sample takes no part cannot make NaN (as
-// sample_value_with_plan). `channels` points at the vector's channels of grid pixel 0, and
-// `corners` holds the image's corner offsets (corner_steps).
-template <typename scalar_t, int kVector, typename index_t>
-__device__ inline void add_sample(const SharedSample<at::opmath_type<scalar_t>>& sample,
-                                  const scalar_t* channels, index_t pixel_stride,
-                                  const CornerSteps<index_t>& corners,
-                                  at::opmath_type<scalar_t>* sum) {
-  using opmath_t = at::opmath_type<scalar_t>;
-  const index_t top_left = static_cast<index_t>(sample.top_left) * pixel_stride;
-  opmath_t value[kVector] = {};
-  for (int corner = 0; corner < 4; ++corner) {
-    const opmath_t weight = sample.weight[corner];
-    if (weight != opmath_t(0)) {
-      const auto read = load_vector<scalar_t, kVector>(
-          channels + (top_left + corners.from_top_left[corner]));
-      for (int e = 0; e < kVector; ++e) {
-        value[e] += weight * static_cast<opmath_t>(read.value[e]);
-      }
-    }
-  }
-  for (int e = 0; e < kVector; ++e) {
-    sum[e] += value[e];
-  }
 }
 
 template <typename scalar_t, int kVector, typename Divisor>
@@ -507,7 +477,7 @@ void dcnv3_forward_cuda(const Dcnv3Geometry& g, const Dcnv3Fields& f, int64_t ba
                         const at::Tensor& mask, at::Tensor& output) {
   DEFORMCONV_DISPATCH(input.scalar_type(), "dcnv3_forward_cuda", [&] {
     with_channel_vectors<kForwardVector<scalar_t>>(
-        batch * g.out_pixels() * g.groups, g.group_channels, g.points(),
+        batch * g.out_pixels() * g.groups, g.group_channels, g.group_channels, g.points(),
         kStagedSamples<at::opmath_type<scalar_t>>, {&input, &output}, kDcnv3Paths,
         [&](auto width, auto t) {
       with_divisors(g, batch, t, [&](auto d) {
@@ -545,7 +515,8 @@ void dcnv3_gradients_cuda(const Dcnv3Geometry& g, const Dcnv3Fields& f, int64_t 
     // The sums too: vectors of them are added in one atomic (scatter_add_run).
     const at::Tensor& sums_or_input = sums.defined() ? sums : input;
     with_channel_vectors<kBackwardVector<scalar_t>>(
-        batch * g.out_pixels() * g.groups, g.group_channels, g.points(), kStagedSamples<opmath_t>,
+        batch * g.out_pixels() * g.groups, g.group_channels, g.group_channels, g.points(),
+        kStagedSamples<opmath_t>,
         {&grad_output, &input, &sums_or_input}, kDcnv3Paths, [&](auto width, auto t) {
       constexpr int kVector = decltype(width)::value;
       const std::optional<BandShape> bands = sums.defined() && input_gradient_bands_allowed()

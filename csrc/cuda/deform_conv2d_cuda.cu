@@ -1,10 +1,13 @@
-// CUDA launchers: one grid-stride kernel per shared element function, on the current stream.
-// Indices are int64: a block's columns buffer passes 2^31 elements at detection resolutions
-// (C_in * K * H_out * W_out * images), and int32 there gives wrong answers silently
-// (torchvision issue 4269). Each thread splits its flat index into image, group, tap, pixel
-// and channel, some nine divisions; each kernel is therefore built twice, and the launcher
-// takes the build that divides by InvariantDivisor (a multiply-high and a shift) when every
-// dividend of the launch is below 2^31, the one that divides in int64 otherwise.
+// CUDA launchers of DCN v1/v2, on the current stream. im2col gives each (image, pixel, deform
+// group) to a few lanes of a warp, which locate its taps' samples once and gather their channels
+// as vectors (im2col_kernel); col2im runs one thread per columns entry, and the offset and mask
+// gradients a team of lanes per sample. Indices are int64 where they must be: a block's columns
+// buffer passes 2^31 elements at detection resolutions (C_in * K * H_out * W_out * images), and
+// int32 there gives wrong answers silently (torchvision issue 4269). Threads split their flat
+// index into image, group, tap, pixel and channel by divisions; each kernel is therefore built
+// twice, and the launcher takes the build that divides by InvariantDivisor (a multiply-high and a
+// shift) when every dividend of the launch is below 2^31, the one that divides in int64
+// otherwise.
 
 #include <ATen/Dispatch.h>
 #include <ATen/core/Tensor.h>
@@ -19,6 +22,7 @@
 #include "../common/deform_conv2d_kernel.cuh"
 #include "../core/branch_trace.h"
 #include "../core/deform_conv2d_gemms.h"
+#include "channel_vectors.cuh"
 #include "deform_conv2d_cuda.h"
 #include "launch.cuh"
 
@@ -41,19 +45,66 @@ void with_index_divisors(const DeformConv2dGeometry& g, const PixelWindow& windo
   }
 }
 
-// One thread per columns entry: neighbouring threads take neighbouring channels of one sample,
-// so their input reads and columns writes coalesce. Each remakes the sample's plan, which costs
-// a few arithmetic instructions next to the memory traffic. In every kernel, `divisors` is the
-// IndexDivisors that with_index_divisors chose for the launch.
-template <typename scalar_t, typename Divisors>
-__global__ void im2col_kernel(DeformConv2dGeometry g, PixelWindow window, Divisors divisors,
-                              int64_t total, const scalar_t* input, const scalar_t* offset,
-                              const scalar_t* mask, scalar_t* columns) {
-  DEFORMCONV_GRID_STRIDE_LOOP(index, total) {
-    int64_t channel;
-    const SampleIndex s = decompose_column_index(g, window, divisors, index, channel);
-    const auto plan = make_sampling_plan(g, s, offset, mask);
-    columns[index] = sample_with_plan(plan, channel_of(g, input, s.n, channel), g.in_channels);
+// The names of im2col's paths.
+constexpr LanePathNames kIm2colPaths{
+    "deform_conv2d.cuda.im2col.vectors", "deform_conv2d.cuda.im2col.one_at_a_time",
+    "deform_conv2d.cuda.im2col.several_passes", "deform_conv2d.cuda.im2col.several_rounds"};
+
+// Items of `t` (decompose_item_index: a pixel's samples of one image and deform group, a
+// sample per tap), each taken by t.lanes threads of one warp: the lanes locate the item's taps
+// once, in shared memory (stage_item_samples), and lane l then writes the channel vectors l,
+// l + lanes, ... of every tap, reading each corner as one vector of kVector channels from the
+// channels-last input. The bilinear weights are thus computed once per sample, not once per
+// channel, and a warp's loads and stores are whole vectors at neighbouring addresses: the
+// channels of a tap are consecutive in the columns, the taps of a pixel Cg apart.
+template <typename scalar_t, int kVector, typename Divisor>
+__global__ void im2col_kernel(DeformConv2dGeometry g, PixelWindow window,
+                              IndexDivisors<Divisor> d, LaneTiling t, const scalar_t* input,
+                              const scalar_t* offset, const scalar_t* mask, scalar_t* columns) {
+  using opmath_t = at::opmath_type<scalar_t>;
+  using index_t = typename IndexDivisors<Divisor>::index_type;
+  __shared__ SharedSample<opmath_t> staged[kStagedSamples<opmath_t>];
+  const int slot = threadIdx.x / t.lanes;
+  const int lane = threadIdx.x % t.lanes;
+  SharedSample<opmath_t>* const samples = staged + slot * t.samples_per_round;
+  const index_t pixel_stride = static_cast<index_t>(g.in_channels);
+  const index_t tap_stride = static_cast<index_t>(g.channels_per_group());
+  const CornerSteps<index_t> corners = corner_steps<index_t>(g.in_width, g.in_channels);
+  // Every thread runs every round of its warp, active or not: staging a round holds barriers.
+  for (int64_t first_item = int64_t(blockIdx.x) * t.items_per_block; first_item < t.items;
+       first_item += int64_t(gridDim.x) * t.items_per_block) {
+    const int64_t item = first_item + slot;
+    const bool active_item = item < t.items;
+    const SampleIndex s = active_item ? decompose_item_index(g, window, d, item) : SampleIndex{};
+    for (int64_t first_tap = 0; first_tap < g.taps(); first_tap += t.samples_per_round) {
+      const int round_taps = stage_item_samples(
+          t, lane, active_item, g.taps() - first_tap, samples, [&](int k) {
+            opmath_t y, x, m;
+            sample_position(g, sample_of_tap(g, d, s, first_tap + k), offset, mask, y, x, m);
+            return share_sample(y, x, m, g.in_height, g.in_width);
+          });
+      if (!active_item) {
+        continue;
+      }
+      for (int64_t vector = lane; vector < t.vectors; vector += t.lanes) {
+        const int64_t channel = first_channel(g, s.group) + vector * kVector;
+        const scalar_t* const image =
+            input + static_cast<index_t>(s.n * g.in_pixels() * g.in_channels + channel);
+        scalar_t* const column = columns +
+            static_cast<index_t>(column_index(g, window, d, s, channel) + first_tap * tap_stride);
+        for (int k = 0; k < round_taps; ++k) {
+          // In registers: the sample's fields are read once, not once per corner.
+          const SharedSample<opmath_t> sample = samples[k];
+          opmath_t value[kVector] = {};
+          add_sample<scalar_t, kVector>(sample, image, pixel_stride, corners, value);
+          ChannelVector<scalar_t, kVector> result;
+          for (int e = 0; e < kVector; ++e) {
+            result.value[e] = static_cast<scalar_t>(value[e]);
+          }
+          store_vector(column + static_cast<index_t>(k) * tap_stride, result);
+        }
+      }
+    }
   }
 }
 
@@ -134,22 +185,29 @@ int64_t columns_entries_in(const DeformConv2dGeometry& g, const PixelWindow& win
   return batch * g.in_channels * g.taps() * window.pixels;
 }
 
-// The CUDA launchers prepare nothing per window (sampling.prepared is undefined): each thread
-// makes the plan of its own sample.
+// The CUDA launchers prepare nothing per window (sampling.prepared is undefined): the kernels
+// locate their samples themselves.
 void im2col_cuda(const DeformConv2dGeometry& g, const PixelWindow& window, int64_t batch,
                  const at::Tensor& input, const WindowSampling& sampling, at::Tensor& columns) {
   const at::Tensor& offset = sampling.offset;
   const at::Tensor& mask = sampling.mask;
-  const int64_t total = columns_entries_in(g, window, batch);
   DEFORMCONV_DISPATCH(input.scalar_type(), "deform_conv2d_im2col_cuda", [&] {
-    with_index_divisors(g, window, total, [&](const auto& divisors) {
-      const auto kernel = &im2col_kernel<scalar_t, std::decay_t<decltype(divisors)>>;
-      DEFORMCONV_LAUNCH(kernel, blocks_for(total), kThreadsPerBlock,
-                        c10::cuda::getCurrentCUDAStream())(
-              g, window, divisors, total, input.const_data_ptr<scalar_t>(),
-              offset.const_data_ptr<scalar_t>(), data_or_null<scalar_t>(mask),
-              columns.mutable_data_ptr<scalar_t>());
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    with_channel_vectors<16 / sizeof(scalar_t)>(
+        batch * window.pixels * g.offset_groups, g.channels_per_offset_group(),
+        g.channels_per_group(), g.taps(), kStagedSamples<at::opmath_type<scalar_t>>,
+        {&input, &columns}, kIm2colPaths, [&](auto width, auto t) {
+      with_index_divisors(g, window,
+                          std::max(columns_entries_in(g, window, batch), input.numel()),
+                          [&](const auto& divisors) {
+        using Divisor = typename std::decay_t<decltype(divisors)>::divisor_type;
+        auto* kernel = im2col_kernel<scalar_t, decltype(width)::value, Divisor>;
+        DEFORMCONV_LAUNCH(kernel, blocks_of(t), kThreadsPerBlock,
+                          c10::cuda::getCurrentCUDAStream())(
+            g, window, divisors, t, input.const_data_ptr<scalar_t>(),
+            offset.const_data_ptr<scalar_t>(), data_or_null<scalar_t>(mask),
+            columns.mutable_data_ptr<scalar_t>());
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      });
     });
   });
 }

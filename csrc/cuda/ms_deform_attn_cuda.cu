@@ -260,7 +260,7 @@ void ms_deform_attn_forward_launch(const MsDeformAttnGeometry& g, const at::Tens
                                    const at::Tensor& attention_weights, at::Tensor& output) {
   DEFORMCONV_DISPATCH(value.scalar_type(), "ms_deform_attn_forward_cuda", [&] {
     with_channel_vectors<16 / sizeof(scalar_t)>(
-        g.batch * g.queries * g.heads, g.channels, g.head_samples(),
+        g.batch * g.queries * g.heads, g.channels, g.channels, g.head_samples(),
         kStagedSamplesPerBlock<at::opmath_type<scalar_t>>, {&value, &output}, kMsDeformAttnPaths,
         [&](auto width, auto t) {
           auto* kernel = ms_deform_attn_forward_kernel<scalar_t, decltype(width)::value>;
@@ -298,7 +298,7 @@ void ms_deform_attn_backward_launch(const MsDeformAttnGeometry& g, const at::Ten
     // The sums too: vectors of them are added in one atomic (scatter_add_run).
     const at::Tensor& sums_or_value = sums.defined() ? sums : value;
     with_channel_vectors<16 / sizeof(opmath_t)>(
-        g.batch * g.queries * g.heads, g.channels, g.head_samples(),
+        g.batch * g.queries * g.heads, g.channels, g.channels, g.head_samples(),
         kStagedSamplesPerBlock<opmath_t>, {&grad_output, &value, &sums_or_value},
         kMsDeformAttnPaths, [&](auto width, auto t) {
           auto* kernel = ms_deform_attn_backward_kernel<scalar_t, decltype(width)::value>;
