@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import deformconv  # noqa: F401  (registers torch.ops.deformconv, the CPU op compared against)
-from branching import (assert_close_at, branch_trace, cuda_lane_paths, misaligned,
+from branching import (assert_close_at, branch_trace, cuda_lane_paths, misaligned, opmath_bytes,
                        requested_subsets, shared_sample_bytes)
 from cases import GEOMETRIES, Geometry, forward_and_grads, make_operands, strided_copies
 from reference import deform_conv2d_reference
@@ -393,84 +393,103 @@ def test_paths_with_every_combination_of_requested_gradients(emulated, path, dty
                 assert grad is None, name
 
 
-IM2COL_BRANCHES = {"deform_conv2d.cuda.im2col.vectors", "deform_conv2d.cuda.im2col.one_at_a_time",
-                   "deform_conv2d.cuda.im2col.several_passes",
-                   "deform_conv2d.cuda.im2col.several_rounds"}
+LANE_BRANCHES = {f"deform_conv2d.cuda.{kernel}.{path}"
+                 for kernel in ("im2col", "column_gradients")
+                 for path in ("vectors", "one_at_a_time", "several_passes", "several_rounds")} | {
+    "deform_conv2d.cuda.column_gradients.input", "deform_conv2d.cuda.column_gradients.offset_mask"}
 INDEX_BRANCHES = {"deform_conv2d.cuda.index.32bit", "deform_conv2d.cuda.index.64bit"}
 
 
-def expected_im2col_branches(geometry, dtype, aligned):
-    """The paths of im2col's tiling (cuda_lane_paths): items of one pixel's taps of a deform
-    group, in vectors of 16 bytes of the dtype where the deform group's channels, the conv
-    group's (a vector must not straddle two) and the alignment allow."""
+def expected_lane_branches(kernel, geometry, dtype, aligned):
+    """The paths of the tiling of `kernel`, im2col or column_gradients (cuda_lane_paths): items
+    of one pixel's taps of a deform group, in vectors of 16 bytes (of the dtype in im2col, of
+    the float32 or float64 input gradient sums in column_gradients) where the deform group's
+    channels, the conv group's (a vector must not straddle two) and the alignment allow."""
+    backward = kernel == "column_gradients"
     deform_group_channels = geometry.in_channels // geometry.offset_groups
     conv_group_channels = geometry.in_channels // geometry.groups
-    whole_vectors = conv_group_channels % (16 // dtype.itemsize) == 0
+    width = 16 // (opmath_bytes(dtype) if backward else dtype.itemsize)
     taps = geometry.kernel[0] * geometry.kernel[1]
     vectors, passes, rounds = cuda_lane_paths(deform_group_channels, dtype,
-                                              aligned and whole_vectors, False,
-                                              shared_sample_bytes(dtype), taps)
-    names = {"deform_conv2d.cuda.im2col." + ("vectors" if vectors else "one_at_a_time")}
+                                              aligned and conv_group_channels % width == 0,
+                                              backward, shared_sample_bytes(dtype), taps)
+    prefix = f"deform_conv2d.cuda.{kernel}."
+    names = {prefix + ("vectors" if vectors else "one_at_a_time")}
     if passes:
-        names.add("deform_conv2d.cuda.im2col.several_passes")
+        names.add(prefix + "several_passes")
     if rounds:
-        names.add("deform_conv2d.cuda.im2col.several_rounds")
+        names.add(prefix + "several_rounds")
     return names
 
 
 # (in_channels, groups, offset_groups, input aligned to 16 bytes), 3 x 3 taps. 16 channels:
 # vectors in every dtype, 2 to 8 lanes an item, its taps staged in several rounds. 128: a warp
-# of lanes (float32, float64) or half of one (16-bit types) and one round; two passes in
-# float64. 16 in conv groups of 4: vectors of 8 half-precision channels would straddle two, one
-# channel at a time there. 33: one at a time, two passes of a warp. 2 in deform groups of one
-# channel: one lane an item, a tap a round. 16 misaligned: one at a time.
-IM2COL_CASES = [(16, 1, 1, True), (128, 1, 1, True), (16, 4, 1, True), (33, 1, 1, True),
-                (2, 1, 2, True), (16, 1, 1, False)]
+# of lanes (float32, float64) or half of one (16-bit types' im2col) and one round; two passes
+# in float64. 16 in conv groups of 4: im2col's vectors of 8 half-precision channels would
+# straddle two, one channel at a time there (the columns gradient's vectors of 4 float32 sums
+# fit). 33: one at a time, two passes of a warp. 2 in deform groups of one channel: one lane an
+# item, a tap a round. 16 misaligned: one at a time, but for the columns gradient when it reads
+# no input (the input gradient alone).
+LANE_CASES = [(16, 1, 1, True), (128, 1, 1, True), (16, 4, 1, True), (33, 1, 1, True),
+              (2, 1, 2, True), (16, 1, 1, False)]
 
 
 # Every dtype with 32-bit indices; the 64-bit build with float32's vectors of 4 channels and
-# bfloat16's of 8.
-IM2COL_INDEX_WIDTHS_AND_DTYPES = [
+# bfloat16's of 8 (4 in the columns gradient).
+LANE_INDEX_WIDTHS_AND_DTYPES = [
     ("32bit", dtype) for dtype in (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 ] + [("64bit", torch.float32), ("64bit", torch.bfloat16)]
 
 
-@pytest.mark.parametrize("index_width,dtype", IM2COL_INDEX_WIDTHS_AND_DTYPES,
-                         ids=[f"{w}-{d}" for w, d in IM2COL_INDEX_WIDTHS_AND_DTYPES])
-@pytest.mark.parametrize("in_channels,groups,offset_groups,aligned", IM2COL_CASES,
+@pytest.mark.parametrize("index_width,dtype", LANE_INDEX_WIDTHS_AND_DTYPES,
+                         ids=[f"{w}-{d}" for w, d in LANE_INDEX_WIDTHS_AND_DTYPES])
+@pytest.mark.parametrize("in_channels,groups,offset_groups,aligned", LANE_CASES,
                          ids=[f"C{c}-G{g}-OG{og}-{'aligned' if a else 'misaligned'}"
-                              for c, g, og, a in IM2COL_CASES])
-def test_im2col_paths(emulated, in_channels, groups, offset_groups, aligned, index_width, dtype):
-    """Each path of im2col forced by the channels, the input's alignment and the index width,
-    checked to have run in the forward and in the backward wherever the weight gradient (the
-    only one that needs the columns) is asked for, and not otherwise; results against the
-    float64 CPU op."""
+                              for c, g, og, a in LANE_CASES])
+def test_im2col_and_column_gradient_paths(emulated, in_channels, groups, offset_groups, aligned,
+                                          index_width, dtype):
+    """Each path of im2col and of the columns gradient forced by the channels, the input's
+    alignment and the index width, and checked to have run: im2col in the forward and wherever
+    the weight gradient (the only one that needs the columns) is asked for; the columns gradient
+    with its input and its offset and mask parts wherever those are asked for; neither
+    otherwise. Every combination of requested gradients, against the float64 CPU op."""
     set_emulator(emulated, wide_indices=index_width == "64bit")
-    geometry = Geometry("im2col", 2, in_channels, 4, 3, 4, (3, 3), padding=(1, 1), groups=groups,
+    geometry = Geometry("lanes", 2, in_channels, 4, 3, 4, (3, 3), padding=(1, 1), groups=groups,
                         offset_groups=offset_groups)
     exact = make_operands(geometry, offset_scale=2.0, seed=in_channels)
     operands = [None if t is None else t.to(dtype) for t in exact]
     if not aligned:
-        # channels-last and misaligned, so that the driver passes it to im2col as it lies
+        # channels-last and misaligned, so that the driver passes it to the kernels as it lies
         operands[0] = misaligned(operands[0].permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
     grad_output = grad_output_for(operands, geometry)
     rounded = [None if t is None else t.double() for t in operands]
     expected = run_op(torch.ops.deformconv, rounded, geometry, grad_output.double())
-    paths = expected_im2col_branches(geometry, dtype, aligned)
     index_build = {"deform_conv2d.cuda.index." + index_width}
     x, o, w, b, m = operands
     geometry_args = (list(geometry.stride), list(geometry.padding), list(geometry.dilation),
                      groups, offset_groups, 0)
     with branch_trace(emulated) as taken:
         out = emulated.deform_conv2d(x, o, w, m, b, *geometry_args)
-    assert taken & IM2COL_BRANCHES == paths, sorted(taken)
+    assert taken & LANE_BRANCHES == expected_lane_branches("im2col", geometry, dtype, aligned)
     assert taken & INDEX_BRANCHES == index_build, sorted(taken)
     assert_close_at(out, expected[0], dtype, "output")
     for output_mask in requested_subsets(5):
+        want_input, want_offset, want_weight, want_mask, _ = output_mask
+        paths = set()
+        if want_weight:
+            paths |= expected_lane_branches("im2col", geometry, dtype, aligned)
+        if want_input or want_offset or want_mask:
+            reads_input = want_offset or want_mask
+            paths |= expected_lane_branches("column_gradients", geometry, dtype,
+                                            aligned or not reads_input)
+        if want_input:
+            paths.add("deform_conv2d.cuda.column_gradients.input")
+        if want_offset or want_mask:
+            paths.add("deform_conv2d.cuda.column_gradients.offset_mask")
         with branch_trace(emulated) as taken:
             grads = emulated.deform_conv2d_backward(grad_output, x, o, w, m, *geometry_args,
                                                     list(output_mask))
-        assert taken & IM2COL_BRANCHES == (paths if output_mask[2] else set()), sorted(taken)
+        assert taken & LANE_BRANCHES == paths, (output_mask, sorted(taken))
         kernels_ran = any(output_mask[:4])
         assert taken & INDEX_BRANCHES == (index_build if kernels_ran else set()), sorted(taken)
         for name, wanted, grad, full in zip(("input", "offset", "weight", "mask", "bias"),

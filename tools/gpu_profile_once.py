@@ -2,7 +2,7 @@
 training shape: the program that tools/gpu_check.sh runs under Nsight Compute (ncu) to read each
 kernel's achieved DRAM bandwidth and SM throughput. DCNv3 and DCNv4 at FlashInternImage-T's
 stage 2 (batch 64) in float32 and bfloat16; DCN v2 at ResNet-50's c4 stage (batch 8) in
-float32; multi-scale deformable attention at Deformable DETR's encoder shape in float32.
+float32 and bfloat16; multi-scale deformable attention at Deformable DETR's encoder shape in float32.
 DCNv3's float32 backward runs twice, the second time with DEFORMCONV_INPUT_GRADIENT_BANDS=0 (its
 input gradient added in global memory, not in bands of shared memory), to compare the two
 kernels. Each call runs in an NVTX range of its name, which ncu records beside each kernel
@@ -54,16 +54,16 @@ def dcnv3_calls(dtype):
     return calls
 
 
-def deform_conv2d_calls():
+def deform_conv2d_calls(dtype):
     shape = SHAPES["c4-batch8"]
-    x, offset, weight, bias, mask = make_tensors(shape, torch.float32, modulated=True,
-                                                 device="cuda")
+    x, offset, weight, bias, mask = make_tensors(shape, dtype, modulated=True, device="cuda")
     geometry = ([1, 1], [1, 1], [1, 1], 1, 1, 0)
     grad_output = torch.randn(shape.batch, shape.out_channels, *shape.output_size(),
-                              device="cuda")
-    return [("deform_conv2d float32 forward",
+                              device="cuda", dtype=dtype)
+    name = str(dtype).removeprefix("torch.")
+    return [(f"deform_conv2d {name} forward",
              lambda: ops.deform_conv2d(x, offset, weight, mask, bias, *geometry)),
-            ("deform_conv2d float32 backward",
+            (f"deform_conv2d {name} backward",
              lambda: ops.deform_conv2d_backward(grad_output, x, offset, weight, mask, *geometry,
                                                 [True] * 5))]
 
@@ -84,7 +84,8 @@ def main():
     # No warm-up: ncu replays each kernel on its own, caches flushed, so a first call's one-time
     # costs (module loading, library handles) do not enter its figures.
     for name, call in dcnv3_calls(torch.float32) + dcnv3_calls(torch.bfloat16) + \
-            deform_conv2d_calls() + ms_deform_attn_calls():
+            deform_conv2d_calls(torch.float32) + deform_conv2d_calls(torch.bfloat16) + \
+            ms_deform_attn_calls():
         torch.cuda.nvtx.range_push(name)
         call()
         torch.cuda.synchronize()

@@ -241,12 +241,11 @@ C10_HOST_DEVICE inline void scatter_add_run(scalar_t* address, const scalar_t* v
   }
 }
 
-// The adjoint of sample_with_plan at one corner, for `channels` consecutive channels (1 on the
-// GPU, a run on the CPU): adds weight * the sampled values' gradient onto the image gradient,
-// `grad_channel` pointing as `channel` does in sample_with_plan. The caller skips corners of
-// zero weight (outside the image among them), so an infinite gradient cannot make NaN there.
-// The image gradient is of the sampled values' type, or float where the CUDA launcher
-// accumulates half precision in float32.
+// The adjoint of sample_with_plan at one corner, for `channels` consecutive channels: adds
+// weight * the sampled values' gradient onto the image gradient, `grad_channel` pointing as
+// `channel` does in sample_with_plan. The caller skips corners of zero weight (outside the
+// image among them), so an infinite gradient cannot make NaN there. The image gradient is of
+// the sampled values' type, or float where half precision is summed in float32.
 template <typename scalar_t, typename grad_t>
 C10_HOST_DEVICE inline void scatter_corner(
     const SamplingPlan<at::opmath_type<scalar_t>>& plan, int corner,
@@ -258,18 +257,6 @@ C10_HOST_DEVICE inline void scatter_corner(
   for (int64_t c = 0; c < channels; ++c) {
     scatter_add(grad_corner + c,
                 static_cast<grad_t>(weight * static_cast<opmath_t>(grad_values[c])));
-  }
-}
-
-// The adjoint of sample_with_plan, every corner.
-template <typename scalar_t, typename grad_t>
-C10_HOST_DEVICE inline void scatter_with_plan(
-    const SamplingPlan<at::opmath_type<scalar_t>>& plan, const scalar_t* grad_values,
-    int64_t channels, grad_t* grad_channel, int64_t channel_stride) {
-  for (int corner = 0; corner < 4; ++corner) {
-    if (plan.weight[corner] != 0) {
-      scatter_corner(plan, corner, grad_values, channels, grad_channel, channel_stride);
-    }
   }
 }
 

@@ -73,8 +73,8 @@ C10_HOST_DEVICE inline SampleIndex make_sample_index(const DeformConv2dGeometry&
                    tap / g.kernel_w, tap % g.kernel_w);
 }
 
-// The divisors of the GPU launchers' index arithmetic (decompose_sample_index,
-// decompose_column_index, decompose_item_index), made once per launch: int64_t, or
+// The divisors of the GPU launchers' index arithmetic (decompose_item_index, sample_of_tap,
+// column_index), made once per launch: int64_t, or
 // InvariantDivisor when every dividend of the launch is below 2^31; with it, a kernel indexes
 // the elements of its tensors in 32 bits (index_type), which the launcher also checks.
 template <typename Divisor>
@@ -108,19 +108,6 @@ C10_HOST_DEVICE inline SampleIndex sample_of_window(const DeformConv2dGeometry& 
   const int64_t out_y = divide(pixel, d.out_width, out_x);
   const int64_t kernel_y = divide(tap, d.kernel_w, kernel_x);
   return sample_at(g, n, group, tap, pixel, out_y, out_x, kernel_y, kernel_x);
-}
-
-// Sample `index` of a window: (block image, deform group, tap, pixel of the window).
-template <typename Divisor>
-C10_HOST_DEVICE inline SampleIndex decompose_sample_index(const DeformConv2dGeometry& g,
-                                                          const PixelWindow& window,
-                                                          const IndexDivisors<Divisor>& d,
-                                                          int64_t index) {
-  int64_t window_pixel, tap, group;
-  index = divide(index, d.window_pixels, window_pixel);
-  index = divide(index, d.taps, tap);
-  const int64_t n = divide(index, d.offset_groups, group);
-  return sample_of_window(g, window, d, n, group, tap, window_pixel);
 }
 
 // The GPU's im2col takes the samples of a window by items, one per (block image, window pixel,
@@ -186,17 +173,6 @@ C10_HOST_DEVICE inline void sample_position(
   m = mask == nullptr ? opmath_t(1) : static_cast<opmath_t>(mask[mask_index(g, s)]);
 }
 
-// The plan of one sample of this op: its position and mask from the offset and mask tensors.
-template <typename scalar_t>
-C10_HOST_DEVICE inline SamplingPlan<at::opmath_type<scalar_t>> make_sampling_plan(
-    const DeformConv2dGeometry& g, const SampleIndex& s, const scalar_t* offset,
-    const scalar_t* mask) {
-  using opmath_t = at::opmath_type<scalar_t>;
-  opmath_t y, x, m;
-  sample_position(g, s, offset, mask, y, x, m);
-  return plan_at(y, x, m, g.in_height, g.in_width);
-}
-
 // First input channel of a deform group; its channels are [first, first + per group).
 C10_HOST_DEVICE inline int64_t first_channel(const DeformConv2dGeometry& g, int64_t group) {
   return group * g.channels_per_offset_group();
@@ -233,23 +209,6 @@ C10_HOST_DEVICE inline int64_t column_index(const DeformConv2dGeometry& g,
                        channel_in_group);
 }
 
-// The inverse of column_index: the sample and the input channel of columns entry `index` of a
-// window. (The GPU launchers run one thread per entry.)
-template <typename Divisor>
-C10_HOST_DEVICE inline SampleIndex decompose_column_index(const DeformConv2dGeometry& g,
-                                                          const PixelWindow& window,
-                                                          const IndexDivisors<Divisor>& d,
-                                                          int64_t index, int64_t& channel) {
-  int64_t channel_in_group, tap, window_pixel, conv_group, unused;
-  index = divide(index, d.channels_per_group, channel_in_group);
-  index = divide(index, d.taps, tap);
-  index = divide(index, d.window_pixels, window_pixel);
-  const int64_t n = divide(index, d.groups, conv_group);
-  channel = conv_group * g.channels_per_group() + channel_in_group;
-  const int64_t group = divide(channel, d.channels_per_offset_group, unused);
-  return sample_of_window(g, window, d, n, group, tap, window_pixel);
-}
-
 // Channel `channel` of grid pixel 0 of block image n in a channels-last (block, H, W, C_in)
 // tensor; grid pixel i of that channel is at i * C_in from there.
 template <typename scalar_t>
@@ -258,28 +217,17 @@ C10_HOST_DEVICE inline scalar_t* channel_of(const DeformConv2dGeometry& g, scala
   return data + n * g.in_pixels() * g.in_channels + channel;
 }
 
-// Locates one sample of this op for its offset and mask gradients.
-template <typename scalar_t>
-C10_HOST_DEVICE inline OffsetMaskGrad<at::opmath_type<scalar_t>> start_offset_mask_grad(
-    const DeformConv2dGeometry& g, const SampleIndex& s, const scalar_t* offset,
-    const scalar_t* mask) {
-  using opmath_t = at::opmath_type<scalar_t>;
-  opmath_t y, x, m;
-  sample_position(g, s, offset, mask, y, x, m);
-  return start_position_grad(y, x, m, g.in_height, g.in_width);
-}
-
-// Writes the sample's offset and mask gradients; either pointer may be null (not asked for).
+// Writes the offset and mask gradients of sample s of modulation m from its three sums; either
+// pointer may be null (not asked for).
 template <typename scalar_t>
 C10_HOST_DEVICE inline void finish_offset_mask_grad(
-    const DeformConv2dGeometry& g, const SampleIndex& s,
-    const OffsetMaskGrad<at::opmath_type<scalar_t>>& acc,
+    const DeformConv2dGeometry& g, const SampleIndex& s, at::opmath_type<scalar_t> m,
     const OffsetMaskGradSums<at::opmath_type<scalar_t>>& sums, scalar_t* grad_offset,
     scalar_t* grad_mask) {
   if (grad_offset != nullptr) {
     const int64_t y_at = offset_y_index(g, s);
-    grad_offset[y_at] = static_cast<scalar_t>(acc.mask * sums.y);
-    grad_offset[y_at + g.out_pixels()] = static_cast<scalar_t>(acc.mask * sums.x);
+    grad_offset[y_at] = static_cast<scalar_t>(m * sums.y);
+    grad_offset[y_at + g.out_pixels()] = static_cast<scalar_t>(m * sums.x);
   }
   if (grad_mask != nullptr) {
     grad_mask[mask_index(g, s)] = static_cast<scalar_t>(sums.m);

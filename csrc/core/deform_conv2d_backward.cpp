@@ -135,12 +135,9 @@ void backward_window(const DeformConv2dLaunchers& launchers, const DeformConv2dG
   const at::Tensor grad_columns = scratch.gemms->backward(
       scratch.w, window, block.images, scratch.columns, grad_output_window, scratch.weight,
       want.columns(), scratch.grad_weight_rows);
-  if (want.input) {
-    launchers.col2im(g, window, block.images, grad_columns, sampling, block.grad_input);
-  }
-  if (want.offset || want.mask) {
-    launchers.offset_mask_grad(g, window, block.images, grad_columns, block.input, sampling,
-                               block.grad_offset, block.grad_mask);
+  if (want.columns()) {
+    launchers.column_gradients(g, window, block.images, grad_columns, block.input, sampling,
+                               block.grad_input, block.grad_offset, block.grad_mask);
   }
 }
 

@@ -97,15 +97,15 @@ struct DeformConv2dLaunchers {
   // columns sampled from input.
   void (*im2col)(const DeformConv2dGeometry& geometry, const PixelWindow& window, int64_t batch,
                  const at::Tensor& input, const WindowSampling& sampling, at::Tensor& columns);
-  // grad_input += the adjoint of im2col applied to grad_columns.
-  void (*col2im)(const DeformConv2dGeometry& geometry, const PixelWindow& window, int64_t batch,
-                 const at::Tensor& grad_columns, const WindowSampling& sampling,
-                 at::Tensor& grad_input);
-  // grad_offset and grad_mask (each may be undefined: not asked for) from grad_columns.
-  void (*offset_mask_grad)(const DeformConv2dGeometry& geometry, const PixelWindow& window,
+  // What grad_columns gives back through the sampling: grad_input += the adjoint of im2col
+  // applied to it, and grad_offset and grad_mask. Each gradient may be undefined (not asked
+  // for), and `input` where neither grad_offset nor grad_mask is asked for. One entry, so that a
+  // device may read grad_columns and locate each sample once for all three.
+  void (*column_gradients)(const DeformConv2dGeometry& geometry, const PixelWindow& window,
                            int64_t batch, const at::Tensor& grad_columns,
                            const at::Tensor& input, const WindowSampling& sampling,
-                           at::Tensor& grad_offset, at::Tensor& grad_mask);
+                           at::Tensor& grad_input, at::Tensor& grad_offset,
+                           at::Tensor& grad_mask);
   // dst (M, C, R) = src (M, R, C) with the last two dimensions swapped, both contiguous: the
   // copies between the (C_in, H * W) planes of the user's tensors and channels-last.
   void (*transpose)(const at::Tensor& src, at::Tensor& dst);

@@ -63,8 +63,6 @@ DEFORMCONV_VECTOR_CLONES void col2im_tasks(const Col2imTask<scalar_t>& t, int64_
   }
 }
 
-}  // namespace
-
 void col2im_cpu(const DeformConv2dGeometry& g, const PixelWindow& window, int64_t batch,
                 const at::Tensor& grad_columns, const WindowSampling& sampling,
                 at::Tensor& grad_input) {
@@ -89,7 +87,7 @@ void col2im_cpu(const DeformConv2dGeometry& g, const PixelWindow& window, int64_
     store_input_gradient_sums(sums, grad_input);
   });
 }
-namespace {
+
 
 template <typename scalar_t>
 struct OffsetMaskGradTask {
@@ -143,14 +141,12 @@ DEFORMCONV_VECTOR_CLONES void offset_mask_grad_tasks(const OffsetMaskGradTask<sc
               ? offset_mask_grad_of_sample(g, n, entries, t.runs[group], acc, t.grad_columns,
                                            t.input)
               : OffsetMaskGradSums<opmath_t>{};
-          finish_offset_mask_grad(g, s, acc, sums, t.grad_offset, t.grad_mask);
+          finish_offset_mask_grad(g, s, acc.mask, sums, t.grad_offset, t.grad_mask);
         }
       }
     }
   }
 }
-
-}  // namespace
 
 void offset_mask_grad_cpu(const DeformConv2dGeometry& g, const PixelWindow& window,
                           int64_t batch, const at::Tensor& grad_columns, const at::Tensor& input,
@@ -177,6 +173,23 @@ void offset_mask_grad_cpu(const DeformConv2dGeometry& g, const PixelWindow& wind
     parallel_tasks(batch * stretches.per_image,
                    [&](int64_t begin, int64_t end) { offset_mask_grad_tasks(t, begin, end); });
   });
+}
+
+}  // namespace
+
+// Two passes over the columns gradient: col2im's tasks own bands of input rows, the offset and
+// mask gradients' own stretches of output pixels.
+void column_gradients_cpu(const DeformConv2dGeometry& g, const PixelWindow& window,
+                          int64_t batch, const at::Tensor& grad_columns, const at::Tensor& input,
+                          const WindowSampling& sampling, at::Tensor& grad_input,
+                          at::Tensor& grad_offset, at::Tensor& grad_mask) {
+  if (grad_input.defined()) {
+    col2im_cpu(g, window, batch, grad_columns, sampling, grad_input);
+  }
+  if (grad_offset.defined() || grad_mask.defined()) {
+    offset_mask_grad_cpu(g, window, batch, grad_columns, input, sampling, grad_offset,
+                         grad_mask);
+  }
 }
 
 }  // namespace deformconv

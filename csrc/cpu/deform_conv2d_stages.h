@@ -24,14 +24,10 @@ void fused_forward_cpu(const DeformConv2dGeometry& g, int64_t batch, const at::T
 
 bool fused_forward_pays_cpu(const DeformConv2dGeometry& g, at::ScalarType dtype);
 
-void col2im_cpu(const DeformConv2dGeometry& g, const PixelWindow& window, int64_t batch,
-                const at::Tensor& grad_columns, const WindowSampling& sampling,
-                at::Tensor& grad_input);
-
-void offset_mask_grad_cpu(const DeformConv2dGeometry& g, const PixelWindow& window,
+void column_gradients_cpu(const DeformConv2dGeometry& g, const PixelWindow& window,
                           int64_t batch, const at::Tensor& grad_columns, const at::Tensor& input,
-                          const WindowSampling& sampling, at::Tensor& grad_offset,
-                          at::Tensor& grad_mask);
+                          const WindowSampling& sampling, at::Tensor& grad_input,
+                          at::Tensor& grad_offset, at::Tensor& grad_mask);
 
 void transpose_cpu(const at::Tensor& src, at::Tensor& dst);
 

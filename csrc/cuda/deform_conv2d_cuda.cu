@@ -108,76 +108,103 @@ __global__ void im2col_kernel(DeformConv2dGeometry g, PixelWindow window,
   }
 }
 
-// As im2col_kernel; entries of different threads hit the same input pixels, so
-// scatter_with_plan adds atomically (scatter_add under __CUDA_ARCH__), into a gradient of
-// at::opmath_type (Note [Input gradient sums in float32]).
-template <typename scalar_t, typename Divisors>
-__global__ void col2im_kernel(DeformConv2dGeometry g, PixelWindow window, Divisors divisors,
-                              int64_t total, const scalar_t* grad_columns,
-                              const scalar_t* offset, const scalar_t* mask,
-                              at::opmath_type<scalar_t>* grad_input) {
-  DEFORMCONV_GRID_STRIDE_LOOP(index, total) {
-    int64_t channel;
-    const SampleIndex s = decompose_column_index(g, window, divisors, index, channel);
-    const auto plan = make_sampling_plan(g, s, offset, mask);
-    scatter_with_plan(plan, grad_columns + index, 1, channel_of(g, grad_input, s.n, channel),
-                      g.in_channels);
-  }
-}
+// The names of the columns gradient's paths.
+constexpr LanePathNames kColumnGradientPaths{
+    "deform_conv2d.cuda.column_gradients.vectors",
+    "deform_conv2d.cuda.column_gradients.one_at_a_time",
+    "deform_conv2d.cuda.column_gradients.several_passes",
+    "deform_conv2d.cuda.column_gradients.several_rounds"};
 
-// A team of lanes per sample (image, deform group, tap, output pixel): lane l of the team takes
-// channels l, l + lanes, ... of the deform group, so that the team's reads of the columns
-// gradient and of the channels-last input are consecutive addresses, and the team adds its
-// partial sums up by shuffles. `lanes` is a power of two up to a warp (team_lanes), so that a
-// team is an aligned run of lanes of one warp and the block (a multiple of the warp) holds
-// whole teams; a team's lanes take the same samples, so each shuffle has all of its members.
-// The sums are added in a fixed order: the result does not depend on thread scheduling.
-template <typename scalar_t, typename Divisors>
-__global__ void offset_mask_grad_kernel(DeformConv2dGeometry g, PixelWindow window,
-                                        Divisors divisors,
-                                        int64_t samples, int lanes,
+// What the columns gradient gives back, in one pass over it: items, lanes and staged samples as
+// im2col_kernel's, the vectors kVector channels of the input gradient's sums (16 bytes of
+// at::opmath_type, Note [Input gradient sums in float32]). Lane l reads the columns gradient of
+// its vectors of each tap once; where the input gradient is asked for (grad_input not null) it
+// adds weight * that vector at each corner of non-zero weight, one vector atomic a corner
+// (scatter_add_run); where the offset or mask gradient is, it adds the vector's dot products
+// with each corner's values (corners in the image only), which the item's lanes sum by
+// shuffles into the sample's three sums (offset_mask_grad_sums_of_dots), written by lane 0.
+// Every thread of a warp runs every tap of its items, active or not, for those shuffles.
+template <typename scalar_t, int kVector, typename Divisor>
+__global__ void column_gradients_kernel(DeformConv2dGeometry g, PixelWindow window,
+                                        IndexDivisors<Divisor> d, LaneTiling t,
                                         const scalar_t* grad_columns, const scalar_t* input,
                                         const scalar_t* offset, const scalar_t* mask,
+                                        at::opmath_type<scalar_t>* grad_input,
                                         scalar_t* grad_offset, scalar_t* grad_mask) {
   using opmath_t = at::opmath_type<scalar_t>;
-  const int lane = static_cast<int>(threadIdx.x) % lanes;
-  const int first_lane_in_warp = static_cast<int>(threadIdx.x) % kWarpSize - lane;
-  const unsigned team = (lanes == kWarpSize ? ~0u : (1u << lanes) - 1u) << first_lane_in_warp;
-  const int64_t teams_in_grid = static_cast<int64_t>(blockDim.x) * gridDim.x / lanes;
-  for (int64_t index = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / lanes;
-       index < samples; index += teams_in_grid) {
-    const SampleIndex s = decompose_sample_index(g, window, divisors, index);
-    const auto acc = start_offset_mask_grad(g, s, offset, mask);
-    OffsetMaskGradSums<opmath_t> sums;
-    if (acc.cell.inside) {
-      const int64_t end = first_channel(g, s.group) + g.channels_per_offset_group();
-      for (int64_t c = first_channel(g, s.group) + lane; c < end; c += lanes) {
-        accumulate_offset_mask_grad(acc, grad_columns[column_index(g, window, divisors, s, c)],
-                                    channel_of(g, input, s.n, c), g.in_channels, sums);
+  using index_t = typename IndexDivisors<Divisor>::index_type;
+  __shared__ SharedSample<opmath_t> staged[kStagedSamples<opmath_t>];
+  const int slot = threadIdx.x / t.lanes;
+  const int lane = threadIdx.x % t.lanes;
+  SharedSample<opmath_t>* const samples = staged + slot * t.samples_per_round;
+  const bool position_grads = grad_offset != nullptr || grad_mask != nullptr;
+  const index_t pixel_stride = static_cast<index_t>(g.in_channels);
+  const index_t tap_stride = static_cast<index_t>(g.channels_per_group());
+  const CornerSteps<index_t> corners = corner_steps<index_t>(g.in_width, g.in_channels);
+  for (int64_t first_item = int64_t(blockIdx.x) * t.items_per_block; first_item < t.items;
+       first_item += int64_t(gridDim.x) * t.items_per_block) {
+    const int64_t item = first_item + slot;
+    const bool active_item = item < t.items;
+    const SampleIndex s = active_item ? decompose_item_index(g, window, d, item) : SampleIndex{};
+    for (int64_t first_tap = 0; first_tap < g.taps(); first_tap += t.samples_per_round) {
+      const int round_taps = stage_item_samples(
+          t, lane, active_item, g.taps() - first_tap, samples, [&](int k) {
+            opmath_t y, x, m;
+            sample_position(g, sample_of_tap(g, d, s, first_tap + k), offset, mask, y, x, m);
+            return share_sample(y, x, m, g.in_height, g.in_width);
+          });
+      for (int k = 0; k < round_taps; ++k) {
+        const int64_t tap = first_tap + k;
+        SharedSample<opmath_t> sample{};
+        opmath_t dots[4] = {0, 0, 0, 0};
+        if (active_item) {
+          sample = samples[k];
+          const index_t top_left = static_cast<index_t>(sample.top_left) * pixel_stride;
+          for (int64_t vector = lane; vector < t.vectors; vector += t.lanes) {
+            const int64_t channel = first_channel(g, s.group) + vector * kVector;
+            const index_t image_at = static_cast<index_t>(s.n * g.in_pixels() * g.in_channels +
+                                                          channel);
+            const auto grad_vector = load_vector<scalar_t, kVector>(
+                grad_columns +
+                static_cast<index_t>(column_index(g, window, d, s, channel) + tap * tap_stride));
+            opmath_t grad[kVector];
+            for (int e = 0; e < kVector; ++e) {
+              grad[e] = static_cast<opmath_t>(grad_vector.value[e]);
+            }
+            for (int corner = 0; corner < 4; ++corner) {
+              const index_t at = image_at + top_left + corners.from_top_left[corner];
+              const opmath_t weight = sample.weight[corner];
+              if (grad_input != nullptr && weight != opmath_t(0)) {
+                opmath_t weighted[kVector];
+                for (int e = 0; e < kVector; ++e) {
+                  weighted[e] = weight * grad[e];
+                }
+                scatter_add_run<kVector>(grad_input + at, weighted);
+              }
+              if (position_grads && (sample.corners >> corner & 1)) {
+                const auto values = load_vector<scalar_t, kVector>(input + at);
+                for (int e = 0; e < kVector; ++e) {
+                  dots[corner] += grad[e] * static_cast<opmath_t>(values.value[e]);
+                }
+              }
+            }
+          }
+        }
+        if (position_grads) {
+          for (int corner = 0; corner < 4; ++corner) {
+            dots[corner] = sum_over_lanes(dots[corner], t.lanes);
+          }
+          if (active_item && lane == 0) {
+            finish_offset_mask_grad(
+                g, sample_of_tap(g, d, s, tap), sample.mask,
+                offset_mask_grad_sums_of_dots(sample.ly, sample.lx, dots[0], dots[1], dots[2],
+                                              dots[3]),
+                grad_offset, grad_mask);
+          }
+        }
       }
     }
-    for (int distance = lanes / 2; distance > 0; distance /= 2) {
-      sums.y += __shfl_xor_sync(team, sums.y, distance, lanes);
-      sums.x += __shfl_xor_sync(team, sums.x, distance, lanes);
-      sums.m += __shfl_xor_sync(team, sums.m, distance, lanes);
-    }
-    if (lane == 0) {
-      finish_offset_mask_grad(g, s, acc, sums, grad_offset, grad_mask);
-    }
   }
-}
-
-// The smallest power of two that covers the channels of a deform group, at most a warp.
-int team_lanes(const DeformConv2dGeometry& g) {
-  int lanes = 1;
-  while (lanes < kWarpSize && lanes < g.channels_per_offset_group()) {
-    lanes *= 2;
-  }
-  return lanes;
-}
-
-int64_t samples_in(const DeformConv2dGeometry& g, const PixelWindow& window, int64_t batch) {
-  return batch * g.offset_groups * g.taps() * window.pixels;
 }
 
 int64_t columns_entries_in(const DeformConv2dGeometry& g, const PixelWindow& window,
@@ -212,47 +239,53 @@ void im2col_cuda(const DeformConv2dGeometry& g, const PixelWindow& window, int64
   });
 }
 
-void col2im_cuda(const DeformConv2dGeometry& g, const PixelWindow& window, int64_t batch,
-                 const at::Tensor& grad_columns, const WindowSampling& sampling,
-                 at::Tensor& grad_input) {
-  const at::Tensor& offset = sampling.offset;
-  const at::Tensor& mask = sampling.mask;
-  const int64_t total = columns_entries_in(g, window, batch);
-  DEFORMCONV_DISPATCH(grad_columns.scalar_type(), "deform_conv2d_col2im_cuda", [&] {
+void column_gradients_cuda(const DeformConv2dGeometry& g, const PixelWindow& window,
+                           int64_t batch, const at::Tensor& grad_columns, const at::Tensor& input,
+                           const WindowSampling& sampling, at::Tensor& grad_input,
+                           at::Tensor& grad_offset, at::Tensor& grad_mask) {
+  if (grad_input.defined()) {
+    record_branch("deform_conv2d.cuda.column_gradients.input");
+  }
+  const bool position_grads = grad_offset.defined() || grad_mask.defined();
+  if (position_grads) {
+    record_branch("deform_conv2d.cuda.column_gradients.offset_mask");
+  }
+  DEFORMCONV_DISPATCH(grad_columns.scalar_type(), "deform_conv2d_column_gradients_cuda", [&] {
+    using opmath_t = at::opmath_type<scalar_t>;
     // Note [Input gradient sums in float32]
-    at::Tensor sums = input_gradient_sums<scalar_t>(grad_input);
-    with_index_divisors(g, window, total, [&](const auto& divisors) {
-      const auto kernel = &col2im_kernel<scalar_t, std::decay_t<decltype(divisors)>>;
-      DEFORMCONV_LAUNCH(kernel, blocks_for(total), kThreadsPerBlock,
-                        c10::cuda::getCurrentCUDAStream())(
-              g, window, divisors, total, grad_columns.const_data_ptr<scalar_t>(),
-              offset.const_data_ptr<scalar_t>(), data_or_null<scalar_t>(mask),
-              sums.mutable_data_ptr<at::opmath_type<scalar_t>>());
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    at::Tensor sums;
+    if (grad_input.defined()) {
+      sums = input_gradient_sums<scalar_t>(grad_input);
+    }
+    // Vectors are loaded from each tensor that the kernel reads (the input only for the offset
+    // and mask gradients), and added into the sums.
+    const at::Tensor& input_or_columns = position_grads ? input : grad_columns;
+    const at::Tensor& sums_or_columns = sums.defined() ? sums : grad_columns;
+    with_channel_vectors<16 / sizeof(opmath_t)>(
+        batch * window.pixels * g.offset_groups, g.channels_per_offset_group(),
+        g.channels_per_group(), g.taps(), kStagedSamples<opmath_t>,
+        {&grad_columns, &input_or_columns, &sums_or_columns}, kColumnGradientPaths,
+        [&](auto width, auto t) {
+      const int64_t input_elements = batch * g.in_pixels() * g.in_channels;
+      with_index_divisors(g, window,
+                          std::max(columns_entries_in(g, window, batch), input_elements),
+                          [&](const auto& divisors) {
+        using Divisor = typename std::decay_t<decltype(divisors)>::divisor_type;
+        auto* kernel = column_gradients_kernel<scalar_t, decltype(width)::value, Divisor>;
+        DEFORMCONV_LAUNCH(kernel, blocks_of(t), kThreadsPerBlock,
+                          c10::cuda::getCurrentCUDAStream())(
+            g, window, divisors, t, grad_columns.const_data_ptr<scalar_t>(),
+            position_grads ? input.const_data_ptr<scalar_t>() : nullptr,
+            sampling.offset.const_data_ptr<scalar_t>(),
+            data_or_null<scalar_t>(sampling.mask),
+            sums.defined() ? sums.mutable_data_ptr<opmath_t>() : nullptr,
+            mutable_data_or_null<scalar_t>(grad_offset), mutable_data_or_null<scalar_t>(grad_mask));
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      });
     });
-    store_input_gradient_sums(sums, grad_input);
-  });
-}
-
-void offset_mask_grad_cuda(const DeformConv2dGeometry& g, const PixelWindow& window, int64_t batch,
-                           const at::Tensor& grad_columns, const at::Tensor& input,
-                           const WindowSampling& sampling, at::Tensor& grad_offset,
-                           at::Tensor& grad_mask) {
-  const at::Tensor& offset = sampling.offset;
-  const at::Tensor& mask = sampling.mask;
-  const int64_t samples = samples_in(g, window, batch);
-  const int lanes = team_lanes(g);
-  DEFORMCONV_DISPATCH(input.scalar_type(), "deform_conv2d_offset_mask_grad_cuda", [&] {
-    with_index_divisors(g, window, samples, [&](const auto& divisors) {
-      const auto kernel = &offset_mask_grad_kernel<scalar_t, std::decay_t<decltype(divisors)>>;
-      DEFORMCONV_LAUNCH(kernel, blocks_for(samples * lanes),
-                        kThreadsPerBlock, c10::cuda::getCurrentCUDAStream())(
-              g, window, divisors, samples, lanes, grad_columns.const_data_ptr<scalar_t>(),
-              input.const_data_ptr<scalar_t>(), offset.const_data_ptr<scalar_t>(),
-              data_or_null<scalar_t>(mask), mutable_data_or_null<scalar_t>(grad_offset),
-              mutable_data_or_null<scalar_t>(grad_mask));
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-    });
+    if (grad_input.defined()) {
+      store_input_gradient_sums(sums, grad_input);
+    }
   });
 }
 
@@ -286,8 +319,7 @@ const DeformConv2dLaunchers& cuda_launchers() {
       .prepare_window = nullptr,
       .scratch = scratch_cuda,
       .im2col = im2col_cuda,
-      .col2im = col2im_cuda,
-      .offset_mask_grad = offset_mask_grad_cuda,
+      .column_gradients = column_gradients_cuda,
       .transpose = transpose_cuda,
       .gemms = window_gemms_cuda,
       .forward_plan = forward_plan_cuda,

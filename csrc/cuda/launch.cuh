@@ -19,19 +19,14 @@
   kernel<<<blocks, threads_per_block, 0, stream>>>
 #endif
 
-#include <algorithm>
 #include <cstdint>
 
 namespace deformconv {
 
 inline constexpr int kWarpSize = 32;
 inline constexpr int kThreadsPerBlock = 256;  // a multiple of the warp
-// The grid-stride loops cover any remainder, so the grid need not grow past this.
+// The kernels' loops over their work stride by the grid, so the grid need not grow past this.
 inline constexpr int64_t kMaxBlocks = 65536;
-
-inline int64_t blocks_for(int64_t total) {
-  return std::min<int64_t>(kMaxBlocks, (total + kThreadsPerBlock - 1) / kThreadsPerBlock);
-}
 
 }  // namespace deformconv
 
@@ -41,7 +36,3 @@ inline int64_t blocks_for(int64_t total) {
 #ifndef DEFORMCONV_NARROW_INDEX_LIMIT
 #define DEFORMCONV_NARROW_INDEX_LIMIT int64_t(INT32_MAX)
 #endif
-
-#define DEFORMCONV_GRID_STRIDE_LOOP(index, total)                                   \
-  for (int64_t index = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; \
-       index < (total); index += static_cast<int64_t>(blockDim.x) * gridDim.x)

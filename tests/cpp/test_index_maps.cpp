@@ -1,9 +1,10 @@
-// The index arithmetic that only the CUDA launchers use, run on the CPU: one thread per columns
-// entry finds its sample and channel with decompose_column_index, one thread per sample with
-// decompose_sample_index. Both must invert the maps the CPU launchers use (column_index,
-// make_sample_index and next_pixel), for every entry of a few awkward geometries, dividing in
-// int64 and by InvariantDivisor alike; and InvariantDivisor must divide exactly, checked over
-// divisors and dividends from 1 to 2^31 - 1.
+// The index arithmetic that only the CUDA launchers use, run on the CPU: the GPU's im2col and
+// columns gradient take a window's samples by items (image, window pixel, deform group), found
+// with decompose_item_index and sample_of_tap, and address the columns with column_index and
+// the launch's divisors. Both must agree with the maps the CPU launchers use
+// (make_sample_index, column_index), for every item, tap and channel of a few awkward
+// geometries, dividing in int64 and by InvariantDivisor alike; and InvariantDivisor must divide
+// exactly, checked over divisors and dividends from 1 to 2^31 - 1.
 
 #include <cstdint>
 #include <cstdio>
@@ -65,29 +66,25 @@ void check(const Case& c, int64_t batch) {
   const DeformConv2dGeometry& g = c.g;
   const PixelWindow& window = c.window;
   const IndexDivisors<Divisor> divisors(g, window);
-  const int64_t entries = batch * g.in_channels * g.taps() * window.pixels;
-  for (int64_t index = 0; index < entries; ++index) {
-    int64_t channel = -1;
-    const SampleIndex s =
-        deformconv::decompose_column_index(g, window, divisors, index, channel);
-    expect(deformconv::column_index(g, window, divisors, s, channel) == index,
-           "column_index round trip", index);
-    expect(deformconv::column_index(g, window, s.n, s.pixel - window.begin, s.tap, channel) ==
-               index,
-           "column_index of the CPU launchers", index);
-    expect(s.group == channel / g.channels_per_offset_group(), "deform group of channel", index);
-    expect(same(s, deformconv::make_sample_index(g, s.n, s.group, s.tap, s.pixel)),
-           "sample of column entry", index);
-  }
-  // Samples in launcher order: decompose_sample_index agrees with stepping along each row.
-  int64_t index = 0;
+  const int64_t per_group = g.channels_per_offset_group();
+  int64_t item = 0;
   for (int64_t n = 0; n < batch; ++n) {
-    for (int64_t group = 0; group < g.offset_groups; ++group) {
-      for (int64_t tap = 0; tap < g.taps(); ++tap) {
-        SampleIndex s = deformconv::make_sample_index(g, n, group, tap, window.begin);
-        for (int64_t p = 0; p < window.pixels; ++p, ++index, deformconv::next_pixel(g, s)) {
-          expect(same(s, deformconv::decompose_sample_index(g, window, divisors, index)),
-                 "sample round trip", index);
+    for (int64_t window_pixel = 0; window_pixel < window.pixels; ++window_pixel) {
+      for (int64_t group = 0; group < g.offset_groups; ++group, ++item) {
+        const int64_t pixel = window.begin + window_pixel;
+        const SampleIndex first = deformconv::decompose_item_index(g, window, divisors, item);
+        expect(same(first, deformconv::make_sample_index(g, n, group, 0, pixel)),
+               "tap 0 of the item", item);
+        for (int64_t tap = 0; tap < g.taps(); ++tap) {
+          const SampleIndex s = deformconv::sample_of_tap(g, divisors, first, tap);
+          expect(same(s, deformconv::make_sample_index(g, n, group, tap, pixel)),
+                 "tap of the item", item);
+          for (int64_t channel = group * per_group; channel < (group + 1) * per_group;
+               ++channel) {
+            expect(deformconv::column_index(g, window, divisors, s, channel) ==
+                       deformconv::column_index(g, window, n, window_pixel, tap, channel),
+                   "column_index of the launch", item);
+          }
         }
       }
     }
@@ -165,6 +162,8 @@ int main() {
     std::fprintf(stderr, "%d index checks failed\n", failures);
     return EXIT_FAILURE;
   }
-  std::puts("index maps: all entries round-trip; InvariantDivisor divides exactly");
+  std::puts(
+      "index maps: every item, tap and channel as the CPU maps them; InvariantDivisor divides "
+      "exactly");
   return EXIT_SUCCESS;
 }
