@@ -50,6 +50,23 @@ constexpr LanePathNames kIm2colPaths{
     "deform_conv2d.cuda.im2col.vectors", "deform_conv2d.cuda.im2col.one_at_a_time",
     "deform_conv2d.cuda.im2col.several_passes", "deform_conv2d.cuda.im2col.several_rounds"};
 
+// Stages the round of an item's taps that starts at first_tap into its slots `samples`
+// (stage_item_samples), `s` being the item's sample of tap 0. Returns the round's number of
+// taps. Every thread of the warp calls it, `active_item` where its item is.
+template <typename scalar_t, typename Divisor>
+__device__ inline int stage_taps(const DeformConv2dGeometry& g, const IndexDivisors<Divisor>& d,
+                                 const LaneTiling& t, int lane, bool active_item,
+                                 const SampleIndex& s, int64_t first_tap, const scalar_t* offset,
+                                 const scalar_t* mask,
+                                 SharedSample<at::opmath_type<scalar_t>>* samples) {
+  using opmath_t = at::opmath_type<scalar_t>;
+  return stage_item_samples(t, lane, active_item, g.taps() - first_tap, samples, [&](int k) {
+    opmath_t y, x, m;
+    sample_position(g, sample_of_tap(g, d, s, first_tap + k), offset, mask, y, x, m);
+    return share_sample(y, x, m, g.in_height, g.in_width);
+  });
+}
+
 // Items of `t` (decompose_item_index: a pixel's samples of one image and deform group, a
 // sample per tap), each taken by t.lanes threads of one warp: the lanes locate the item's taps
 // once, in shared memory (stage_item_samples), and lane l then writes the channel vectors l,
@@ -77,12 +94,8 @@ __global__ void im2col_kernel(DeformConv2dGeometry g, PixelWindow window,
     const bool active_item = item < t.items;
     const SampleIndex s = active_item ? decompose_item_index(g, window, d, item) : SampleIndex{};
     for (int64_t first_tap = 0; first_tap < g.taps(); first_tap += t.samples_per_round) {
-      const int round_taps = stage_item_samples(
-          t, lane, active_item, g.taps() - first_tap, samples, [&](int k) {
-            opmath_t y, x, m;
-            sample_position(g, sample_of_tap(g, d, s, first_tap + k), offset, mask, y, x, m);
-            return share_sample(y, x, m, g.in_height, g.in_width);
-          });
+      const int round_taps =
+          stage_taps(g, d, t, lane, active_item, s, first_tap, offset, mask, samples);
       if (!active_item) {
         continue;
       }
@@ -147,12 +160,8 @@ __global__ void column_gradients_kernel(DeformConv2dGeometry g, PixelWindow wind
     const bool active_item = item < t.items;
     const SampleIndex s = active_item ? decompose_item_index(g, window, d, item) : SampleIndex{};
     for (int64_t first_tap = 0; first_tap < g.taps(); first_tap += t.samples_per_round) {
-      const int round_taps = stage_item_samples(
-          t, lane, active_item, g.taps() - first_tap, samples, [&](int k) {
-            opmath_t y, x, m;
-            sample_position(g, sample_of_tap(g, d, s, first_tap + k), offset, mask, y, x, m);
-            return share_sample(y, x, m, g.in_height, g.in_width);
-          });
+      const int round_taps =
+          stage_taps(g, d, t, lane, active_item, s, first_tap, offset, mask, samples);
       for (int k = 0; k < round_taps; ++k) {
         const int64_t tap = first_tap + k;
         SharedSample<opmath_t> sample{};
