@@ -124,7 +124,7 @@ sanitizer() {
   cat "$report"
   grep -q "RACECHECK SUMMARY" "$report" || rc=1
   ours=$(grep "Race reported" "$report" \
-    | grep -cE "dcnv3_|ms_deform_attn_|im2col_kernel|col2im_kernel|offset_mask_grad_kernel" \
+    | grep -cE "dcnv3_|ms_deform_attn_|im2col_kernel|column_gradients_kernel" \
     || true)
   rm -f "$report"
   echo "racecheck: $ours hazards in deformconv's kernels"
@@ -160,7 +160,7 @@ profile() {
   local report rc=0
   report=$(mktemp)
   ncu --clock-control none --nvtx \
-    --kernel-name regex:"dcnv3|ms_deform_attn|im2col|col2im|offset_mask" \
+    --kernel-name regex:"dcnv3|ms_deform_attn|im2col|column_gradients" \
     --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \
     --section LaunchStats --section InstructionStats --section SchedulerStats \
     --section WarpStateStats --csv --print-units base \
