@@ -5,7 +5,9 @@ from typing import List, Optional
 
 import torch
 
-def print_result(result: dict, out=sys.stdout) -> None:
+def print_result(result: dict, out=None) -> None:
+    # sys.stdout as it is when called, not as it was when this module was imported.
+    out = sys.stdout if out is None else out
     medians = result["median_seconds"]
     print(f"\n{result['shape']['name']}: {result['describe']}", file=out)
     for name, seconds in medians.items():
