@@ -2,6 +2,8 @@
 # The one command for a machine with a GPU: from a bare checkout, with the torch that is there
 # and nothing installed, in stages of their own time budget (about 8 minutes in all):
 #   1. build   deformconv in place, for the visible GPU's architecture only, on every core;
+#              beside it, the originals' CUDA ops where originals/src holds their sources
+#              (tools/originals.py: copied there from clones, never committed);
 #   2. tests   every CUDA test (pytest -m cuda): the CUDA ops against the CPU ones in four dtypes,
 #              DCNv3/DCNv4 included, gradcheck, a side stream, a training step in a CUDA
 #              graph, torch.compile, autocast, deterministic algorithms, 2^31 elements,
@@ -9,7 +11,7 @@
 #   3. sanitizer  compute-sanitizer memcheck and racecheck over tools/gpu_kernels_once.py;
 #   4. benchmark  python -m deformconv benchmark --device cuda in float32 (TF32 off), float16
 #              and bfloat16, on its training batches (GPU_SHAPES) with DCNv3/DCNv4 against
-#              the memory roofline; and a ResNet-50 training step with DCN v2 (batch 32,
+#              the memory roofline and the originals that built; and a ResNet-50 training step with DCN v2 (batch 32,
 #              bf16 autocast) against torchvision's op and the plain ResNet-50;
 #   5. ncu     Nsight Compute's achieved DRAM bandwidth and SM throughput of the main kernels,
 #              their executed instructions and issue statistics (tools/gpu_profile_once.py),
@@ -99,9 +101,23 @@ build() {
   "$python" -c 'import setuptools, sys
 major = int(setuptools.__version__.split(".")[0])
 sys.exit(0 if major >= 77 else f"setuptools {setuptools.__version__} is too old: 77 or newer builds deformconv")'
+  # The originals compile in processes of their own, beside deformconv; one that does not build
+  # is named in originals/build/status.json, and the benchmark leaves it out.
+  local originals_pid="" originals_log
+  originals_log=$(mktemp)
+  if [ -d originals/src ]; then
+    rm -rf originals/build
+    "$python" tools/originals.py build --arch "$arch" > "$originals_log" 2>&1 &
+    originals_pid=$!
+  fi
   DEFORMCONV_WITH_CUDA=1 TORCH_CUDA_ARCH_LIST=$arch MAX_JOBS=$(nproc) \
     "$python" setup.py build_ext --inplace
   "$python" -m deformconv info
+  if [ -n "$originals_pid" ]; then
+    wait "$originals_pid" || echo "tools/originals.py build failed (exit $?)"
+    tail -n 3 "$originals_log"
+  fi
+  rm -f "$originals_log"
 }
 
 gpu_tests() {
@@ -141,11 +157,13 @@ benchmark() {
   fi
   "$python" -m deformconv benchmark-training --device cuda \
     --output "$out/benchmark-training.json" || return 1
-  local dtype plot
+  local dtype plot originals=()
+  [ -f originals/build/status.json ] && originals=(--originals originals/build)
   for dtype in float32 float16 bfloat16; do
     plot=""
     [ "$dtype" = float32 ] && plot="$out/benchmark.png"
     "$python" -m deformconv benchmark --device cuda --dtype "$dtype" \
+      ${originals[@]+"${originals[@]}"} \
       --output "$out/benchmark-$dtype.json" --plot "$plot" || return 1
   done
 }

@@ -29,6 +29,7 @@ import torch
 import deformconv
 
 from .environment import cpu_description
+from .originals import load_originals
 from .report import plot, print_result, update_tables
 from .run import benchmark_shape, scaling
 from .shapes import DEFAULT_SHAPES, ROOFLINE_SHAPES, SHAPES
@@ -57,6 +58,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                         help="also report scaling with batch, area and im2col_step")
     parser.add_argument("--busy-core", action="store_true",
                         help="keep one core busy with a spinning process during the run")
+    parser.add_argument("--originals", metavar="DIR", default=None,
+                        help="also time the originals' CUDA ops that tools/originals.py built "
+                        "into DIR (DCNv3, DCNv4 and multi-scale deformable attention shapes)")
     parser.add_argument("--output", default="benchmark.json", help="JSON results file")
     parser.add_argument("--plot", default="benchmark.png", help="PNG chart of the ratios "
                         "(needs matplotlib; '' to skip)")
@@ -72,6 +76,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.device == "cuda" and not deformconv.cuda_compiled():
         parser.error("--device cuda: this build of deformconv holds no CUDA kernels "
                      "(python -m deformconv info says why)")
+    if args.originals and args.device != "cuda":
+        parser.error("--originals: the originals' ops are CUDA ops: add --device cuda")
     if args.threads:
         torch.set_num_threads(args.threads)
     shapes = args.shapes or DEFAULT_SHAPES[args.device]
@@ -94,6 +100,10 @@ def main(argv: Optional[List[str]] = None) -> int:
              "cuda_block_seconds": CUDA_BLOCK_SECONDS if args.device == "cuda" else None}
     if any(isinstance(SHAPES[name], ROOFLINE_SHAPES) for name in shapes):
         setup["copy_bandwidth"] = copy_bandwidth(args.device, args.repeats, args.warmup)
+    args.loaded_originals = {}
+    if args.originals:
+        args.loaded_originals, setup["originals_missing"], setup["originals"] = (
+            load_originals(args.originals))
     print("setup:", json.dumps(setup))
     results = []
     report = {"setup": setup, "results": results}

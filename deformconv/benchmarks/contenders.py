@@ -31,13 +31,19 @@ def contenders(shape: Shape, tensors, im2col_step: int) -> Dict[str, Callable]:
     return runs
 
 
+def dcnv3_geometry(shape: Dcnv3Shape) -> tuple:
+    """The benchmark's DCNv3/DCNv4 geometry: (kh, kw, sh, sw, ph, pw, dh, dw, group,
+    group_channels, offset_scale), a 3 x 3 kernel of stride 1 and padding 1, offset scale 1."""
+    return (3, 3, 1, 1, 1, 1, 1, 1, shape.group, shape.channels // shape.group, 1.0)
+
+
 def dcnv3_contenders(shape: Dcnv3Shape, tensors) -> Dict[str, Tuple[Callable, list]]:
     """Each contender with the inputs its model feeds it: DCNv3 and the grid_sample formulation
     (deformconv.onnx's, which samples with F.grid_sample as the originals' pure-PyTorch DCNv3
     does) the offsets and mask that InternImage's DCNv3 makes, DCNv4 the packed offset_mask
     that FlashInternImage's DCNv4 makes in one Linear layer (pack_offset_mask)."""
-    group, group_channels, scale = shape.group, shape.channels // shape.group, 1.0
-    geometry = (3, 3, 1, 1, 1, 1, 1, 1, group, group_channels, scale)
+    geometry = dcnv3_geometry(shape)
+    group = shape.group
     input, offset, mask = tensors
     return {
         "dcnv3": (lambda input, offset, mask: deformconv.dcnv3(input, offset, mask, *geometry),

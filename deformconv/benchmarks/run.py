@@ -7,8 +7,9 @@ from typing import Dict, Optional
 
 import torch
 
-from .contenders import (contenders, dcnv3_contenders, gemm_steps, msda_contenders,
-                         onnxruntime_forward)
+from .contenders import (contenders, dcnv3_contenders, dcnv3_geometry, gemm_steps,
+                         msda_contenders, onnxruntime_forward)
+from .originals import PEERS, original_contenders
 from .shapes import (Dcnv3Shape, MsdaShape, Shape, make_dcnv3_tensors, make_msda_tensors,
                      make_tensors)
 from .timing import (forward_backward_step, forward_step, peak_forward_backward_bytes,
@@ -38,11 +39,16 @@ def roofline(runs, medians: Dict[str, float], bytes_per_second: float, ops) -> d
     return report
 
 
-def benchmark_against_formulation(shape, runs, ops, args, bandwidth: Optional[dict]) -> dict:
+def benchmark_against_formulation(shape, runs, ops, args, bandwidth: Optional[dict],
+                                  dcnv3_geometry: tuple = ()) -> dict:
     """One shape of ops (DCNv3 and DCNv4, or multi-scale deformable attention) against their
-    grid_sample formulation, every contender of runs ({name: (run, inputs)}) timed forward and
-    forward+backward: the ratios, peak forward memory, each peer's agreement with ops[0], and on
-    a run with the copy bandwidth the memory roofline."""
+    grid_sample formulation and the originals that args.loaded_originals holds, every contender
+    of runs ({name: (run, inputs)}) timed forward and forward+backward: the ratios, peak forward
+    memory, each peer's agreement with ops[0], and on a run with the copy bandwidth the memory
+    roofline."""
+    originals, originals_not_run = original_contenders(args.loaded_originals, runs,
+                                                       dcnv3_geometry)
+    runs = {**runs, **originals}
     steps = {}
     for name, (run, inputs) in runs.items():
         steps[f"{name} forward"] = forward_step(run, inputs)
@@ -54,12 +60,17 @@ def benchmark_against_formulation(shape, runs, ops, args, bandwidth: Optional[di
                      for name, (run, inputs) in runs.items() if name != ops[0]}
     medians = time_interleaved(steps, args.repeats, args.warmup, args.device)
     result = {"shape": asdict(shape), "describe": shape.describe(), "median_seconds": medians,
-              "ratios": {}, "peak_forward_bytes": {}, "agreement": agreement}
+              "ratios": {}, "peak_forward_bytes": {}, "agreement": agreement,
+              "originals_not_run": originals_not_run}
     for phase in ("forward", "forward+backward"):
         peer = medians[f"grid_sample formulation {phase}"]
         for name in ops:
             result["ratios"][f"grid_sample formulation/{name} {phase}"] = (
                 peer / medians[f"{name} {phase}"])
+        for name in originals:
+            ours = PEERS[name]
+            result["ratios"][f"{name}/{ours} {phase}"] = (
+                medians[f"{name} {phase}"] / medians[f"{ours} {phase}"])
     for name, (run, inputs) in runs.items():
         result["peak_forward_bytes"][name] = peak_forward_bytes(run, inputs, args.device)
     grid_sample_peak = result["peak_forward_bytes"]["grid_sample formulation"]
@@ -95,7 +106,8 @@ def benchmark_shape(shape: Shape, args, bandwidth: Optional[dict] = None) -> dic
     dtype = getattr(torch, args.dtype)
     if isinstance(shape, Dcnv3Shape):
         runs = dcnv3_contenders(shape, make_dcnv3_tensors(shape, dtype, device=args.device))
-        return benchmark_against_formulation(shape, runs, ("dcnv3", "dcnv4"), args, bandwidth)
+        return benchmark_against_formulation(shape, runs, ("dcnv3", "dcnv4"), args, bandwidth,
+                                             dcnv3_geometry(shape))
     if isinstance(shape, MsdaShape):
         runs = msda_contenders(make_msda_tensors(shape, dtype, device=args.device))
         return benchmark_against_formulation(shape, runs, ("ms_deform_attn",), args, bandwidth)
