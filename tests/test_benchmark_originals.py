@@ -87,3 +87,20 @@ def test_sources_dispatch_on_scalar_type(tmp_path):
         'AT_ASSERTM(value.type().is_cuda(), "value must be CUDA");\n'
         'AT_DISPATCH_FLOATING_TYPES(value.scalar_type(), "forward", ([&] {\n'
         'AT_DISPATCH_FLOATING_TYPES_AND_HALF(\n    input.scalar_type(), "backward", x);\n')
+
+
+def test_report_tables_the_originals_against_ours(tmp_path):
+    # One DCNv3 shape where InternImage's DCNv3 ran and DCNv4's did not: one row.
+    result = {"shape": {"name": "fit-stage2-batch64"},
+              "ratios": {"InternImage DCNv3/dcnv3 forward": 1.5,
+                         "InternImage DCNv3/dcnv3 forward+backward": 2.25,
+                         "grid_sample formulation/dcnv3 forward": 11.0},
+              "agreement": {"InternImage DCNv3 max abs difference": 2e-6}}
+    source = tmp_path / "run.json"
+    source.write_text(json.dumps({"setup": {}, "results": [result]}))
+    document = tmp_path / "performance.md"
+    document.write_text(f"<!-- table: {source.name} originals -->\n<!-- end table -->\n")
+    assert main(["benchmark", "--report", str(document)]) == 0
+    rows = document.read_text().splitlines()[1:-1]
+    assert rows[2:] == ["| fit-stage2-batch64 | InternImage DCNv3 | dcnv3 | 1.50× | 2.25× | "
+                        "2.0e-06 |"]

@@ -5,6 +5,9 @@ from typing import List, Optional
 
 import torch
 
+from .originals import PEERS
+
+
 def print_result(result: dict, out=None) -> None:
     # sys.stdout as it is when called, not as it was when this module was imported.
     out = sys.stdout if out is None else out
@@ -194,6 +197,23 @@ def msda_table(report: dict) -> List[str]:
     return rows
 
 
+def originals_table(report: dict) -> List[str]:
+    """The originals' CUDA ops (--originals) against deformconv's, each shape where one ran:
+    their time over ours (above 1: ours is faster) and their largest difference from ours."""
+    rows = ["| shape | original | ours | original / ours, fwd | original / ours, fwd+bwd | "
+            "max abs difference |", "|---" * 6 + "|"]
+    for result in report["results"]:
+        ratios, agreement = result["ratios"], result.get("agreement", {})
+        for name, ours in PEERS.items():
+            if f"{name}/{ours} forward" not in ratios:
+                continue
+            rows.append(f"| {result['shape']['name']} | {name} | {ours} | "
+                        f"{ratios[f'{name}/{ours} forward']:.2f}× | "
+                        f"{ratios[f'{name}/{ours} forward+backward']:.2f}× | "
+                        f"{agreement[f'{name} max abs difference']:.1e} |")
+    return rows
+
+
 def training_table(report: dict) -> List[str]:
     """benchmark-training's report: one training step of ResNet-50 with DCN v2 layers, on
     deformconv's op and torchvision's, and of the plain ResNet-50."""
@@ -249,8 +269,8 @@ def kernels_table(report: dict) -> List[str]:
 
 
 TABLES = {"deform_conv2d": deform_conv2d_table, "dcnv3": dcnv3_table, "msda": msda_table,
-          "training": training_table, "internimage": internimage_table,
-          "kernels": kernels_table}
+          "originals": originals_table, "training": training_table,
+          "internimage": internimage_table, "kernels": kernels_table}
 
 
 def table_of(report: dict, kind: Optional[str] = None) -> List[str]:
