@@ -244,7 +244,7 @@ def compile_flags():
 
 def extension(cpp_extension, with_cuda: bool):
     # No OpenMP flags: the kernels run in parallel regions that ATen compiled (Note [Parallel
-    # regions through ATen], csrc/core/parallel_region.h), on every compiler and platform.
+    # regions through ATen], csrc/infrastructure/parallel_region.h), on every compiler and platform.
     # -g0: Python's own flags ask for debug information, which makes the build about a
     # third longer (CPU kernels on 2 cores: 219 s with it, 156 s without).
     cxx_flags = ["-O3", "-g0"] + compile_flags()

@@ -1,9 +1,10 @@
 // The op schemas (schemas.h), declared once. Kernels are registered per dispatch key:
 // cpu/register_cpu.cpp (CPU), cuda/register_cuda.cpp (CUDA), core/register_autograd.cpp
 // (Autograd), core/register_autocast.cpp (Autocast),
-// core/register_checks.cpp (_check_arguments), core/register_branch_trace.cpp (the branch
-// trace), cpu/kernel_copies.cpp (_cpu_kernel_copies), and the fake kernels in Python
-// (deformconv/ops/), which run _check_arguments.
+// core/register_checks.cpp (_check_deform_conv2d_arguments),
+// infrastructure/register_branch_trace.cpp (the branch trace), cpu/kernel_copies.cpp
+// (_cpu_kernel_copies), and the fake kernels in Python (deformconv/ops/), which run the checks
+// ops.
 
 #include <torch/library.h>
 
@@ -12,7 +13,7 @@
 TORCH_LIBRARY(deformconv, m) {
   m.def(deformconv::schemas::kDeformConv2d);
   m.def(deformconv::schemas::kDeformConv2dBackward);
-  m.def(deformconv::schemas::kCheckArguments);
+  m.def(deformconv::schemas::kCheckDeformConv2dArguments);
   m.def(deformconv::schemas::kDcnv3);
   m.def(deformconv::schemas::kDcnv3Backward);
   m.def(deformconv::schemas::kDcnv4);

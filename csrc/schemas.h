@@ -24,10 +24,10 @@ inline constexpr const char* kDeformConv2dBackward =
 
 // The checks of deform_conv2d (grad_output absent) or of deform_conv2d_backward (present),
 // reading no tensor data; returns the output shape. For the fake kernels.
-inline constexpr const char* kCheckArguments =
-    "_check_arguments(Tensor? grad_output, Tensor input, Tensor offset, Tensor weight, "
-    "Tensor? mask, Tensor? bias, SymInt[2] stride, SymInt[2] padding, SymInt[2] dilation, "
-    "int groups, int offset_groups, int im2col_step) -> int[]";
+inline constexpr const char* kCheckDeformConv2dArguments =
+    "_check_deform_conv2d_arguments(Tensor? grad_output, Tensor input, Tensor offset, "
+    "Tensor weight, Tensor? mask, Tensor? bias, SymInt[2] stride, SymInt[2] padding, "
+    "SymInt[2] dilation, int groups, int offset_groups, int im2col_step) -> int[]";
 
 // DCNv3 (InternImage), arguments in the original DCNv3Function's order; channels-last shapes:
 // input (N, H, W, group * group_channels); offset (N, H_out, W_out, group * P * 2), x before y
@@ -96,9 +96,9 @@ inline constexpr const char* kCheckMsDeformAttnArguments =
     "Tensor level_start_index, Tensor sampling_locations, Tensor attention_weights, "
     "int im2col_step) -> int[]";
 
-// Note [Branch trace] (core/branch_trace.h): which paths the drivers and launchers take, for
-// the tests. _start_branch_trace clears the record and turns it on; _take_branch_trace returns
-// the names recorded since, sorted, and turns it off.
+// Note [Branch trace] (infrastructure/branch_trace.h): which paths the drivers and launchers
+// take, for the tests. _start_branch_trace clears the record and turns it on;
+// _take_branch_trace returns the names recorded since, sorted, and turns it off.
 inline constexpr const char* kStartBranchTrace = "_start_branch_trace() -> ()";
 inline constexpr const char* kTakeBranchTrace = "_take_branch_trace() -> str[]";
 

@@ -1,4 +1,5 @@
-"""Deformable convolution (DCN v1 and v2) for PyTorch, on CPU and CUDA.
+"""Deformable convolution for PyTorch, on CPU and CUDA: DCN v1 and v2, InternImage's DCNv3,
+FlashInternImage's DCNv4 and Deformable DETR's multi-scale deformable attention.
 
     import deformconv
     out = deformconv.deform_conv2d(x, offset, weight, mask=mask)   # functional

@@ -1,6 +1,6 @@
 """Helpers of the tests that force the paths of the drivers and launchers: the branch trace
-(Note [Branch trace] in csrc/core/branch_trace.h), thread counts, the oneDNN switch, and the
-tolerances of a dtype against float64."""
+(Note [Branch trace] in csrc/infrastructure/branch_trace.h), thread counts, the oneDNN switch,
+and the tolerances of a dtype against float64."""
 
 import itertools
 from contextlib import contextmanager

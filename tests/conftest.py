@@ -33,6 +33,18 @@ def emulated():
     return load()
 
 
+@pytest.fixture
+def emulator_settings(emulated):
+    """The emulator as it starts (emulation.set_emulator's defaults), with its bookkeeping
+    emptied, before the test and again after it."""
+    from emulation import set_emulator
+
+    set_emulator(emulated)
+    emulated.take_bookkeeping()
+    yield
+    set_emulator(emulated)
+
+
 def pytest_collection_modifyitems(items):
     # The marker follows the fixture, so that no emulated test can miss it.
     for item in items:

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import deformconv
-from test_ms_deform_attn import levels_of, ms_deform_attn_reference
+from ms_deform_attn_reference import levels_of, ms_deform_attn_reference
 
 pytestmark = pytest.mark.workflows
 

@@ -9,7 +9,7 @@ import torch
 
 import deformconv
 import deformconv.onnx
-from test_ms_deform_attn import GRID, call, levels_of, make_operands
+from ms_deform_attn_reference import GRID, call, levels_of, make_operands
 
 pytestmark = pytest.mark.workflows
 

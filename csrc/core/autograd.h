@@ -1,6 +1,6 @@
 #pragma once
 
-// The Autograd kernels of the ops (autograd.cpp, dcnv3_autograd.cpp,
+// The Autograd kernels of the ops (deform_conv2d_autograd.cpp, dcnv3_autograd.cpp,
 // ms_deform_attn_autograd.cpp), which register_autograd.cpp registers.
 
 #include <ATen/core/Tensor.h>

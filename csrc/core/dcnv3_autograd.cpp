@@ -1,5 +1,5 @@
 // Autograd of dcnv3 and dcnv4: the backward op for the first derivative; differentiating that
-// again raises, as for deform_conv2d (autograd.cpp).
+// again raises, as for deform_conv2d (deform_conv2d_autograd.cpp).
 
 #include <torch/autograd.h>
 
@@ -7,8 +7,8 @@
 
 #include "autograd.h"
 #include "dcnv3.h"
-#include "gradient_slots.h"
-#include "op_handles.h"
+#include "../infrastructure/gradient_slots.h"
+#include "../infrastructure/op_handles.h"
 
 namespace deformconv {
 namespace {

@@ -11,7 +11,7 @@
 #include <optional>
 #include <tuple>
 
-#include "launchers.h"
+#include "deform_conv2d_launchers.h"
 
 namespace deformconv {
 

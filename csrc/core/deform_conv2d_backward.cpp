@@ -6,7 +6,7 @@
 
 #include <algorithm>
 
-#include "branch_trace.h"
+#include "../infrastructure/branch_trace.h"
 #include "deform_conv2d.h"
 #include "deform_conv2d_gemms.h"
 #include "deform_conv2d_tiling.h"

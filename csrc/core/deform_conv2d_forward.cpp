@@ -8,10 +8,10 @@
 #include <algorithm>
 #include <vector>
 
-#include "branch_trace.h"
+#include "../infrastructure/branch_trace.h"
 #include "deform_conv2d.h"
 #include "deform_conv2d_tiling.h"
-#include "parallel_region.h"
+#include "../infrastructure/parallel_region.h"
 
 namespace deformconv {
 

@@ -6,7 +6,7 @@
 #include <ATen/core/Tensor.h>
 
 #include "deform_conv2d_tiling.h"
-#include "launchers.h"
+#include "deform_conv2d_launchers.h"
 
 namespace deformconv {
 

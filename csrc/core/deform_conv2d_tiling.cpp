@@ -2,7 +2,7 @@
 
 #include <algorithm>
 
-#include "branch_trace.h"
+#include "../infrastructure/branch_trace.h"
 
 namespace deformconv {
 

@@ -9,7 +9,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "launchers.h"
+#include "deform_conv2d_launchers.h"
 
 namespace deformconv {
 

@@ -5,8 +5,8 @@
 #include <torch/autograd.h>
 
 #include "autograd.h"
-#include "gradient_slots.h"
-#include "op_handles.h"
+#include "../infrastructure/gradient_slots.h"
+#include "../infrastructure/op_handles.h"
 
 namespace deformconv {
 namespace {

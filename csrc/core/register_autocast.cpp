@@ -10,7 +10,7 @@
 #include <ATen/autocast_mode.h>
 #include <torch/library.h>
 
-#include "op_handles.h"
+#include "../infrastructure/op_handles.h"
 
 namespace deformconv {
 namespace {

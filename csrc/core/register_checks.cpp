@@ -1,5 +1,6 @@
-// Registration of _check_arguments, apart from the driver so that a test build can link the
-// driver without registering anything (tests/cuda_emulation).
+// Registration of the checks ops (_check_deform_conv2d_arguments and the others'), apart from
+// the drivers so that a test build can link them without registering anything
+// (tests/cuda_emulation).
 
 #include <torch/library.h>
 
@@ -15,7 +16,7 @@ namespace {
 // kernels (deformconv/ops/) can run them on meta copies of fake tensors: torch.compile and
 // torch.export then reject exactly what the op rejects, with the same messages. Returns the
 // output shape.
-std::vector<int64_t> check_arguments_op(
+std::vector<int64_t> check_deform_conv2d_arguments_op(
     const std::optional<at::Tensor>& grad_output, const at::Tensor& input,
     const at::Tensor& offset, const at::Tensor& weight, const std::optional<at::Tensor>& mask,
     const std::optional<at::Tensor>& bias, c10::IntArrayRef stride, c10::IntArrayRef padding,
@@ -59,7 +60,7 @@ std::vector<int64_t> check_ms_deform_attn_arguments_op(
 }  // namespace
 
 TORCH_LIBRARY_IMPL(deformconv, CompositeExplicitAutograd, m) {
-  m.impl("_check_arguments", TORCH_FN(check_arguments_op));
+  m.impl("_check_deform_conv2d_arguments", TORCH_FN(check_deform_conv2d_arguments_op));
   m.impl("_check_dcnv3_arguments", TORCH_FN(check_dcnv3_arguments_op));
   m.impl("_check_ms_deform_attn_arguments", TORCH_FN(check_ms_deform_attn_arguments_op));
 }

@@ -3,7 +3,7 @@
 // The CPU's launcher tables, which cpu/register_cpu.cpp hands to the device-neutral drivers.
 
 #include "../core/dcnv3.h"
-#include "../core/launchers.h"
+#include "../core/deform_conv2d_launchers.h"
 #include "../core/ms_deform_attn.h"
 
 namespace deformconv {

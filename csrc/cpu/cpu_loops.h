@@ -1,7 +1,8 @@
 #pragma once
 
 // The CPU launchers' common loops: channels sampled or summed vectorised, and the
-// instruction-set clones they are compiled in; their parallel tasks are core/parallel_region.h's.
+// instruction-set clones they are compiled in; their parallel tasks are
+// infrastructure/parallel_region.h's.
 
 #include <ATen/OpMathType.h>
 
@@ -9,8 +10,8 @@
 #include <type_traits>
 
 #include "../common/bilinear_sampling.cuh"
-#include "../core/branch_trace.h"
-#include "../core/parallel_region.h"
+#include "../infrastructure/branch_trace.h"
+#include "../infrastructure/parallel_region.h"
 #include "vector_shuffle.h"
 
 // x86-64 builds with GCC 12 or newer carry an AVX-512, an AVX2 and a baseline copy of each

@@ -9,7 +9,9 @@
 #include <type_traits>
 #include <vector>
 
-#include "../core/launchers.h"
+#include "../infrastructure/dtype_dispatch.h"
+#include "../infrastructure/input_gradient_sums.h"
+#include "../infrastructure/optional_data.h"
 #include "dcnv3_samples.h"
 #include "dcnv3_stages.h"
 #include "sample_gradients.h"

@@ -9,7 +9,7 @@
 #include <type_traits>
 #include <vector>
 
-#include "../core/launchers.h"
+#include "../infrastructure/dtype_dispatch.h"
 #include "dcnv3_samples.h"
 #include "dcnv3_stages.h"
 

@@ -3,11 +3,11 @@
 // The CPU launchers of DCN v1/v2, one file per stage (im2col_cpu.cpp, fused_forward_cpu.cpp,
 // col2im_cpu.cpp, transpose_cpu.cpp), the GEMMs (onednn_gemms_cpu.cpp) and the scratch memory
 // (scratch_pool.cpp), which deform_conv2d_cpu.cpp gathers into the CPU's launcher table
-// (core/launchers.h says what each does).
+// (core/deform_conv2d_launchers.h says what each does).
 
 #include <ATen/core/Tensor.h>
 
-#include "../core/launchers.h"
+#include "../core/deform_conv2d_launchers.h"
 
 namespace deformconv {
 

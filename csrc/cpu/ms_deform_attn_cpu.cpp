@@ -11,9 +11,11 @@
 #include <vector>
 
 #include "../common/bilinear_sampling.cuh"
-#include "../core/launchers.h"
+#include "../infrastructure/dtype_dispatch.h"
+#include "../infrastructure/input_gradient_sums.h"
+#include "../infrastructure/optional_data.h"
 #include "../core/ms_deform_attn.h"
-#include "../core/parallel_region.h"
+#include "../infrastructure/parallel_region.h"
 #include "cpu_launchers.h"
 #include "cpu_loops.h"
 #include "located_samples.h"

@@ -14,7 +14,7 @@
 #include <vector>
 
 #include "../common/deform_conv2d_kernel.cuh"
-#include "../core/launchers.h"
+#include "../core/deform_conv2d_launchers.h"
 #include "cpu_loops.h"
 #include "located_samples.h"
 

@@ -14,7 +14,7 @@
 #include <type_traits>
 
 #include "../common/bilinear_sampling.cuh"
-#include "../core/branch_trace.h"
+#include "../infrastructure/branch_trace.h"
 #include "launch.cuh"
 
 namespace deformconv {

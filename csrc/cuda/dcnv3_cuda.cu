@@ -43,7 +43,10 @@
 #include <type_traits>
 
 #include "../common/dcnv3_kernel.cuh"
-#include "../core/branch_trace.h"
+#include "../infrastructure/branch_trace.h"
+#include "../infrastructure/dtype_dispatch.h"
+#include "../infrastructure/input_gradient_sums.h"
+#include "../infrastructure/optional_data.h"
 #include "channel_vectors.cuh"
 #include "dcnv3_cuda.h"
 #include "launch.cuh"

@@ -10,7 +10,6 @@
 #include <tuple>
 
 #include "../core/dcnv3.h"
-#include "../core/launchers.h"
 
 namespace deformconv {
 

@@ -20,7 +20,7 @@
 #include <type_traits>
 
 #include "../common/deform_conv2d_kernel.cuh"
-#include "../core/branch_trace.h"
+#include "../infrastructure/branch_trace.h"
 #include "../core/deform_conv2d_gemms.h"
 #include "channel_vectors.cuh"
 #include "deform_conv2d_cuda.h"
@@ -319,7 +319,7 @@ at::Tensor scratch_cuda(c10::IntArrayRef sizes, const at::TensorOptions& options
 
 }  // namespace
 
-const DeformConv2dLaunchers& cuda_launchers() {
+const DeformConv2dLaunchers& deform_conv2d_cuda_launchers() {
   // 256 MiB of columns per window: whole feature maps at detection resolutions in one GEMM.
   static const DeformConv2dLaunchers launchers{
       .block_columns_bytes = int64_t(64) << 20,

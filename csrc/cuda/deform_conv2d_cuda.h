@@ -12,11 +12,11 @@
 #include <optional>
 #include <tuple>
 
-#include "../core/launchers.h"
+#include "../core/deform_conv2d_launchers.h"
 
 namespace deformconv {
 
-const DeformConv2dLaunchers& cuda_launchers();
+const DeformConv2dLaunchers& deform_conv2d_cuda_launchers();
 
 at::Tensor deform_conv2d_cuda(const DeformConv2dLaunchers& launchers, const at::Tensor& input,
                               const at::Tensor& offset, const at::Tensor& weight,

@@ -27,8 +27,10 @@
 
 #include "../common/bilinear_sampling.cuh"
 #include "../common/ms_deform_attn_kernel.cuh"
-#include "../core/branch_trace.h"
-#include "../core/launchers.h"
+#include "../infrastructure/branch_trace.h"
+#include "../infrastructure/dtype_dispatch.h"
+#include "../infrastructure/input_gradient_sums.h"
+#include "../infrastructure/optional_data.h"
 #include "channel_vectors.cuh"
 #include "launch.cuh"
 #include "ms_deform_attn_cuda.h"

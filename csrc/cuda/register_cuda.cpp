@@ -16,8 +16,8 @@ at::Tensor deform_conv2d_cuda_kernel(const at::Tensor& input, const at::Tensor& 
                                      c10::IntArrayRef stride, c10::IntArrayRef padding,
                                      c10::IntArrayRef dilation, int64_t groups,
                                      int64_t offset_groups, int64_t im2col_step) {
-  return deform_conv2d_cuda(cuda_launchers(), input, offset, weight, mask, bias, stride, padding,
-                            dilation, groups, offset_groups, im2col_step);
+  return deform_conv2d_cuda(deform_conv2d_cuda_launchers(), input, offset, weight, mask, bias,
+                            stride, padding, dilation, groups, offset_groups, im2col_step);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
@@ -28,7 +28,8 @@ deform_conv2d_backward_cuda_kernel(const at::Tensor& grad_output, const at::Tens
                                    c10::IntArrayRef dilation, int64_t groups,
                                    int64_t offset_groups, int64_t im2col_step,
                                    std::array<bool, 5> output_mask) {
-  return deform_conv2d_backward_cuda(cuda_launchers(), grad_output, input, offset, weight, mask,
+  return deform_conv2d_backward_cuda(deform_conv2d_cuda_launchers(), grad_output, input, offset,
+                                     weight, mask,
                                      stride, padding, dilation, groups, offset_groups,
                                      im2col_step, output_mask);
 }

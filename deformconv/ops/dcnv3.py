@@ -110,7 +110,7 @@ def dcnv4(
 
 
 def _check_dcnv3_arguments(grad_output, input, offset, mask, *rest) -> List[int]:
-    """dcnv3's own argument checks on meta copies, as _check_arguments does for
+    """dcnv3's own argument checks on meta copies, as _check_deform_conv2d_arguments does for
     deform_conv2d; those of dcnv4 when mask is None, offset being offset_mask."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 

@@ -62,7 +62,8 @@ def deform_conv2d(
     )
 
 
-def _check_arguments(grad_output, input, offset, weight, mask, bias, *rest) -> List[int]:
+def _check_deform_conv2d_arguments(grad_output, input, offset, weight, mask, bias,
+                                   *rest) -> List[int]:
     """The op's own argument checks (C++, no tensor data read), on meta copies of the tensors
     and outside any fake mode, so that fake tensors are rejected exactly as real ones are.
     Returns the output shape.
@@ -75,7 +76,7 @@ def _check_arguments(grad_output, input, offset, weight, mask, bias, *rest) -> L
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     with unset_fake_temporarily():
-        return torch.ops.deformconv._check_arguments(
+        return torch.ops.deformconv._check_deform_conv2d_arguments(
             *[_on_meta(t) for t in (grad_output, input, offset, weight, mask, bias)], *rest)
 
 
@@ -84,8 +85,9 @@ def _deform_conv2d_fake(input, offset, weight, mask, bias, stride, padding, dila
                         offset_groups, im2col_step):
     _check_devices("deform_conv2d", input, offset=offset, weight=weight, mask=mask, bias=bias)
     if all(_has_static_shape(t) for t in (input, offset, weight, mask, bias)):
-        shape = _check_arguments(None, input, offset, weight, mask, bias, stride, padding,
-                                 dilation, groups, offset_groups, im2col_step)
+        shape = _check_deform_conv2d_arguments(None, input, offset, weight, mask, bias, stride,
+                                               padding, dilation, groups, offset_groups,
+                                               im2col_step)
     else:
         # Symbolic sizes (dynamic shapes): the shape formula; the checks ran when the graph was
         # traced with concrete sizes, and run again in the real kernel.
@@ -103,8 +105,8 @@ def _deform_conv2d_backward_fake(grad_output, input, offset, weight, mask, strid
     _check_devices("deform_conv2d_backward", input, grad_output=grad_output, offset=offset,
                    weight=weight, mask=mask)
     if all(_has_static_shape(t) for t in (grad_output, input, offset, weight, mask)):
-        _check_arguments(grad_output, input, offset, weight, mask, None, stride, padding,
-                         dilation, groups, offset_groups, im2col_step)
+        _check_deform_conv2d_arguments(grad_output, input, offset, weight, mask, None, stride,
+                                       padding, dilation, groups, offset_groups, im2col_step)
     want_input, want_offset, want_weight, want_mask, want_bias = output_mask
     # As the real kernel: grad_input and grad_weight keep the memory format of input and
     # weight, grad_offset and grad_mask are contiguous.

@@ -64,9 +64,10 @@ def _check_ms_deform_attn_devices(value: Tensor, **others: Optional[Tensor]) -> 
 def _check_ms_deform_attn_arguments(grad_output, value, spatial_shapes, level_start_index,
                                     sampling_locations, attention_weights,
                                     im2col_step) -> List[int]:
-    """The op's own checks on meta copies, outside any fake mode, as _check_arguments does for
-    deform_conv2d (whose docstring says why): the shapes and dtypes; the levels' sizes, which
-    are data, are checked by the real kernel. Returns the output shape."""
+    """The op's own checks on meta copies, outside any fake mode, as
+    _check_deform_conv2d_arguments does for deform_conv2d (whose docstring says why): the shapes
+    and dtypes; the levels' sizes, which are data, are checked by the real kernel. Returns the
+    output shape."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     with unset_fake_temporarily():

@@ -10,7 +10,7 @@
 #include "../../csrc/cuda/dcnv3_cuda.cu"
 #include "../../csrc/cuda/deform_conv2d_cuda.cu"
 #include "../../csrc/cuda/ms_deform_attn_cuda.cu"
-#include "../../csrc/core/branch_trace.h"
+#include "../../csrc/infrastructure/branch_trace.h"
 #include "../../csrc/schemas.h"
 
 namespace deformconv {
@@ -18,7 +18,7 @@ namespace {
 
 // The CUDA launchers, with the window budget that `configure` sets (0: theirs).
 DeformConv2dLaunchers& emulated_launchers() {
-  static DeformConv2dLaunchers launchers = cuda_launchers();
+  static DeformConv2dLaunchers launchers = deform_conv2d_cuda_launchers();
   return launchers;
 }
 
@@ -53,7 +53,8 @@ void configure(int64_t block_order, int64_t thread_order, int64_t grid_cap, int6
   s.current_stream = current_stream;
   s.narrow_index_limit = wide_indices ? -1 : INT32_MAX;
   emulated_launchers().columns_tile_bytes =
-      columns_tile_bytes > 0 ? columns_tile_bytes : cuda_launchers().columns_tile_bytes;
+      columns_tile_bytes > 0 ? columns_tile_bytes
+                             : deform_conv2d_cuda_launchers().columns_tile_bytes;
 }
 
 // DEFORMCONV_NARROW_INDEX_LIMIT of the launchers, until the next configure().

@@ -1,11 +1,11 @@
-"""The CUDA launchers and the CUDA kernels of the ops, executed on the CPU by emulation
-(tests/cuda_emulation, built by tests/emulated_cuda.py): the real csrc/cuda sources compiled as
-C++, every block and thread of every launch run in turn, lanes meeting at warp shuffles
-and threads at block barriers.
+"""DCN v1/v2's CUDA launchers and kernels, executed on the CPU by emulation (tests/cuda_emulation,
+built by tests/emulated_cuda.py; test_cuda_emulator.py tests the emulator itself): the real
+csrc/cuda sources compiled as C++, every block and thread of every launch run in turn, lanes
+meeting at warp shuffles and threads at block barriers.
 Checked against the CPU op and the pure-PyTorch reference: forward and all gradients, dtypes,
 several windows per block, block and thread orders, grid caps, memory layouts, every
-output_mask, and the launch bookkeeping (current stream, device guard, launch check, the
-runtime's launch limits, shuffle and barrier rules)."""
+output_mask, each path of im2col and of the columns gradient, and the launch bookkeeping
+(current stream, device guard, launch check)."""
 
 import itertools
 
@@ -16,24 +16,10 @@ import deformconv  # noqa: F401  (registers torch.ops.deformconv, the CPU op com
 from branching import (assert_close_at, branch_trace, cuda_lane_paths, misaligned, opmath_bytes,
                        requested_subsets, shared_sample_bytes)
 from cases import GEOMETRIES, Geometry, forward_and_grads, make_operands, strided_copies
+from emulation import FORWARD, REVERSE, SHUFFLED, set_emulator
 from reference import deform_conv2d_reference
 
-FORWARD, REVERSE, SHUFFLED = 0, 1, 2
-STREAM = 7  # the current stream the tests set; every launch must be on it
-
-
-@pytest.fixture(autouse=True)
-def emulator_settings(emulated):
-    set_emulator(emulated)
-    emulated.take_bookkeeping()
-    yield
-    set_emulator(emulated)
-
-
-def set_emulator(emulated, *, block_order=FORWARD, thread_order=FORWARD, grid_cap=0, seed=0,
-                 columns_tile_bytes=0, wide_indices=False):
-    emulated.configure(block_order, thread_order, grid_cap, seed, STREAM, columns_tile_bytes,
-                       wide_indices)
+pytestmark = pytest.mark.usefixtures("emulator_settings")
 
 
 @pytest.fixture(params=["32-bit", "64-bit"])
@@ -242,91 +228,12 @@ def test_every_output_mask(emulated, with_mask):
         assert_launches_well_kept(emulated, expect_launches=any(output_mask[:4]))
 
 
-@pytest.mark.parametrize("blocks,threads", [(0, 256), (1, 0), (1, 1025), (2 ** 31, 1)])
-def test_emulator_refuses_what_the_runtime_refuses(emulated, blocks, threads):
-    with pytest.raises(RuntimeError, match="invalid configuration argument"):
-        emulated.probe_launch(blocks, threads)
-    launches, checks, _, _, invalid, _ = emulated.take_bookkeeping()
-    assert (launches, checks, invalid) == (1, 1, 1)
-
-
-def test_emulator_runs_every_thread_of_a_valid_launch(emulated):
-    assert emulated.probe_launch(3, 5) == 15
-    assert emulated.probe_launch(1, 1024) == 1024
-    # A grid cap runs fewer blocks than launched: only kernels with grid-stride loops, as all
-    # of the project's are, give the same results under it.
-    set_emulator(emulated, grid_cap=2)
-    assert emulated.probe_launch(3, 5) == 10
-
-
-def test_emulator_exchanges_shuffled_values_between_lanes(emulated):
-    full = 0xFFFFFFFF
-    # Every lane of two warps swaps with its neighbour.
-    assert emulated.probe_shuffle_xor(64, full, 1, 32, -1) == [t ^ 1 for t in range(64)]
-    # Groups of 8 lanes may read earlier groups; a source in a later group gives the lane its
-    # own value.
-    assert emulated.probe_shuffle_xor(32, full, 8, 8, -1) == [
-        t ^ 8 if t & 8 else t for t in range(32)]
-    assert emulated.probe_shuffle_xor(32, full, 4, 8, -1) == [t ^ 4 for t in range(32)]
-    # Only the lanes of the mask take part; the others exit at once.
-    received = emulated.probe_shuffle_xor(32, 0x0000FF00, 2, 32, -1)
-    assert received == [t ^ 2 if 8 <= t < 16 else -1 for t in range(32)]
-    assert emulated.take_bookkeeping()[4] == 0  # no invalid launch
-
-
-@pytest.mark.parametrize("member_mask,lane_mask,exiting_thread,message", [
-    (0xFFFFFFFF, 1, 5, "waits for lane 5, which has exited"),  # would hang on a GPU
-    (0x0000FFFF, 16, -1, "reads lane 16, outside the mask"),
-])
-def test_emulator_refuses_shuffles_that_a_gpu_cannot_complete(
-        emulated, member_mask, lane_mask, exiting_thread, message):
-    with pytest.raises(RuntimeError, match=message):
-        emulated.probe_shuffle_xor(32, member_mask, lane_mask, 32, exiting_thread)
-    assert emulated.take_bookkeeping()[4] == 1
-
-
-@pytest.mark.parametrize("thread_order", [FORWARD, REVERSE, SHUFFLED])
-def test_emulator_barrier_orders_shared_memory_across_warps(emulated, thread_order):
-    # Each thread reads what its right neighbour wrote before the barrier; in forward order
-    # thread 0 reaches its read before thread 1 has written, unless the barrier holds it.
-    set_emulator(emulated, thread_order=thread_order, seed=3)
-    assert emulated.probe_barrier(96, -1) == [10 * ((t + 1) % 96) for t in range(96)]
-    assert emulated.take_bookkeeping()[4] == 0
-
-
-def test_emulator_refuses_a_barrier_that_a_thread_has_left(emulated):
-    with pytest.raises(RuntimeError, match="thread 40 has exited while others wait"):
-        emulated.probe_barrier(64, 40)
-    assert emulated.take_bookkeeping()[4] == 1
-
-
-@pytest.mark.parametrize("thread_order", [FORWARD, REVERSE, SHUFFLED])
-def test_emulator_warp_barrier_orders_shared_memory_within_a_warp(emulated, thread_order):
-    # Each lane reads what the next lane of its warp wrote before the __syncwarp.
-    set_emulator(emulated, thread_order=thread_order, seed=5)
-    assert emulated.probe_warp_barrier(64, -1, -1) == [
-        10 * (t // 32 * 32 + (t + 1) % 32) for t in range(64)]
-    assert emulated.take_bookkeeping()[4] == 0
-
-
-def test_emulator_refuses_a_warp_barrier_that_a_lane_has_left(emulated):
-    with pytest.raises(RuntimeError, match="waits for lane 7, which has exited"):
-        emulated.probe_warp_barrier(64, 39, -1)
-    assert emulated.take_bookkeeping()[4] == 1
-
-
-def test_emulator_refuses_a_shuffle_met_at_a_warp_barrier(emulated):
-    # Lane 0 of the first warp shuffles while its other lanes wait at a __syncwarp.
-    with pytest.raises(RuntimeError, match="waits at another shuffle or barrier"):
-        emulated.probe_warp_barrier(32, -1, 0)
-    assert emulated.take_bookkeeping()[4] == 1
-
-
+# In float64, the columns gradient's vectors of 2 channels where the groups allow.
 @pytest.mark.parametrize("in_channels,groups,offset_groups", [
-    (40, 1, 1),   # a whole warp per sample, 8 of its lanes take a second channel
-    (70, 2, 2),   # 35 channels per deform group: 3 of the 32 lanes take a second one
-    (12, 4, 1),   # 16 lanes, 4 of them idle; the deform group spans 4 conv groups
-    (6, 1, 6),    # one channel per deform group: teams of one lane
+    (40, 1, 1),   # 20 vectors: a whole warp an item, 12 of its lanes idle
+    (70, 2, 2),   # 35 channels a deform group, one at a time: 3 of 32 lanes take a second
+    (12, 4, 1),   # conv groups of 3, one at a time: 16 lanes, 4 idle; 4 conv groups an item
+    (6, 1, 6),    # one channel per deform group: items of one lane
 ])
 def test_offset_and_mask_gradients_of_many_channels_per_deform_group(
         emulated, index_arithmetic, in_channels, groups, offset_groups):

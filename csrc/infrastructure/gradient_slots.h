@@ -1,6 +1,6 @@
 #pragma once
 
-// Helpers of the ops' autograd kernels (autograd.cpp, dcnv3_autograd.cpp): a backward op
+// Helpers of the ops' autograd kernels (core/*_autograd.cpp): a backward op
 // returns a fixed set of gradient slots, some undefined (not asked for), while a custom
 // autograd Function's outputs must all be defined tensors.
 

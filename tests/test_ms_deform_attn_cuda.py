@@ -9,7 +9,7 @@ import torch
 
 import deformconv
 from branching import assert_close_at
-from test_ms_deform_attn import GRID, make_operands
+from ms_deform_attn_reference import GRID, make_operands
 
 needs_cuda = pytest.mark.skipif(
     not (torch.cuda.is_available() and deformconv.cuda_compiled()),

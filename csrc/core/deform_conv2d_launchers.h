@@ -1,7 +1,7 @@
 #pragma once
 
-// The device-specific surface of deformconv: launchers over the element functions of
-// common/deform_conv2d_kernel.cuh. The driver (deform_conv2d.h) is written once against this
+// The device-specific surface of DCN v1/v2 (deform_conv2d): launchers over the element functions
+// of common/deform_conv2d_kernel.cuh. The driver (deform_conv2d.h) is written once against this
 // table; cpu/ and cuda/ each fill it in. Every tensor is contiguous, allocated or laid out by
 // the driver, on the launcher's device, and holds one block of `batch` images; mask is
 // undefined for DCN v1. Input-shaped tensors are channels-last, (batch, H, W, C_in), and the
@@ -15,6 +15,9 @@
 #include <type_traits>
 
 #include "../common/deform_conv2d_geometry.h"
+#include "../infrastructure/dtype_dispatch.h"
+#include "../infrastructure/input_gradient_sums.h"
+#include "../infrastructure/optional_data.h"
 
 namespace deformconv {
 
@@ -125,50 +128,5 @@ struct DeformConv2dLaunchers {
                         const at::Tensor& mask, const at::Tensor& weight_taps,
                         const at::Tensor& bias, at::Tensor& output);
 };
-
-// The dtypes of every launcher: float32 and float64, and float16 and bfloat16 (arithmetic in
-// float32, at::opmath_type). Launchers include ATen/Dispatch.h to use it.
-#define DEFORMCONV_DISPATCH(dtype, name, ...) \
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, name, __VA_ARGS__)
-
-// Note [Input gradient sums in float32]
-// col2im adds many terms into each input gradient element (every sample whose bilinear cell
-// touches it). In float16 or bfloat16 each add would round the running sum to 11 or 8 bits, and
-// on the GPU an atomic add on a 16-bit value is a compare-and-swap loop, slow where many samples
-// hit one pixel. So the launchers sum such gradients in a float32 copy (at::opmath_type) and
-// round once at the end; float32 and float64 gradients are summed in place.
-template <typename scalar_t>
-at::Tensor input_gradient_sums(const at::Tensor& grad_input) {
-  return std::is_same_v<at::opmath_type<scalar_t>, scalar_t>
-             ? grad_input
-             : grad_input.to(c10::CppTypeToScalarType<at::opmath_type<scalar_t>>::value);
-}
-
-// input_gradient_sums for an input gradient that is not initialised: the gradient itself, or
-// an uninitialised float32 tensor of its shape, for the launcher to zero.
-template <typename scalar_t>
-at::Tensor uninitialised_input_gradient_sums(const at::Tensor& grad_input) {
-  return std::is_same_v<at::opmath_type<scalar_t>, scalar_t>
-             ? grad_input
-             : grad_input.new_empty(grad_input.sizes(),
-                                    c10::CppTypeToScalarType<at::opmath_type<scalar_t>>::value);
-}
-
-inline void store_input_gradient_sums(const at::Tensor& sums, at::Tensor& grad_input) {
-  if (!sums.is_same(grad_input)) {
-    grad_input.copy_(sums);
-  }
-}
-
-// Data of an optional operand (undefined: absent or not asked for) as a pointer, null if absent.
-template <typename scalar_t>
-const scalar_t* data_or_null(const at::Tensor& tensor) {
-  return tensor.defined() ? tensor.const_data_ptr<scalar_t>() : nullptr;
-}
-
-template <typename scalar_t>
-scalar_t* mutable_data_or_null(at::Tensor& tensor) {
-  return tensor.defined() ? tensor.mutable_data_ptr<scalar_t>() : nullptr;
-}
 
 }  // namespace deformconv

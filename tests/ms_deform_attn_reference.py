@@ -1,0 +1,79 @@
+"""Multi-scale deformable attention's readable reference (per level, F.grid_sample of that
+level, weighted and summed), its operands, and the helpers its tests share."""
+
+import torch
+import torch.nn.functional as F
+
+import deformconv
+from branching import assert_close_at
+
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
+
+
+def ms_deform_attn_reference(value, spatial_shapes, level_start_index, sampling_locations,
+                             attention_weights):
+    """The op's definition written out: each level of each head sampled by grid_sample on
+    2 * loc - 1 (align_corners=False, zeros outside), weighted, and summed over the levels and
+    points. Differentiable in every floating operand."""
+    N, S, M, D = value.shape
+    _, Lq, _, L, P, _ = sampling_locations.shape
+    out = value.new_zeros(N * M, D, Lq)
+    for level, ((H, W), start) in enumerate(zip(spatial_shapes.tolist(),
+                                                level_start_index.tolist())):
+        image = value[:, start:start + H * W].permute(0, 2, 3, 1).reshape(N * M, D, H, W)
+        grid = 2 * sampling_locations[:, :, :, level] - 1  # (N, Lq, M, P, 2)
+        grid = grid.transpose(1, 2).reshape(N * M, Lq, P, 2)
+        sampled = F.grid_sample(image, grid, mode="bilinear", padding_mode="zeros",
+                                align_corners=False)  # (N * M, D, Lq, P)
+        weights = attention_weights[:, :, :, level].transpose(1, 2).reshape(N * M, 1, Lq, P)
+        out = out + (sampled * weights).sum(-1)
+    return out.view(N, M, D, Lq).permute(0, 3, 1, 2).reshape(N, Lq, M * D)
+
+
+def levels_of(shapes):
+    spatial_shapes = torch.tensor(shapes, dtype=torch.int64).view(-1, 2)
+    areas = spatial_shapes.prod(1)
+    level_start_index = torch.cat([areas.new_zeros(1), areas.cumsum(0)[:-1]])
+    return spatial_shapes, level_start_index, int(areas.sum())
+
+
+def make_operands(shapes, batch=2, queries=5, heads=2, channels=3, points=2, spread=1.4,
+                  dtype=torch.float64, seed=0):
+    """Random operands; locations in (-0.2, 1.2) by default, so that some samples fall off their
+    level on every side, and attention weights of both signs."""
+    generator = torch.Generator().manual_seed(seed)
+    spatial_shapes, level_start_index, S = levels_of(shapes)
+    L = spatial_shapes.shape[0]
+    value = torch.randn(batch, S, heads, channels, generator=generator, dtype=torch.float64)
+    locations = (torch.rand(batch, queries, heads, L, points, 2, generator=generator,
+                            dtype=torch.float64) - 0.5) * spread + 0.5
+    weights = torch.randn(batch, queries, heads, L, points, generator=generator,
+                          dtype=torch.float64)
+    return (value.to(dtype), spatial_shapes, level_start_index, locations.to(dtype),
+            weights.to(dtype))
+
+
+def assert_requested_gradients(requested, grads, expected, dtype):
+    """The backward's (value, sampling_locations, attention_weights) gradients: those requested
+    close to `expected` at dtype's precision, the others not made."""
+    for name, want, grad, full in zip(("value", "sampling_locations", "attention_weights"),
+                                      requested, grads, expected):
+        if want:
+            assert_close_at(grad, full, dtype, f"{name} of {requested}")
+        else:
+            assert grad is None
+
+
+def call(operands, im2col_step=64):
+    return deformconv.ms_deform_attn(*operands, im2col_step)
+
+
+# Levels of different sizes, 1x1 among them; heads, channels (1, 3, 32, 33) and points.
+GRID = [
+    ([(4, 6), (2, 3), (1, 1)], 1, 1, 1),
+    ([(5, 3)], 2, 3, 4),
+    ([(3, 4), (1, 1), (2, 2)], 8, 32, 1),
+    ([(6, 5), (3, 3)], 3, 33, 8),
+    ([(1, 1), (1, 1)], 4, 3, 3),
+    ([(2, 7), (7, 2), (4, 4), (1, 3)], 2, 1, 2),
+]
