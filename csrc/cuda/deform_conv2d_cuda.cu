@@ -17,11 +17,12 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <initializer_list>
 #include <type_traits>
 
 #include "../common/deform_conv2d_kernel.cuh"
-#include "../infrastructure/branch_trace.h"
 #include "../core/deform_conv2d_gemms.h"
+#include "../infrastructure/branch_trace.h"
 #include "channel_vectors.cuh"
 #include "deform_conv2d_cuda.h"
 #include "launch.cuh"
@@ -67,6 +68,38 @@ __device__ inline int stage_taps(const DeformConv2dGeometry& g, const IndexDivis
   });
 }
 
+// Where the two kernels below address an item's channels: the input's pixels lie C_in elements
+// apart, a pixel's taps Cg apart in the columns, and a cell's corners at `corners` from its top
+// left; index_t is IndexDivisors' index_type.
+template <typename index_t>
+struct ItemStrides {
+  index_t pixel, tap;
+  CornerSteps<index_t> corners;
+};
+
+template <typename index_t>
+__device__ inline ItemStrides<index_t> item_strides(const DeformConv2dGeometry& g) {
+  return {static_cast<index_t>(g.in_channels), static_cast<index_t>(g.channels_per_group()),
+          corner_steps<index_t>(g.in_width, g.in_channels)};
+}
+
+// Where channel vector `vector` of item sample s (tap 0) lies: its channels at grid pixel 0 of
+// the input, and its columns entry of tap `tap`.
+template <typename index_t>
+struct VectorPlaces {
+  index_t image, column;
+};
+
+template <int kVector, typename Divisor,
+          typename index_t = typename IndexDivisors<Divisor>::index_type>
+__device__ inline VectorPlaces<index_t> vector_places(
+    const DeformConv2dGeometry& g, const PixelWindow& window, const IndexDivisors<Divisor>& d,
+    const ItemStrides<index_t>& strides, const SampleIndex& s, int64_t vector, int64_t tap) {
+  const int64_t channel = first_channel(g, s.group) + vector * kVector;
+  return {static_cast<index_t>(s.n * g.in_pixels() * g.in_channels + channel),
+          static_cast<index_t>(column_index(g, window, d, s, channel) + tap * strides.tap)};
+}
+
 // Items of `t` (decompose_item_index: a pixel's samples of one image and deform group, a
 // sample per tap), each taken by t.lanes threads of one warp: the lanes locate the item's taps
 // once, in shared memory (stage_item_samples), and lane l then writes the channel vectors l,
@@ -84,9 +117,7 @@ __global__ void im2col_kernel(DeformConv2dGeometry g, PixelWindow window,
   const int slot = threadIdx.x / t.lanes;
   const int lane = threadIdx.x % t.lanes;
   SharedSample<opmath_t>* const samples = staged + slot * t.samples_per_round;
-  const index_t pixel_stride = static_cast<index_t>(g.in_channels);
-  const index_t tap_stride = static_cast<index_t>(g.channels_per_group());
-  const CornerSteps<index_t> corners = corner_steps<index_t>(g.in_width, g.in_channels);
+  const ItemStrides<index_t> strides = item_strides<index_t>(g);
   // Every thread runs every round of its warp, active or not: staging a round holds barriers.
   for (int64_t first_item = int64_t(blockIdx.x) * t.items_per_block; first_item < t.items;
        first_item += int64_t(gridDim.x) * t.items_per_block) {
@@ -100,21 +131,19 @@ __global__ void im2col_kernel(DeformConv2dGeometry g, PixelWindow window,
         continue;
       }
       for (int64_t vector = lane; vector < t.vectors; vector += t.lanes) {
-        const int64_t channel = first_channel(g, s.group) + vector * kVector;
-        const scalar_t* const image =
-            input + static_cast<index_t>(s.n * g.in_pixels() * g.in_channels + channel);
-        scalar_t* const column = columns +
-            static_cast<index_t>(column_index(g, window, d, s, channel) + first_tap * tap_stride);
+        const auto places = vector_places<kVector>(g, window, d, strides, s, vector, first_tap);
+        const scalar_t* const image = input + places.image;
+        scalar_t* const column = columns + places.column;
         for (int k = 0; k < round_taps; ++k) {
           // In registers: the sample's fields are read once, not once per corner.
           const SharedSample<opmath_t> sample = samples[k];
           opmath_t value[kVector] = {};
-          add_sample<scalar_t, kVector>(sample, image, pixel_stride, corners, value);
+          add_sample<scalar_t, kVector>(sample, image, strides.pixel, strides.corners, value);
           ChannelVector<scalar_t, kVector> result;
           for (int e = 0; e < kVector; ++e) {
             result.value[e] = static_cast<scalar_t>(value[e]);
           }
-          store_vector(column + static_cast<index_t>(k) * tap_stride, result);
+          store_vector(column + static_cast<index_t>(k) * strides.tap, result);
         }
       }
     }
@@ -151,9 +180,7 @@ __global__ void column_gradients_kernel(DeformConv2dGeometry g, PixelWindow wind
   const int lane = threadIdx.x % t.lanes;
   SharedSample<opmath_t>* const samples = staged + slot * t.samples_per_round;
   const bool position_grads = grad_offset != nullptr || grad_mask != nullptr;
-  const index_t pixel_stride = static_cast<index_t>(g.in_channels);
-  const index_t tap_stride = static_cast<index_t>(g.channels_per_group());
-  const CornerSteps<index_t> corners = corner_steps<index_t>(g.in_width, g.in_channels);
+  const ItemStrides<index_t> strides = item_strides<index_t>(g);
   for (int64_t first_item = int64_t(blockIdx.x) * t.items_per_block; first_item < t.items;
        first_item += int64_t(gridDim.x) * t.items_per_block) {
     const int64_t item = first_item + slot;
@@ -168,20 +195,17 @@ __global__ void column_gradients_kernel(DeformConv2dGeometry g, PixelWindow wind
         opmath_t dots[4] = {0, 0, 0, 0};
         if (active_item) {
           sample = samples[k];
-          const index_t top_left = static_cast<index_t>(sample.top_left) * pixel_stride;
+          const index_t top_left = static_cast<index_t>(sample.top_left) * strides.pixel;
           for (int64_t vector = lane; vector < t.vectors; vector += t.lanes) {
-            const int64_t channel = first_channel(g, s.group) + vector * kVector;
-            const index_t image_at = static_cast<index_t>(s.n * g.in_pixels() * g.in_channels +
-                                                          channel);
-            const auto grad_vector = load_vector<scalar_t, kVector>(
-                grad_columns +
-                static_cast<index_t>(column_index(g, window, d, s, channel) + tap * tap_stride));
+            const auto places = vector_places<kVector>(g, window, d, strides, s, vector, tap);
+            const auto grad_vector =
+                load_vector<scalar_t, kVector>(grad_columns + places.column);
             opmath_t grad[kVector];
             for (int e = 0; e < kVector; ++e) {
               grad[e] = static_cast<opmath_t>(grad_vector.value[e]);
             }
             for (int corner = 0; corner < 4; ++corner) {
-              const index_t at = image_at + top_left + corners.from_top_left[corner];
+              const index_t at = places.image + top_left + strides.corners.from_top_left[corner];
               const opmath_t weight = sample.weight[corner];
               if (grad_input != nullptr && weight != opmath_t(0)) {
                 opmath_t weighted[kVector];
@@ -221,6 +245,24 @@ int64_t columns_entries_in(const DeformConv2dGeometry& g, const PixelWindow& win
   return batch * g.in_channels * g.taps() * window.pixels;
 }
 
+// Calls launch(width, tiling, divisors) for a launch of the kernels above over the items of a
+// window of `batch` images: in vectors of kWide channels where the channels and `tensors`
+// allow (with_channel_vectors, recording under `names`), dividing in the build that the
+// columns' and the input's element counts allow (with_index_divisors).
+template <int kWide, typename opmath_t, typename Launch>
+void with_item_tiling(const DeformConv2dGeometry& g, const PixelWindow& window, int64_t batch,
+                      std::initializer_list<const at::Tensor*> tensors,
+                      const LanePathNames& names, const Launch& launch) {
+  with_channel_vectors<kWide>(
+      batch * window.pixels * g.offset_groups, g.channels_per_offset_group(),
+      g.channels_per_group(), g.taps(), kStagedSamples<opmath_t>, tensors, names,
+      [&](auto width, auto t) {
+    const int64_t input_elements = batch * g.in_pixels() * g.in_channels;
+    with_index_divisors(g, window, std::max(columns_entries_in(g, window, batch), input_elements),
+                        [&](const auto& divisors) { launch(width, t, divisors); });
+  });
+}
+
 // The CUDA launchers prepare nothing per window (sampling.prepared is undefined): the kernels
 // locate their samples themselves.
 void im2col_cuda(const DeformConv2dGeometry& g, const PixelWindow& window, int64_t batch,
@@ -228,22 +270,17 @@ void im2col_cuda(const DeformConv2dGeometry& g, const PixelWindow& window, int64
   const at::Tensor& offset = sampling.offset;
   const at::Tensor& mask = sampling.mask;
   DEFORMCONV_DISPATCH(input.scalar_type(), "deform_conv2d_im2col_cuda", [&] {
-    with_channel_vectors<16 / sizeof(scalar_t)>(
-        batch * window.pixels * g.offset_groups, g.channels_per_offset_group(),
-        g.channels_per_group(), g.taps(), kStagedSamples<at::opmath_type<scalar_t>>,
-        {&input, &columns}, kIm2colPaths, [&](auto width, auto t) {
-      with_index_divisors(g, window,
-                          std::max(columns_entries_in(g, window, batch), input.numel()),
-                          [&](const auto& divisors) {
-        using Divisor = typename std::decay_t<decltype(divisors)>::divisor_type;
-        auto* kernel = im2col_kernel<scalar_t, decltype(width)::value, Divisor>;
-        DEFORMCONV_LAUNCH(kernel, blocks_of(t), kThreadsPerBlock,
-                          c10::cuda::getCurrentCUDAStream())(
-            g, window, divisors, t, input.const_data_ptr<scalar_t>(),
-            offset.const_data_ptr<scalar_t>(), data_or_null<scalar_t>(mask),
-            columns.mutable_data_ptr<scalar_t>());
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
-      });
+    with_item_tiling<16 / sizeof(scalar_t), at::opmath_type<scalar_t>>(
+        g, window, batch, {&input, &columns}, kIm2colPaths,
+        [&](auto width, auto t, const auto& divisors) {
+      using Divisor = typename std::decay_t<decltype(divisors)>::divisor_type;
+      auto* kernel = im2col_kernel<scalar_t, decltype(width)::value, Divisor>;
+      DEFORMCONV_LAUNCH(kernel, blocks_of(t), kThreadsPerBlock,
+                        c10::cuda::getCurrentCUDAStream())(
+          g, window, divisors, t, input.const_data_ptr<scalar_t>(),
+          offset.const_data_ptr<scalar_t>(), data_or_null<scalar_t>(mask),
+          columns.mutable_data_ptr<scalar_t>());
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
   });
 }
@@ -270,27 +307,19 @@ void column_gradients_cuda(const DeformConv2dGeometry& g, const PixelWindow& win
     // and mask gradients), and added into the sums.
     const at::Tensor& input_or_columns = position_grads ? input : grad_columns;
     const at::Tensor& sums_or_columns = sums.defined() ? sums : grad_columns;
-    with_channel_vectors<16 / sizeof(opmath_t)>(
-        batch * window.pixels * g.offset_groups, g.channels_per_offset_group(),
-        g.channels_per_group(), g.taps(), kStagedSamples<opmath_t>,
-        {&grad_columns, &input_or_columns, &sums_or_columns}, kColumnGradientPaths,
-        [&](auto width, auto t) {
-      const int64_t input_elements = batch * g.in_pixels() * g.in_channels;
-      with_index_divisors(g, window,
-                          std::max(columns_entries_in(g, window, batch), input_elements),
-                          [&](const auto& divisors) {
-        using Divisor = typename std::decay_t<decltype(divisors)>::divisor_type;
-        auto* kernel = column_gradients_kernel<scalar_t, decltype(width)::value, Divisor>;
-        DEFORMCONV_LAUNCH(kernel, blocks_of(t), kThreadsPerBlock,
-                          c10::cuda::getCurrentCUDAStream())(
-            g, window, divisors, t, grad_columns.const_data_ptr<scalar_t>(),
-            position_grads ? input.const_data_ptr<scalar_t>() : nullptr,
-            sampling.offset.const_data_ptr<scalar_t>(),
-            data_or_null<scalar_t>(sampling.mask),
-            sums.defined() ? sums.mutable_data_ptr<opmath_t>() : nullptr,
-            mutable_data_or_null<scalar_t>(grad_offset), mutable_data_or_null<scalar_t>(grad_mask));
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
-      });
+    with_item_tiling<16 / sizeof(opmath_t), opmath_t>(
+        g, window, batch, {&grad_columns, &input_or_columns, &sums_or_columns},
+        kColumnGradientPaths, [&](auto width, auto t, const auto& divisors) {
+      using Divisor = typename std::decay_t<decltype(divisors)>::divisor_type;
+      auto* kernel = column_gradients_kernel<scalar_t, decltype(width)::value, Divisor>;
+      DEFORMCONV_LAUNCH(kernel, blocks_of(t), kThreadsPerBlock,
+                        c10::cuda::getCurrentCUDAStream())(
+          g, window, divisors, t, grad_columns.const_data_ptr<scalar_t>(),
+          position_grads ? input.const_data_ptr<scalar_t>() : nullptr,
+          sampling.offset.const_data_ptr<scalar_t>(), data_or_null<scalar_t>(sampling.mask),
+          sums.defined() ? sums.mutable_data_ptr<opmath_t>() : nullptr,
+          mutable_data_or_null<scalar_t>(grad_offset), mutable_data_or_null<scalar_t>(grad_mask));
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
     if (grad_input.defined()) {
       store_input_gradient_sums(sums, grad_input);
