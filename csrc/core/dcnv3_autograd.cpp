@@ -5,10 +5,10 @@
 
 #include <utility>
 
-#include "autograd.h"
-#include "dcnv3.h"
 #include "../infrastructure/gradient_slots.h"
 #include "../infrastructure/op_handles.h"
+#include "autograd.h"
+#include "dcnv3.h"
 
 namespace deformconv {
 namespace {

@@ -4,9 +4,9 @@
 
 #include <torch/autograd.h>
 
-#include "autograd.h"
 #include "../infrastructure/gradient_slots.h"
 #include "../infrastructure/op_handles.h"
+#include "autograd.h"
 
 namespace deformconv {
 namespace {

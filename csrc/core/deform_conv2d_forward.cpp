@@ -9,9 +9,9 @@
 #include <vector>
 
 #include "../infrastructure/branch_trace.h"
+#include "../infrastructure/parallel_region.h"
 #include "deform_conv2d.h"
 #include "deform_conv2d_tiling.h"
-#include "../infrastructure/parallel_region.h"
 
 namespace deformconv {
 

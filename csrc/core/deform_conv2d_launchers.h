@@ -8,11 +8,9 @@
 // columns cover the window of output pixels the driver hands over, in the layout of
 // deform_conv2d_kernel.cuh: (batch, G, window pixels, K, C_in / G).
 
-#include <ATen/OpMathType.h>
 #include <ATen/core/Tensor.h>
 
 #include <optional>
-#include <type_traits>
 
 #include "../common/deform_conv2d_geometry.h"
 #include "../infrastructure/dtype_dispatch.h"

@@ -11,10 +11,10 @@
 #include <vector>
 
 #include "../common/bilinear_sampling.cuh"
+#include "../core/ms_deform_attn.h"
 #include "../infrastructure/dtype_dispatch.h"
 #include "../infrastructure/input_gradient_sums.h"
 #include "../infrastructure/optional_data.h"
-#include "../core/ms_deform_attn.h"
 #include "../infrastructure/parallel_region.h"
 #include "cpu_launchers.h"
 #include "cpu_loops.h"

@@ -17,9 +17,12 @@ from typing import Callable, Dict, Tuple
 
 import torch
 
-# Which of deformconv's ops each original is timed against, by the name the reports give it.
-PEERS = {"InternImage DCNv3": "dcnv3", "DCNv4's DCNv4": "dcnv4",
-         "Deformable DETR's MSDA": "ms_deform_attn"}
+# Each original by its name in tools/originals.py: the name the reports give it, and which of
+# deformconv's ops it is timed against.
+ORIGINALS = {"internimage_dcnv3": ("InternImage DCNv3", "dcnv3"),
+             "dcnv4": ("DCNv4's DCNv4", "dcnv4"),
+             "deformable_detr": ("Deformable DETR's MSDA", "ms_deform_attn")}
+PEERS = dict(ORIGINALS.values())
 
 # The im2col_step that the originals' modules pass: InternImage's and FlashInternImage's 256,
 # Deformable DETR's 64.
@@ -92,20 +95,19 @@ def load_originals(directory: str
     """The originals that built into `directory` (tools/originals.py build), by their report
     names; why each other one is missing; and the repository and commit each loaded one was
     built from."""
-    names = {"internimage_dcnv3": "InternImage DCNv3", "dcnv4": "DCNv4's DCNv4",
-             "deformable_detr": "Deformable DETR's MSDA"}
     statuses = json.loads((Path(directory) / "status.json").read_text())
     loaded, missing, commits = {}, {}, {}
     for name, status in statuses.items():
+        report_name = ORIGINALS[name][0]
         if not status["built"]:
-            missing[names[name]] = "did not build: " + status["why"].splitlines()[-1]
+            missing[report_name] = "did not build: " + status["why"].splitlines()[-1]
             continue
         try:
-            loaded[names[name]] = _load(name, status)
+            loaded[report_name] = _load(name, status)
         except Exception as error:  # their import, not ours: say why and go on
-            missing[names[name]] = f"did not import: {type(error).__name__}: {error}"
+            missing[report_name] = f"did not import: {type(error).__name__}: {error}"
             continue
-        commits[names[name]] = status["commit"]
+        commits[report_name] = status["commit"]
     return loaded, missing, commits
 
 
