@@ -15,33 +15,34 @@
 namespace deformconv {
 namespace {
 
-// The autocast kernel of the op whose handle `op` returns, of signature Signature: the op
-// below autocast, every tensor operand cast to float32 (other arguments pass unchanged).
-template <c10::DispatchKey autocast_key, c10::DeviceType device_type, auto op, typename Signature>
+// The autocast kernel of the op that Op describes (op_handles.h): the op below autocast, every
+// tensor operand cast to float32 (other arguments pass unchanged).
+template <c10::DispatchKey autocast_key, c10::DeviceType device_type, typename Op,
+          typename Signature = typename Op::Signature>
 struct InFloat32;
 
-template <c10::DispatchKey autocast_key, c10::DeviceType device_type, auto op, typename Result,
-          typename... Arguments>
-struct InFloat32<autocast_key, device_type, op, Result(Arguments...)> {
+template <c10::DispatchKey autocast_key, c10::DeviceType device_type, typename Op,
+          typename Result, typename... Arguments>
+struct InFloat32<autocast_key, device_type, Op, Result(Arguments...)> {
   static Result call(Arguments... arguments) {
     c10::impl::ExcludeDispatchKeyGuard no_autocast(autocast_key);
-    return op().call(at::autocast::cached_cast(at::kFloat, arguments, device_type)...);
+    return forward_handle<Op>().call(
+        at::autocast::cached_cast(at::kFloat, arguments, device_type)...);
   }
 };
 
+template <c10::DispatchKey autocast_key, c10::DeviceType device_type, typename Op>
+void register_in_float32(torch::Library& m) {
+  m.impl(Op::kName, TORCH_FN((InFloat32<autocast_key, device_type, Op>::call)));
+}
+
 template <c10::DispatchKey autocast_key, c10::DeviceType device_type>
 void register_autocast(torch::Library& m) {
-  m.impl("deform_conv2d",
-         TORCH_FN((InFloat32<autocast_key, device_type, deform_conv2d_op,
-                             DeformConv2dSignature>::call)));
-  m.impl("dcnv3",
-         TORCH_FN((InFloat32<autocast_key, device_type, dcnv3_op, Dcnv3Signature>::call)));
-  m.impl("dcnv4",
-         TORCH_FN((InFloat32<autocast_key, device_type, dcnv4_op, Dcnv4Signature>::call)));
+  register_in_float32<autocast_key, device_type, DeformConv2dOp>(m);
+  register_in_float32<autocast_key, device_type, Dcnv3Op>(m);
+  register_in_float32<autocast_key, device_type, Dcnv4Op>(m);
   // spatial_shapes and level_start_index are int64, which the cast leaves alone.
-  m.impl("ms_deform_attn",
-         TORCH_FN((InFloat32<autocast_key, device_type, ms_deform_attn_op,
-                             MsDeformAttnSignature>::call)));
+  register_in_float32<autocast_key, device_type, MsDeformAttnOp>(m);
 }
 
 }  // namespace

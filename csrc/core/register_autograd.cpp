@@ -1,21 +1,26 @@
-// Every op's kernel at the Autograd key.
+// Every op's kernel at the Autograd key (Note [One autograd kernel for every op]).
 
 #include <torch/library.h>
 
-#include "autograd.h"
-#include "dcnv3.h"
+#include "../infrastructure/op_autograd.h"
+#include "../infrastructure/op_handles.h"
 
 namespace deformconv {
+namespace {
+
+template <typename Op>
+void register_autograd(torch::Library& m) {
+  m.impl(Op::kName, TORCH_FN(OpAutograd<Op>::forward));
+  m.impl((std::string(Op::kName) + "_backward").c_str(), TORCH_FN(OpAutograd<Op>::backward));
+}
+
+}  // namespace
 
 TORCH_LIBRARY_IMPL(deformconv, Autograd, m) {
-  m.impl("deform_conv2d", TORCH_FN(deform_conv2d_autograd));
-  m.impl("deform_conv2d_backward", TORCH_FN(deform_conv2d_backward_autograd));
-  m.impl("dcnv3", TORCH_FN(dcnv3_kernel<dcnv3_autograd>));
-  m.impl("dcnv3_backward", TORCH_FN(dcnv3_backward_kernel<dcnv3_backward_autograd>));
-  m.impl("dcnv4", TORCH_FN(dcnv4_kernel<dcnv3_autograd>));
-  m.impl("dcnv4_backward", TORCH_FN(dcnv4_backward_kernel<dcnv3_backward_autograd>));
-  m.impl("ms_deform_attn", TORCH_FN(ms_deform_attn_autograd));
-  m.impl("ms_deform_attn_backward", TORCH_FN(ms_deform_attn_backward_autograd));
+  register_autograd<DeformConv2dOp>(m);
+  register_autograd<Dcnv3Op>(m);
+  register_autograd<Dcnv4Op>(m);
+  register_autograd<MsDeformAttnOp>(m);
 }
 
 }  // namespace deformconv

@@ -1,108 +1,113 @@
 #pragma once
 
-// Typed handles of the ops, for kernels that call back into the dispatcher (autograd,
-// autocast): looked up once, on first use.
+// The ops' descriptions, for kernels that call back into the dispatcher (autograd, autocast):
+// each op's name, the C++ signatures of it and of its backward op (schemas.h), and how the
+// two relate. Their typed handles are looked up once, on first use.
 
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 
 #include <array>
+#include <cstddef>
 #include <optional>
+#include <string>
 #include <tuple>
 
 namespace deformconv {
 
-using DeformConv2dSignature = at::Tensor(
-    const at::Tensor&, const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
-    const std::optional<at::Tensor>&, c10::IntArrayRef, c10::IntArrayRef, c10::IntArrayRef,
-    int64_t, int64_t, int64_t);
+// Each description gives
+//   kName                the op's name in the deformconv namespace, and in messages;
+//   Signature            the op's C++ signature;
+//   BackwardSignature    its backward op's: grad_output, kBackwardArguments, output_mask;
+//   kGradientArguments   the places, among the op's arguments, of the tensors whose gradients
+//                        the backward op returns, in its output_mask's order;
+//   kBackwardArguments   the places of the arguments that the backward op takes after
+//                        grad_output, in its order.
 
-using DeformConv2dBackwardSignature =
-    std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
-        const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-        const std::optional<at::Tensor>&, c10::IntArrayRef, c10::IntArrayRef, c10::IntArrayRef,
-        int64_t, int64_t, int64_t, std::array<bool, 5>);
+struct DeformConv2dOp {
+  static constexpr const char* kName = "deform_conv2d";
+  using Signature = at::Tensor(const at::Tensor& input, const at::Tensor& offset,
+                               const at::Tensor& weight, const std::optional<at::Tensor>& mask,
+                               const std::optional<at::Tensor>& bias, c10::IntArrayRef stride,
+                               c10::IntArrayRef padding, c10::IntArrayRef dilation,
+                               int64_t groups, int64_t offset_groups, int64_t im2col_step);
+  using BackwardSignature = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
+      const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& offset,
+      const at::Tensor& weight, const std::optional<at::Tensor>& mask, c10::IntArrayRef stride,
+      c10::IntArrayRef padding, c10::IntArrayRef dilation, int64_t groups, int64_t offset_groups,
+      int64_t im2col_step, std::array<bool, 5> output_mask);
+  static constexpr std::array<size_t, 5> kGradientArguments = {0, 1, 2, 3, 4};
+  // All but bias, whose gradient needs only grad_output.
+  static constexpr std::array<size_t, 10> kBackwardArguments = {0, 1, 2, 3, 5, 6, 7, 8, 9, 10};
+};
 
-inline const c10::TypedOperatorHandle<DeformConv2dSignature>& deform_conv2d_op() {
-  static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("deformconv::deform_conv2d", "")
-                             .typed<DeformConv2dSignature>();
+struct Dcnv3Op {
+  static constexpr const char* kName = "dcnv3";
+  using Signature = at::Tensor(const at::Tensor& input, const at::Tensor& offset,
+                               const at::Tensor& mask, int64_t kernel_h, int64_t kernel_w,
+                               int64_t stride_h, int64_t stride_w, int64_t pad_h, int64_t pad_w,
+                               int64_t dilation_h, int64_t dilation_w, int64_t group,
+                               int64_t group_channels, double offset_scale, int64_t im2col_step,
+                               bool remove_center);
+  using BackwardSignature = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
+      const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& offset,
+      const at::Tensor& mask, int64_t kernel_h, int64_t kernel_w, int64_t stride_h,
+      int64_t stride_w, int64_t pad_h, int64_t pad_w, int64_t dilation_h, int64_t dilation_w,
+      int64_t group, int64_t group_channels, double offset_scale, int64_t im2col_step,
+      bool remove_center, std::array<bool, 3> output_mask);
+  static constexpr std::array<size_t, 3> kGradientArguments = {0, 1, 2};
+  static constexpr std::array<size_t, 16> kBackwardArguments = {0, 1, 2,  3,  4,  5,  6,  7,
+                                                                8, 9, 10, 11, 12, 13, 14, 15};
+};
+
+struct Dcnv4Op {
+  static constexpr const char* kName = "dcnv4";
+  using Signature = at::Tensor(const at::Tensor& input, const at::Tensor& offset_mask,
+                               int64_t kernel_h, int64_t kernel_w, int64_t stride_h,
+                               int64_t stride_w, int64_t pad_h, int64_t pad_w, int64_t dilation_h,
+                               int64_t dilation_w, int64_t group, int64_t group_channels,
+                               double offset_scale, int64_t im2col_step, bool remove_center);
+  using BackwardSignature = std::tuple<at::Tensor, at::Tensor>(
+      const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& offset_mask,
+      int64_t kernel_h, int64_t kernel_w, int64_t stride_h, int64_t stride_w, int64_t pad_h,
+      int64_t pad_w, int64_t dilation_h, int64_t dilation_w, int64_t group,
+      int64_t group_channels, double offset_scale, int64_t im2col_step, bool remove_center,
+      std::array<bool, 2> output_mask);
+  static constexpr std::array<size_t, 2> kGradientArguments = {0, 1};
+  static constexpr std::array<size_t, 15> kBackwardArguments = {0, 1, 2,  3,  4,  5,  6, 7,
+                                                                8, 9, 10, 11, 12, 13, 14};
+};
+
+struct MsDeformAttnOp {
+  static constexpr const char* kName = "ms_deform_attn";
+  using Signature = at::Tensor(const at::Tensor& value, const at::Tensor& spatial_shapes,
+                               const at::Tensor& level_start_index,
+                               const at::Tensor& sampling_locations,
+                               const at::Tensor& attention_weights, int64_t im2col_step);
+  using BackwardSignature = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
+      const at::Tensor& grad_output, const at::Tensor& value, const at::Tensor& spatial_shapes,
+      const at::Tensor& level_start_index, const at::Tensor& sampling_locations,
+      const at::Tensor& attention_weights, int64_t im2col_step, std::array<bool, 3> output_mask);
+  // spatial_shapes and level_start_index are integer tensors, without gradients.
+  static constexpr std::array<size_t, 3> kGradientArguments = {0, 3, 4};
+  static constexpr std::array<size_t, 6> kBackwardArguments = {0, 1, 2, 3, 4, 5};
+};
+
+template <typename Op>
+const c10::TypedOperatorHandle<typename Op::Signature>& forward_handle() {
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow((std::string("deformconv::") + Op::kName).c_str(), "")
+          .template typed<typename Op::Signature>();
   return op;
 }
 
-inline const c10::TypedOperatorHandle<DeformConv2dBackwardSignature>&
-deform_conv2d_backward_op() {
-  static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("deformconv::deform_conv2d_backward", "")
-                             .typed<DeformConv2dBackwardSignature>();
-  return op;
-}
-
-using Dcnv3Signature = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                  int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
-                                  int64_t, int64_t, int64_t, double, int64_t, bool);
-
-using Dcnv3BackwardSignature = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
-    const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t,
-    int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, double,
-    int64_t, bool, std::array<bool, 3>);
-
-inline const c10::TypedOperatorHandle<Dcnv3Signature>& dcnv3_op() {
-  static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("deformconv::dcnv3", "")
-                             .typed<Dcnv3Signature>();
-  return op;
-}
-
-inline const c10::TypedOperatorHandle<Dcnv3BackwardSignature>& dcnv3_backward_op() {
-  static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("deformconv::dcnv3_backward", "")
-                             .typed<Dcnv3BackwardSignature>();
-  return op;
-}
-
-using Dcnv4Signature = at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, int64_t,
-                                  int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
-                                  int64_t, double, int64_t, bool);
-
-using Dcnv4BackwardSignature = std::tuple<at::Tensor, at::Tensor>(
-    const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t, int64_t, int64_t,
-    int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, double, int64_t, bool,
-    std::array<bool, 2>);
-
-inline const c10::TypedOperatorHandle<Dcnv4Signature>& dcnv4_op() {
-  static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("deformconv::dcnv4", "")
-                             .typed<Dcnv4Signature>();
-  return op;
-}
-
-inline const c10::TypedOperatorHandle<Dcnv4BackwardSignature>& dcnv4_backward_op() {
-  static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("deformconv::dcnv4_backward", "")
-                             .typed<Dcnv4BackwardSignature>();
-  return op;
-}
-
-using MsDeformAttnSignature = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                         const at::Tensor&, const at::Tensor&, int64_t);
-
-using MsDeformAttnBackwardSignature = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
-    const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-    const at::Tensor&, const at::Tensor&, int64_t, std::array<bool, 3>);
-
-inline const c10::TypedOperatorHandle<MsDeformAttnSignature>& ms_deform_attn_op() {
-  static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("deformconv::ms_deform_attn", "")
-                             .typed<MsDeformAttnSignature>();
-  return op;
-}
-
-inline const c10::TypedOperatorHandle<MsDeformAttnBackwardSignature>&
-ms_deform_attn_backward_op() {
-  static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("deformconv::ms_deform_attn_backward", "")
-                             .typed<MsDeformAttnBackwardSignature>();
+template <typename Op>
+const c10::TypedOperatorHandle<typename Op::BackwardSignature>& backward_handle() {
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow((std::string("deformconv::") + Op::kName + "_backward").c_str(), "")
+          .template typed<typename Op::BackwardSignature>();
   return op;
 }
 
