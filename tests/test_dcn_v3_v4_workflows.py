@@ -2,6 +2,8 @@
 TorchScript, opcheck, torch.compile(fullgraph=True) and torch.export, and the CUDA launchers
 run by the emulator (tests/cuda_emulation) against the CPU op."""
 
+import itertools
+
 import pytest
 import torch
 
@@ -63,6 +65,18 @@ def test_opcheck(op):
                                                         dtype=torch.float32)]
     torch.library.opcheck(getattr(torch.ops.deformconv, op).default,
                           (*operands, *flat_arguments(geometry, 0.5)))
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_opcheck_backward(op):
+    # Every subset of gradients, each checked by opcheck against the fake kernel's shapes.
+    geometry = GEOMETRIES[2]
+    operands = operands_of(op, geometry, 2, 5, 6, dtype=torch.float32)
+    grad_output = getattr(deformconv, op)(*operands, *flat_arguments(geometry, 0.5))
+    backward = getattr(torch.ops.deformconv, f"{op}_backward").default
+    for output_mask in itertools.product([False, True], repeat=len(operands)):
+        torch.library.opcheck(backward, (torch.randn_like(grad_output), *operands,
+                                         *flat_arguments(geometry, 0.5), list(output_mask)))
 
 
 @pytest.mark.parametrize("op", OPS)

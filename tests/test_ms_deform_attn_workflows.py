@@ -1,6 +1,8 @@
 """Multi-scale deformable attention in the PyTorch workflows: opcheck, torch.compile and
 torch.export, TorchScript, autocast."""
 
+import itertools
+
 import pytest
 import torch
 
@@ -14,6 +16,14 @@ def test_opcheck():
     operands = make_operands([(4, 5), (2, 2)], dtype=torch.float32)
     floating = [t.requires_grad_() if t.is_floating_point() else t for t in operands]
     torch.library.opcheck(torch.ops.deformconv.ms_deform_attn.default, (*floating, 64))
+
+
+@pytest.mark.parametrize("output_mask", list(itertools.product([False, True], repeat=3)))
+def test_opcheck_backward(output_mask):
+    operands = make_operands([(4, 5), (2, 2)], dtype=torch.float32)
+    grad_output = torch.randn_like(deformconv.ms_deform_attn(*operands))
+    torch.library.opcheck(torch.ops.deformconv.ms_deform_attn_backward.default,
+                          (grad_output, *operands, 64, list(output_mask)))
 
 
 def test_torch_compile_fullgraph_and_export():

@@ -1,14 +1,13 @@
 """dcnv3 and dcnv4 (InternImage's and FlashInternImage's core ops) over torch.ops.deformconv,
 and the fake kernels of their ops."""
 
-from typing import List
 
 import torch
 from torch import Tensor
 
 from ..onnx import dcnv3_in_standard_onnx_ops, dcnv4_in_standard_onnx_ops
-from ._common import (_check_cuda_kernels, _check_devices, _has_static_shape, _in_onnx_export,
-                      _on_meta, _output_size)
+from ._common import (_check_cuda_kernels, _fake_gradients, _fake_output, _in_onnx_export,
+                      _output_size)
 
 
 def dcnv3(
@@ -109,47 +108,20 @@ def dcnv4(
         bool(remove_center))
 
 
-def _check_dcnv3_arguments(grad_output, input, offset, mask, *rest) -> List[int]:
-    """dcnv3's own argument checks on meta copies, as _check_deform_conv2d_arguments does for
-    deform_conv2d; those of dcnv4 when mask is None, offset being offset_mask."""
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-
-    with unset_fake_temporarily():
-        return torch.ops.deformconv._check_dcnv3_arguments(
-            *[_on_meta(t) for t in (grad_output, input, offset, mask)], *rest)
-
-
 @torch.library.register_fake("deformconv::dcnv3")
-def _dcnv3_fake(input, offset, mask, kernel_h, kernel_w, stride_h, stride_w, pad_h, pad_w,
-                dilation_h, dilation_w, group, group_channels, offset_scale, im2col_step,
-                remove_center):
-    _check_devices("dcnv3", input, offset=offset, mask=mask)
-    scalars = (kernel_h, kernel_w, stride_h, stride_w, pad_h, pad_w, dilation_h, dilation_w,
-               group, group_channels, offset_scale, im2col_step, remove_center)
-    if all(_has_static_shape(t) for t in (input, offset, mask)):
-        shape = _check_dcnv3_arguments(None, input, offset, mask, *scalars)
-    else:
-        shape = _dcnv3_output_shape(input, kernel_h, kernel_w, stride_h, stride_w, pad_h, pad_w,
-                                    dilation_h, dilation_w)
-    return input.new_empty(shape)
+def _dcnv3_fake(input, offset, mask, *others):
+    return _fake_output("dcnv3", dict(input=input, offset=offset, mask=mask), others,
+                        lambda: _dcnv3_output_shape(input, *others[:8]))
 
 
 @torch.library.register_fake("deformconv::dcnv3_backward")
-def _dcnv3_backward_fake(grad_output, input, offset, mask, kernel_h, kernel_w, stride_h,
-                         stride_w, pad_h, pad_w, dilation_h, dilation_w, group, group_channels,
-                         offset_scale, im2col_step, remove_center, output_mask):
-    _check_devices("dcnv3_backward", input, grad_output=grad_output, offset=offset, mask=mask)
-    if all(_has_static_shape(t) for t in (grad_output, input, offset, mask)):
-        _check_dcnv3_arguments(grad_output, input, offset, mask, kernel_h, kernel_w, stride_h,
-                               stride_w, pad_h, pad_w, dilation_h, dilation_w, group,
-                               group_channels, offset_scale, im2col_step, remove_center)
-    contiguous = torch.contiguous_format
-    want_input, want_offset, want_mask = output_mask
-    return (
-        torch.empty_like(input, memory_format=contiguous) if want_input else None,
-        torch.empty_like(offset, memory_format=contiguous) if want_offset else None,
-        torch.empty_like(mask, memory_format=contiguous) if want_mask else None,
-    )
+def _dcnv3_backward_fake(grad_output, input, offset, mask, *others_and_output_mask):
+    *others, output_mask = others_and_output_mask
+    return _fake_gradients(
+        "dcnv3", grad_output, dict(input=input, offset=offset, mask=mask), others,
+        [lambda t=t: torch.empty_like(t, memory_format=torch.contiguous_format)
+         for t in (input, offset, mask)],
+        output_mask)
 
 
 def _dcnv3_output_shape(input, kernel_h, kernel_w, stride_h, stride_w, pad_h, pad_w,
@@ -160,25 +132,18 @@ def _dcnv3_output_shape(input, kernel_h, kernel_w, stride_h, stride_w, pad_h, pa
             input.shape[3])
 
 
+# dcnv4's checks are dcnv3's without a mask, offset_mask in offset's place.
 @torch.library.register_fake("deformconv::dcnv4")
-def _dcnv4_fake(input, offset_mask, *scalars):
-    _check_devices("dcnv4", input, offset_mask=offset_mask)
-    if all(_has_static_shape(t) for t in (input, offset_mask)):
-        shape = _check_dcnv3_arguments(None, input, offset_mask, None, *scalars)
-    else:
-        shape = _dcnv3_output_shape(input, *scalars[:8])
-    return input.new_empty(shape)
+def _dcnv4_fake(input, offset_mask, *others):
+    return _fake_output("dcnv4", dict(input=input, offset_mask=offset_mask, mask=None), others,
+                        lambda: _dcnv3_output_shape(input, *others[:8]), checks_of="dcnv3")
 
 
 @torch.library.register_fake("deformconv::dcnv4_backward")
-def _dcnv4_backward_fake(grad_output, input, offset_mask, *scalars_and_output_mask):
-    *scalars, output_mask = scalars_and_output_mask
-    _check_devices("dcnv4_backward", input, grad_output=grad_output, offset_mask=offset_mask)
-    if all(_has_static_shape(t) for t in (grad_output, input, offset_mask)):
-        _check_dcnv3_arguments(grad_output, input, offset_mask, None, *scalars)
-    contiguous = torch.contiguous_format
-    want_input, want_offset_mask = output_mask
-    return (
-        torch.empty_like(input, memory_format=contiguous) if want_input else None,
-        torch.empty_like(offset_mask, memory_format=contiguous) if want_offset_mask else None,
-    )
+def _dcnv4_backward_fake(grad_output, input, offset_mask, *others_and_output_mask):
+    *others, output_mask = others_and_output_mask
+    return _fake_gradients(
+        "dcnv4", grad_output, dict(input=input, offset_mask=offset_mask, mask=None), others,
+        [lambda t=t: torch.empty_like(t, memory_format=torch.contiguous_format)
+         for t in (input, offset_mask)],
+        output_mask, checks_of="dcnv3")

@@ -1,12 +1,12 @@
 """deform_conv2d, DCN v1/v2 over torch.ops.deformconv, and the fake kernels of its ops."""
 
-from typing import List, Optional
+from typing import Optional
 
 import torch
 from torch import Tensor
 
-from ._common import (IntOrPair, _check_cuda_kernels, _check_devices, _has_static_shape, _on_meta,
-                      _output_size, _pair)
+from ._common import (IntOrPair, _check_cuda_kernels, _fake_gradients, _fake_output, _output_size,
+                      _pair)
 
 
 def deform_conv2d(
@@ -62,60 +62,33 @@ def deform_conv2d(
     )
 
 
-def _check_deform_conv2d_arguments(grad_output, input, offset, weight, mask, bias,
-                                   *rest) -> List[int]:
-    """The op's own argument checks (C++, no tensor data read), on meta copies of the tensors
-    and outside any fake mode, so that fake tensors are rejected exactly as real ones are.
-    Returns the output shape.
-
-    torch has no public way out of a fake mode. Called on the fake tensors themselves, inside
-    the mode, the check op would run as its own meta kernel and raise the same error, but
-    FakeTensorMode logs every exception of a meta kernel at ERROR level, with a traceback,
-    before re-raising it: each rejected call under torch.compile or torch.export would print
-    one. Hence torch's private unset_fake_temporarily."""
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-
-    with unset_fake_temporarily():
-        return torch.ops.deformconv._check_deform_conv2d_arguments(
-            *[_on_meta(t) for t in (grad_output, input, offset, weight, mask, bias)], *rest)
-
-
 @torch.library.register_fake("deformconv::deform_conv2d")
 def _deform_conv2d_fake(input, offset, weight, mask, bias, stride, padding, dilation, groups,
                         offset_groups, im2col_step):
-    _check_devices("deform_conv2d", input, offset=offset, weight=weight, mask=mask, bias=bias)
-    if all(_has_static_shape(t) for t in (input, offset, weight, mask, bias)):
-        shape = _check_deform_conv2d_arguments(None, input, offset, weight, mask, bias, stride,
-                                               padding, dilation, groups, offset_groups,
-                                               im2col_step)
-    else:
-        # Symbolic sizes (dynamic shapes): the shape formula; the checks ran when the graph was
-        # traced with concrete sizes, and run again in the real kernel.
-        shape = (input.shape[0], weight.shape[0],
+    return _fake_output(
+        "deform_conv2d",
+        dict(input=input, offset=offset, weight=weight, mask=mask, bias=bias),
+        (stride, padding, dilation, groups, offset_groups, im2col_step),
+        lambda: (input.shape[0], weight.shape[0],
                  _output_size(input.shape[2], weight.shape[2], stride[0], padding[0],
                               dilation[0]),
                  _output_size(input.shape[3], weight.shape[3], stride[1], padding[1],
-                              dilation[1]))
-    return input.new_empty(shape)
+                              dilation[1])))
 
 
 @torch.library.register_fake("deformconv::deform_conv2d_backward")
 def _deform_conv2d_backward_fake(grad_output, input, offset, weight, mask, stride, padding,
                                  dilation, groups, offset_groups, im2col_step, output_mask):
-    _check_devices("deform_conv2d_backward", input, grad_output=grad_output, offset=offset,
-                   weight=weight, mask=mask)
-    if all(_has_static_shape(t) for t in (grad_output, input, offset, weight, mask)):
-        _check_deform_conv2d_arguments(grad_output, input, offset, weight, mask, None, stride,
-                                       padding, dilation, groups, offset_groups, im2col_step)
-    want_input, want_offset, want_weight, want_mask, want_bias = output_mask
     # As the real kernel: grad_input and grad_weight keep the memory format of input and
-    # weight, grad_offset and grad_mask are contiguous.
+    # weight, grad_offset and grad_mask are contiguous; no mask, no mask gradient.
     contiguous = torch.contiguous_format
-    return (
-        torch.empty_like(input) if want_input else None,
-        torch.empty_like(offset, memory_format=contiguous) if want_offset else None,
-        torch.empty_like(weight) if want_weight else None,
-        torch.empty_like(mask, memory_format=contiguous)
-        if want_mask and mask is not None else None,
-        weight.new_empty((weight.shape[0],)) if want_bias else None,
-    )
+    return _fake_gradients(
+        "deform_conv2d", grad_output,
+        dict(input=input, offset=offset, weight=weight, mask=mask, bias=None),
+        (stride, padding, dilation, groups, offset_groups, im2col_step),
+        (lambda: torch.empty_like(input),
+         lambda: torch.empty_like(offset, memory_format=contiguous),
+         lambda: torch.empty_like(weight),
+         lambda: None if mask is None else torch.empty_like(mask, memory_format=contiguous),
+         lambda: weight.new_empty((weight.shape[0],))),
+        output_mask)
