@@ -15,9 +15,8 @@ that torch itself was built for; of the last two, the newest is also embedded as
 driver compiles for GPUs newer than any listed. MAX_JOBS bounds the parallel compile jobs.
 DEFORMCONV_SANITIZE=1 compiles the C++ with AddressSanitizer and UndefinedBehaviorSanitizer
 (tools/run_sanitized_tests.sh uses it).
-On x86-64 the CPU kernels carry AVX-512, AVX2 and baseline copies, picked at load time;
-DEFORMCONV_CPU_CLONES=avx2 leaves the AVX-512 copies out, so that an AVX-512 machine measures
-the AVX2 ones (docs/performance.md, AVX2 kernels).
+With GCC on x86-64 the CPU kernels carry AVX-512, AVX2 and default copies, one chosen at run
+time (DEFORMCONV_CPU_CAPABILITY overrides the choice; csrc/cpu/cpu_copies.h).
 
 Making an sdist or reading the metadata needs no torch; compiling does, and it must be the torch
 the extension will run with, so pip's build isolation (which would hide it, or install another)
@@ -69,15 +68,6 @@ def cuda_switch() -> str:
     if values["DEFORMCONV_WITH_CUDA"] == "auto" and values["FORCE_CUDA"] == "1":
         return "1"
     return values["DEFORMCONV_WITH_CUDA"]
-
-
-def cpu_clones() -> str:
-    """The x86-64 copies of the CPU kernels: "all" (AVX-512, AVX2, baseline) or "avx2" (no
-    AVX-512 copy)."""
-    value = os.environ.get("DEFORMCONV_CPU_CLONES", "all").strip().lower() or "all"
-    if value not in ("all", "avx2"):
-        sys.exit(f"deformconv build: DEFORMCONV_CPU_CLONES must be all or avx2, got {value!r}")
-    return value
 
 
 def has_cuda_headers(path) -> bool:
@@ -254,8 +244,6 @@ def extension(cpp_extension, with_cuda: bool):
                     "-fno-omit-frame-pointer", "-g"]
         cxx_flags = ["-O1"] + compile_flags() + sanitize
         link_flags += sanitize
-    if cpu_clones() == "avx2":
-        cxx_flags.append("-DDEFORMCONV_NO_AVX512_CLONES")
     if with_cuda:
         return cpp_extension.CUDAExtension(
             "deformconv._C", listed_sources("library", "python", "cuda"),

@@ -2,8 +2,8 @@
 // cpu/register_cpu.cpp (CPU), cuda/register_cuda.cpp (CUDA), core/register_autograd.cpp
 // (Autograd), core/register_autocast.cpp (Autocast),
 // core/register_checks.cpp (_check_deform_conv2d_arguments),
-// infrastructure/register_branch_trace.cpp (the branch trace), cpu/kernel_copies.cpp
-// (_cpu_kernel_copies), and the fake kernels in Python (deformconv/ops/), which run the checks
+// infrastructure/register_branch_trace.cpp (the branch trace), cpu/cpu_capability.cpp
+// (the CPU copies' ops), and the fake kernels in Python (deformconv/ops/), which run the checks
 // ops.
 
 #include <torch/library.h>
@@ -24,5 +24,7 @@ TORCH_LIBRARY(deformconv, m) {
   m.def(deformconv::schemas::kCheckMsDeformAttnArguments);
   m.def(deformconv::schemas::kStartBranchTrace);
   m.def(deformconv::schemas::kTakeBranchTrace);
-  m.def(deformconv::schemas::kCpuKernelCopies);
+  m.def(deformconv::schemas::kCpuCapability);
+  m.def(deformconv::schemas::kCpuCapabilities);
+  m.def(deformconv::schemas::kSelectCpuCapability);
 }

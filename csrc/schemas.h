@@ -102,8 +102,12 @@ inline constexpr const char* kCheckMsDeformAttnArguments =
 inline constexpr const char* kStartBranchTrace = "_start_branch_trace() -> ()";
 inline constexpr const char* kTakeBranchTrace = "_take_branch_trace() -> str[]";
 
-// The copies of the CPU kernels that this build holds: "avx512 avx2 baseline", "avx2 baseline"
-// or "default target" (cpu/kernel_copies.cpp).
-inline constexpr const char* kCpuKernelCopies = "_cpu_kernel_copies() -> str";
+// The copies of the CPU kernels (Note [CPU copies], cpu/cpu_copies.h): the one in use
+// (avx512, avx2 or default); those this build holds that this CPU runs, best first; and, for
+// the tests, the choice of another, returning the one it replaces.
+inline constexpr const char* kCpuCapability = "_cpu_capability() -> str";
+inline constexpr const char* kCpuCapabilities = "_cpu_capabilities() -> str[]";
+inline constexpr const char* kSelectCpuCapability =
+    "_select_cpu_capability(str capability) -> str";
 
 }  // namespace deformconv::schemas

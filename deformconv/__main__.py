@@ -33,7 +33,9 @@ def info() -> int:
         print(f"CUDA kernels compiled: no, CPU kernels only ({reason})")
     print("dtypes: cpu float32 float64 float16 bfloat16"
           + ("; cuda float32 float64 float16 bfloat16" if cuda else ""))
-    print(f"CPU kernel copies: {torch.ops.deformconv._cpu_kernel_copies()}")
+    print(f"CPU kernels: the {torch.ops.deformconv._cpu_capability()} copy (this CPU runs: "
+          f"{' '.join(torch.ops.deformconv._cpu_capabilities())}; DEFORMCONV_CPU_CAPABILITY "
+          "chooses)")
     print(f"CPU threads: {torch.get_num_threads()}")
     return 0
 

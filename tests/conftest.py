@@ -24,6 +24,25 @@ def im2col_forward(monkeypatch):
     monkeypatch.setenv("DEFORMCONV_FUSED_FORWARD", "0")
 
 
+def runnable_cpu_copies():
+    import torch
+
+    import deformconv  # noqa: F401  (registers the ops)
+
+    return list(torch.ops.deformconv._cpu_capabilities())
+
+
+@pytest.fixture(params=runnable_cpu_copies())
+def cpu_copy(request):
+    """Each copy of the CPU kernels that this CPU runs (Note [CPU copies],
+    csrc/cpu/cpu_copies.h), selected for the test and the previous one restored after it."""
+    import torch
+
+    previous = torch.ops.deformconv._select_cpu_capability(request.param)
+    yield request.param
+    torch.ops.deformconv._select_cpu_capability(previous)
+
+
 @pytest.fixture(scope="session")
 def emulated():
     """torch.ops.deformconv_emulated: the CUDA launchers and kernels of csrc/cuda compiled

@@ -38,8 +38,8 @@ def test_benchmark_writes_json_and_chart(tmp_path):
                  "--output", str(output), "--plot", str(chart)]) == 0
     report = json.loads(output.read_text())
     assert report["setup"]["vector_isa"] in ("AVX-512", "AVX2", "NEON", "unknown")
-    assert report["setup"]["deformconv_cpu_clones"] in ("avx512 avx2 baseline", "avx2 baseline",
-                                                        "default target")
+    assert report["setup"]["deformconv_cpu_capability"] == torch.ops.deformconv._cpu_capability()
+    assert report["setup"]["deformconv_cpu_capabilities"][-1] == "default"
     assert report["setup"]["busy_core"] is False
     result = report["results"][0]
     assert result["shape"]["name"] == "c5"
@@ -224,9 +224,9 @@ def test_cpu_description_records_isa_caps(monkeypatch):
     capped = cpu_description()
     assert capped["isa_caps"]["ONEDNN_MAX_CPU_ISA"] == "AVX2"
     assert capped["isa_caps"]["MKL_ENABLE_INSTRUCTIONS"] == "AVX2"
-    # ATen's capability is fixed when torch starts, and the clones when deformconv is built.
+    # ATen's capability is fixed when torch starts, deformconv's copy when it first runs.
     everything_capped = (capped["aten_cpu_capability"] == "AVX2"
-                         and capped["deformconv_cpu_clones"] == "avx2 baseline")
+                         and capped["deformconv_cpu_capability"] == "avx2")
     expected = "AVX2" if everything_capped and capped["vector_isa"] == "AVX-512" \
         else capped["vector_isa"]
     assert capped["kernels_isa"] == expected

@@ -4,8 +4,9 @@ channels a group and the general one; the backward in one pass over the images, 
 pass and an offset/mask pass apart (at most half as many images as threads); the channel loops
 of every vector width and their tails. On each, in four dtypes: the forward and the gradients
 against the float64 reference, and every combination of operands that need a gradient through
-autograd against the gradients computed with all of them. The list of branches and the tests
-that force them is in docs/testing.md."""
+autograd against the gradients computed with all of them; each under every copy of the CPU
+kernels that this CPU runs (the cpu_copy fixture). The list of branches and the tests that
+force them is in docs/testing.md."""
 
 import pytest
 import torch
@@ -100,7 +101,7 @@ def cases():
 
 
 @pytest.mark.parametrize("group_channels,passes,size,dtype", cases())
-def test_dcnv3_paths(group_channels, passes, size, dtype):
+def test_dcnv3_paths(cpu_copy, group_channels, passes, size, dtype):
     geometry = geometry_of(group_channels)
     batch, thread_count = PASSES[passes]
     operands = random_operands(batch, *size, geometry, dtype=dtype, seed=group_channels)
@@ -131,7 +132,7 @@ def test_dcnv3_paths(group_channels, passes, size, dtype):
 
 @pytest.mark.parametrize("group_channels,passes,size,dtype",
                          [case for case in cases() if case.values[0] in (16, 12)])
-def test_dcnv4_paths(group_channels, passes, size, dtype):
+def test_dcnv4_paths(cpu_copy, group_channels, passes, size, dtype):
     geometry = geometry_of(group_channels)
     batch, thread_count = PASSES[passes]
     input, offset, mask = random_operands(batch, *size, geometry, dtype=torch.float64,

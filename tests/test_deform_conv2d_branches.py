@@ -3,7 +3,8 @@ count, the oneDNN switch or DEFORMCONV_FUSED_FORWARD) and checked to have run th
 trace (Note [Branch trace]), so that a change of a threshold cannot route a test around the path
 it names. On each path, in four dtypes: the forward and all five gradients against the float64
 reference, and every combination of operands that need a gradient (31 with a mask, 15 without)
-through autograd against the gradients computed with all of them. The same for the CUDA
+through autograd against the gradients computed with all of them; each under every copy of
+the CPU kernels that this CPU runs (the cpu_copy fixture). The same for the CUDA
 launchers under the emulator; DCNv3 and DCNv4 are in tests/test_dcnv3_branches.py. The list of
 branches and the tests that force them is in docs/testing.md."""
 
@@ -193,7 +194,7 @@ def assert_path_ran(path, dtype, taken, *, backward):
 
 
 @pytest.mark.parametrize("path,dtype", path_cases())
-def test_path_matches_reference_with_every_gradient(path, dtype, forced):
+def test_path_matches_reference_with_every_gradient(cpu_copy, path, dtype, forced):
     operands = operands_of(path, dtype)
     exact = [None if t is None else t.double().requires_grad_() for t in operands]
     g = path.geometry
@@ -215,7 +216,7 @@ def test_path_matches_reference_with_every_gradient(path, dtype, forced):
 
 
 @pytest.mark.parametrize("path,dtype", path_cases())
-def test_path_with_every_combination_of_requested_gradients(path, dtype, forced):
+def test_path_with_every_combination_of_requested_gradients(cpu_copy, path, dtype, forced):
     operands = operands_of(path, dtype)
     present = [t is not None for t in operands]
     with threads(path.threads), forced(path):
@@ -234,7 +235,7 @@ def test_path_with_every_combination_of_requested_gradients(path, dtype, forced)
 
 
 @pytest.mark.parametrize("path", [path for path in PATHS if path.modulated], ids=str)
-def test_backward_op_computes_only_what_is_asked(path, forced):
+def test_backward_op_computes_only_what_is_asked(cpu_copy, path, forced):
     # The backward op itself, every output_mask: the gradients asked for equal those of the
     # full set, the others come back as None (not computed).
     operands = operands_of(path, torch.float32)

@@ -1,4 +1,5 @@
-"""Multi-scale deformable attention's branches: the CPU backward's channel loops, and the CUDA
+"""Multi-scale deformable attention's branches: the CPU backward's channel loops (under every
+copy of the CPU kernels that this CPU runs), and the CUDA
 launchers' paths and level checks under the emulator, each forced and checked through the
 branch trace."""
 
@@ -17,7 +18,7 @@ CPU_BRANCHES = ("ms_deform_attn.cpu.scatter.", "ms_deform_attn.cpu.dots.")
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("channels", [3, 8, 32, 33])
-def test_cpu_backward_channel_loops(channels, dtype):
+def test_cpu_backward_channel_loops(cpu_copy, channels, dtype):
     """The CPU backward's channel loops (the value gradient's scatter in vectors of the clone's
     register width, then of kLanes, then one by one; the corner dot products kLanes at a time,
     the last channels in zero-filled lanes), each forced by the head's channels and checked to

@@ -2,9 +2,9 @@
 source under csrc/ is listed, and setup.py, CMakeLists.txt (cmake/sources.cmake) and the
 emulated CUDA build of the tests each compile what the list gives them, with the same flags."""
 
+import re
 import shutil
 import subprocess
-from pathlib import Path
 
 import pytest
 
@@ -35,6 +35,28 @@ def of(*builds):
     return sorted(path for path, tags in listing().items() if tags & set(builds))
 
 
+def test_cpu_copy_bodies_include_only_their_stage_declarations():
+    # Note [CPU copies] (csrc/cpu/cpu_copies.h): a header first included inside a copy's body
+    # would have its inline functions compiled for that copy's instruction set, and the
+    # linker could hand them to every copy.
+    kernel_files = [path for path in sorted((ROOT / "csrc" / "cpu").glob("*.cpp"))
+                    if '#include "cpu_copies.h"' in path.read_text()]
+    assert len(kernel_files) >= 9
+    stage_headers = set()
+    for path in kernel_files:
+        head, separator, body = path.read_text().partition("#else  // the body, once per copy")
+        assert separator, f"{path.name}: no body"
+        assert f'#define DEFORMCONV_CPU_COPY_BODY "{path.name}"' in head, path.name
+        included = re.findall(r'^#include "([^"]+)"', body, re.MULTILINE)
+        assert all(name.endswith("_stages.h") for name in included), (path.name, included)
+        stage_headers.update(included)
+        assert "namespace deformconv {" not in body, path.name
+    assert stage_headers == {"deform_conv2d_stages.h", "dcnv3_stages.h"}
+    for name in stage_headers:
+        text = (ROOT / "csrc" / "cpu" / name).read_text()
+        assert "#include" not in text and "#pragma once" not in text, name
+
+
 def test_every_source_under_csrc_is_listed_once_with_known_builds():
     on_disk = sorted(str(path.relative_to(ROOT)) for path in (ROOT / "csrc").rglob("*")
                      if path.suffix in (".cpp", ".cu"))
@@ -50,7 +72,6 @@ def test_setup_py_compiles_the_listed_sources_with_the_listed_flags(with_cuda, m
 
     module = setup_py.load_setup_py()
     monkeypatch.delenv("DEFORMCONV_SANITIZE", raising=False)
-    monkeypatch.delenv("DEFORMCONV_CPU_CLONES", raising=False)
     # CUDAExtension only names the toolkit's folders; nothing is compiled here.
     monkeypatch.setattr(cpp_extension, "CUDAExtension", cpp_extension.CppExtension)
     extension = module.extension(cpp_extension, with_cuda)

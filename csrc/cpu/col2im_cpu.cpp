@@ -1,16 +1,25 @@
 // The backward stages of DCN v1/v2 on the CPU that read the columns gradient: col2im (the
 // input gradient, from the window's sampling plans) and the offset and mask gradients.
 
+#if !defined(DEFORMCONV_CPU_COPY)  // the head (Note [CPU copies], cpu_copies.h)
+
 #include <ATen/Dispatch.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <vector>
 
-#include "deform_conv2d_stages.h"
+#include "../core/deform_conv2d_launchers.h"
 #include "window_tasks.h"
 
-namespace deformconv {
+#define DEFORMCONV_CPU_COPY_BODY "col2im_cpu.cpp"
+#include "cpu_copies.h"
+
+#else  // the body, once per copy
+
+#include "deform_conv2d_stages.h"
+
+namespace deformconv::DEFORMCONV_CPU_COPY {
 namespace {
 
 template <typename scalar_t>
@@ -32,7 +41,7 @@ struct Col2imTask {
 // its adds in the order (window, pixel, deform group, tap, corner) whatever the bands, so the
 // result does not depend on the number of threads.
 template <typename scalar_t>
-DEFORMCONV_VECTOR_CLONES void col2im_tasks(const Col2imTask<scalar_t>& t, int64_t begin,
+void col2im_tasks(const Col2imTask<scalar_t>& t, int64_t begin,
                                            int64_t end) {
   using opmath_t = at::opmath_type<scalar_t>;
   const DeformConv2dGeometry& g = t.g;
@@ -121,7 +130,7 @@ DEFORMCONV_INLINE OffsetMaskGradSums<at::opmath_type<scalar_t>> offset_mask_grad
 // pixels); each sample is located, summed over its channels and written in one go, and writes
 // only its own gradients.
 template <typename scalar_t>
-DEFORMCONV_VECTOR_CLONES void offset_mask_grad_tasks(const OffsetMaskGradTask<scalar_t>& t,
+void offset_mask_grad_tasks(const OffsetMaskGradTask<scalar_t>& t,
                                                      int64_t begin, int64_t end) {
   using opmath_t = at::opmath_type<scalar_t>;
   const DeformConv2dGeometry& g = t.g;
@@ -192,4 +201,6 @@ void column_gradients_cpu(const DeformConv2dGeometry& g, const PixelWindow& wind
   }
 }
 
-}  // namespace deformconv
+}  // namespace deformconv::DEFORMCONV_CPU_COPY
+
+#endif

@@ -1,7 +1,7 @@
 #pragma once
 
-// The CPU launchers' common loops: channels sampled or summed vectorised, and the
-// instruction-set clones they are compiled in; their parallel tasks are
+// The CPU launchers' common loops: channels sampled or summed vectorised, inlined into each
+// copy of the kernels (Note [CPU copies], cpu_copies.h); their parallel tasks are
 // infrastructure/parallel_region.h's.
 
 #include <ATen/OpMathType.h>
@@ -14,33 +14,11 @@
 #include "../infrastructure/parallel_region.h"
 #include "vector_shuffle.h"
 
-// x86-64 builds with GCC 12 or newer carry an AVX-512, an AVX2 and a baseline copy of each
-// stage; the dynamic loader picks the best one for the CPU at hand, so a wheel built on one
-// machine stays correct on another. DEFORMCONV_NO_AVX512_CLONES (setup.py defines it when
-// DEFORMCONV_CPU_CLONES=avx2) leaves the AVX-512 copy out, so that an AVX-512 machine runs
-// what an AVX2-only one would. Elsewhere the compiler's default target is used: GCC 11 has no
-// dispatcher for the x86-64-v3/v4 levels, clang's target_clones differs, and other CPUs get
-// what their compiler's vector extensions give (NEON on 64-bit ARM).
-#if defined(__x86_64__) && defined(__ELF__) && defined(__GNUC__) && !defined(__clang__) && \
-    __GNUC__ >= 12 && !defined(__SANITIZE_ADDRESS__)
-#if defined(DEFORMCONV_NO_AVX512_CLONES)
-#define DEFORMCONV_VECTOR_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
-#define DEFORMCONV_AVX2_CLONES
-#else
-#define DEFORMCONV_VECTOR_CLONES \
-  __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#define DEFORMCONV_AVX512_CLONES
-#define DEFORMCONV_AVX2_CLONES
-#endif
-#else
-#define DEFORMCONV_VECTOR_CLONES
-#endif
-
-// A helper of a cloned stage runs with the stage's instruction set only if it is inlined into
-// it, which the compiler's heuristics alone do not promise. A lambda inside a cloned stage,
-// marked with DEFORMCONV_INLINE_LAMBDA after its parameters, likewise: left out of line, GCC
-// compiles it for the baseline instruction set, without fused multiply-adds, and its sums
-// would round differently from the same code inlined into another stage.
+// A helper of a kernel body runs with its copy's instruction set only if it is inlined into it
+// (Note [CPU copies], cpu_copies.h), which the compiler's heuristics alone do not promise. A
+// lambda passed to a helper defined outside the body, marked with DEFORMCONV_INLINE_LAMBDA
+// after its parameters, likewise: left out of line inside the helper, its sums could round
+// differently (with or without fused multiply-adds) from the same code inlined elsewhere.
 #if defined(__GNUC__)
 #define DEFORMCONV_INLINE inline __attribute__((always_inline))
 #define DEFORMCONV_INLINE_LAMBDA __attribute__((always_inline))
@@ -53,29 +31,12 @@
 
 namespace deformconv {
 
-// Whether the AVX-512 clones run here: a stage whose vectors are as wide as an AVX-512
-// register (which the AVX2 clone could only keep on the stack) is instantiated apart for them.
-inline bool runs_avx512_clones() {
-#if defined(DEFORMCONV_AVX512_CLONES)
-  static const bool avx512 = __builtin_cpu_supports("x86-64-v4");
-  return avx512;
-#else
-  return false;
-#endif
-}
-
-// Calls run(std::integral_constant<int, kVectorBytes>{}) with the width in bytes of a vector
-// register of the clone that runs: AVX-512's where the CPU runs the AVX-512 clones, else
-// AVX2's (which the compiler splits for older CPUs), for a stage whose vectors are that wide.
-template <typename Function>
-void with_register_bytes(const Function& run) {
-  if (runs_avx512_clones()) {
-    record_branch("cpu.vectors.64bytes");
-    run(std::integral_constant<int, 64>{});
-  } else {
-    record_branch("cpu.vectors.32bytes");
-    run(std::integral_constant<int, 32>{});
-  }
+// Calls run(std::integral_constant<int, kRegisterBytes>{}) for a stage whose vectors are as
+// wide as a vector register of the copy that runs (its kRegisterBytes, cpu_copies.h).
+template <int kRegisterBytes, typename Function>
+DEFORMCONV_INLINE void with_register_bytes(const Function& run) {
+  record_branch(kRegisterBytes == 64 ? "cpu.vectors.64bytes" : "cpu.vectors.32bytes");
+  run(std::integral_constant<int, kRegisterBytes>{});
 }
 
 // One bilinear sample of `count` consecutive channels, stored into out[c]: the sum of the four
@@ -106,8 +67,8 @@ inline constexpr int64_t kCacheLineBytes = 64;
 // offset/mask gradient sums run kLanes channels at a time through the shared
 // add_offset_mask_grad_terms; reductions are written with explicit lanes because the compiler
 // may not reorder floating-point sums by itself. Eight floats are one AVX2 register (and half
-// an AVX-512 one): a vector wider than the clone's registers, such as 16 floats in the AVX2
-// clone, has no register to live in, and GCC keeps it on the stack, broadcasting a scalar
+// an AVX-512 one): a vector wider than the copy's registers, such as 16 floats in the AVX2
+// copy, has no register to live in, and GCC keeps it on the stack, broadcasting a scalar
 // into it with a store per lane.
 inline constexpr int64_t kLanes = 8;
 template <typename opmath_t>
@@ -129,7 +90,7 @@ struct LanesOf<double> {
 
 // A GCC vector of opmath_t of any width from consecutive values of `data` (of any dtype). (An
 // out-parameter: returning a vector by value would give these inline helpers an ABI that
-// differs per clone.)
+// differs per copy.)
 template <typename opmath_t, typename Vector, typename scalar_t>
 DEFORMCONV_INLINE void load_vector(const scalar_t* data, Vector& vector) {
   for (int64_t lane = 0; lane < int64_t(sizeof(Vector) / sizeof(opmath_t)); ++lane) {

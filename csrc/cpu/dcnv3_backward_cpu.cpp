@@ -1,6 +1,8 @@
 // The gradients of DCNv3 and DCNv4 on the CPU: the input gradient scattered into each image's
 // own float32 sums, and the offset and mask gradients from the corner dot products.
 
+#if !defined(DEFORMCONV_CPU_COPY)  // the head (Note [CPU copies], cpu_copies.h)
+
 #include <ATen/Dispatch.h>
 
 #include <algorithm>
@@ -9,14 +11,21 @@
 #include <type_traits>
 #include <vector>
 
+#include "../core/dcnv3.h"
 #include "../infrastructure/dtype_dispatch.h"
 #include "../infrastructure/input_gradient_sums.h"
 #include "../infrastructure/optional_data.h"
 #include "dcnv3_samples.h"
-#include "dcnv3_stages.h"
 #include "sample_gradients.h"
 
-namespace deformconv {
+#define DEFORMCONV_CPU_COPY_BODY "dcnv3_backward_cpu.cpp"
+#include "cpu_copies.h"
+
+#else  // the body, once per copy
+
+#include "dcnv3_stages.h"
+
+namespace deformconv::DEFORMCONV_CPU_COPY {
 namespace {
 
 // One sample's share of the gradients, over the D channels of its group, from the sampled
@@ -70,7 +79,7 @@ enum class GradientPass { kAll, kInput, kOffsetMask };
 // the same in the input and its gradient; where a group's output gradient is not finite, the
 // scatter skips the corners of weight 0 instead, so that 0 times infinity adds no NaN.
 template <GradientPass kPass, int kVectorBytes, int64_t kGroupChannels, typename scalar_t>
-DEFORMCONV_VECTOR_CLONES void dcnv3_gradient_pixels(
+void dcnv3_gradient_pixels(
     const Dcnv3Geometry& g, const Dcnv3Fields& f, const scalar_t* grad_output,
     const scalar_t* input, const scalar_t* offset, const scalar_t* mask,
     at::opmath_type<scalar_t>* grad_input, scalar_t* grad_offset, scalar_t* grad_mask,
@@ -188,8 +197,8 @@ void dcnv3_gradients_cpu(const Dcnv3Geometry& g, const Dcnv3Fields& f, int64_t b
     opmath_t* sums_data = mutable_data_or_null<opmath_t>(sums);
     scalar_t* grad_offset_data = mutable_data_or_null<scalar_t>(grad_offset);
     scalar_t* grad_mask_data = mutable_data_or_null<scalar_t>(grad_mask);
-    // The scatter's vectors as wide as a register of the clone that runs.
-    with_register_bytes([&](auto register_bytes) {
+    // The scatter's vectors as wide as a register of the copy that runs.
+    with_register_bytes<kRegisterBytes>([&](auto register_bytes) {
       constexpr int64_t kWidth = register_bytes / sizeof(opmath_t);
       if (want_input) {
         record_channel_loops("dcnv3.cpu.scatter", g.group_channels,
@@ -231,4 +240,6 @@ void dcnv3_gradients_cpu(const Dcnv3Geometry& g, const Dcnv3Fields& f, int64_t b
   });
 }
 
-}  // namespace deformconv
+}  // namespace deformconv::DEFORMCONV_CPU_COPY
+
+#endif

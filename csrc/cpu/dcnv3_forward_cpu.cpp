@@ -1,5 +1,7 @@
 // The forward of DCNv3 and DCNv4 on the CPU: each pixel's samples located once, each group's
-// channels summed over its points in vectors of the clone's register width.
+// channels summed over its points in vectors of the copy's register width.
+
+#if !defined(DEFORMCONV_CPU_COPY)  // the head (Note [CPU copies], cpu_copies.h)
 
 #include <ATen/Dispatch.h>
 
@@ -9,11 +11,18 @@
 #include <type_traits>
 #include <vector>
 
+#include "../core/dcnv3.h"
 #include "../infrastructure/dtype_dispatch.h"
 #include "dcnv3_samples.h"
+
+#define DEFORMCONV_CPU_COPY_BODY "dcnv3_forward_cpu.cpp"
+#include "cpu_copies.h"
+
+#else  // the body, once per copy
+
 #include "dcnv3_stages.h"
 
-namespace deformconv {
+namespace deformconv::DEFORMCONV_CPU_COPY {
 namespace {
 
 // out[c] for kVectors vectors of channels from c on: the sum over the points [first, first +
@@ -69,9 +78,9 @@ DEFORMCONV_INLINE void sum_points(const PixelSamples<opmath_t>& samples,
 // sums are not all finite is summed again with the rows of corners of weight 0 (outside the
 // image, or masked) taken as zeros (sum_points), so that an infinite input value there cannot
 // make NaN. Then, a vector or two of channels at a time, in vectors as wide as the running
-// clone's registers (kVectorBytes), the sum over the points stays in registers.
+// copy's registers (kVectorBytes), the sum over the points stays in registers.
 template <int kVectorBytes, int64_t kGroupChannels, typename scalar_t>
-DEFORMCONV_VECTOR_CLONES void dcnv3_forward_pixels(const Dcnv3Geometry& g, const Dcnv3Fields& f,
+void dcnv3_forward_pixels(const Dcnv3Geometry& g, const Dcnv3Fields& f,
                                                    const scalar_t* input, const scalar_t* offset,
                                                    const scalar_t* mask, scalar_t* output,
                                                    TaskRuns& runs) {
@@ -143,8 +152,8 @@ void dcnv3_forward_cpu(const Dcnv3Geometry& g, const Dcnv3Fields& f, int64_t bat
     const scalar_t* offset_data = offset.const_data_ptr<scalar_t>();
     const scalar_t* mask_data = mask.const_data_ptr<scalar_t>();
     scalar_t* output_data = output.mutable_data_ptr<scalar_t>();
-    // Vectors as wide as a register of the clone that runs.
-    with_register_bytes([&](auto register_bytes) {
+    // Vectors as wide as a register of the copy that runs.
+    with_register_bytes<kRegisterBytes>([&](auto register_bytes) {
       constexpr int64_t kWidth = register_bytes / sizeof(at::opmath_type<scalar_t>);
       record_channel_loops("dcnv3.cpu.forward", g.group_channels, {2 * kWidth, kWidth, kLanes});
       with_group_channels(g, [&](auto group_channels) {
@@ -157,4 +166,6 @@ void dcnv3_forward_cpu(const Dcnv3Geometry& g, const Dcnv3Fields& f, int64_t bat
   });
 }
 
-}  // namespace deformconv
+}  // namespace deformconv::DEFORMCONV_CPU_COPY
+
+#endif

@@ -45,7 +45,7 @@ DEFORMCONV_INLINE void for_each_sample_run(const Dcnv3Geometry& g, const Dcnv3Fi
 //
 // The vectorised loops over the samples (locating them, their corner rows, their offset and
 // mask gradient sums) run over `located` samples: the pixel's, padded to a multiple of
-// `vector_lanes`, the lanes of the clone's vectors, and of kLanes, the lanes of
+// `vector_lanes`, the lanes of the copy's vectors, and of kLanes, the lanes of
 // LocatedSamples::offset_mask_grad_sums, so that none is left to the loops' remainders, which
 // cost about as much per sample as the vector iterations per vector (a group of 4 has 36
 // samples: with AVX-512, two vector iterations and four scalar ones). The padding samples have

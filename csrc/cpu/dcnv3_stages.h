@@ -1,17 +1,13 @@
-#pragma once
-
 // The CPU launchers of DCNv3 and DCNv4 (core/dcnv3.h's Dcnv3Launchers): the forward
 // (dcnv3_forward_cpu.cpp) and the gradients (dcnv3_backward_cpu.cpp). Every task writes
 // outputs of its own, so the results, the input gradient included, do not depend on the
 // number of threads.
+//
+// Declarations only, into the namespace of the copy being compiled: each kernel file's body
+// includes this header once per copy (Note [CPU copies], cpu_copies.h), and its head includes
+// what the declarations need (core/dcnv3.h).
 
-#include <ATen/core/Tensor.h>
-
-#include <cstdint>
-
-#include "../core/dcnv3.h"
-
-namespace deformconv {
+namespace deformconv::DEFORMCONV_CPU_COPY {
 
 void dcnv3_forward_cpu(const Dcnv3Geometry& g, const Dcnv3Fields& f, int64_t batch,
                        const at::Tensor& input, const at::Tensor& offset, const at::Tensor& mask,
@@ -23,4 +19,4 @@ void dcnv3_gradients_cpu(const Dcnv3Geometry& g, const Dcnv3Fields& f, int64_t b
                          at::Tensor& grad_input, at::Tensor& grad_offset,
                          at::Tensor& grad_mask);
 
-}  // namespace deformconv
+}  // namespace deformconv::DEFORMCONV_CPU_COPY

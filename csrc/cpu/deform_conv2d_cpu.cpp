@@ -6,17 +6,25 @@
 // of pixels (StretchSamples, window_tasks.h), and applies each sample to the consecutive
 // channels it serves; col2im, which visits the samples in another order, reads plans made once
 // per window. Both the locating and the loops over channels run vectorised, and each stage is
-// compiled for several instruction sets (DEFORMCONV_VECTOR_CLONES), chosen when the library
-// loads.
+// compiled once per instruction set (Note [CPU copies], cpu_copies.h), as is this table; the
+// GEMMs and the scratch memory are compiled once (deform_conv2d_single_copy_cpu.h).
 
-#include "cpu_launchers.h"
+#if !defined(DEFORMCONV_CPU_COPY)  // the head (Note [CPU copies], cpu_copies.h)
 
 #include <ATen/Parallel.h>
 
 #include "../common/bilinear_sampling.cuh"
+#include "../core/deform_conv2d_launchers.h"
+#include "deform_conv2d_single_copy_cpu.h"
+
+#define DEFORMCONV_CPU_COPY_BODY "deform_conv2d_cpu.cpp"
+#include "cpu_copies.h"
+
+#else  // the body, once per copy
+
 #include "deform_conv2d_stages.h"
 
-namespace deformconv {
+namespace deformconv::DEFORMCONV_CPU_COPY {
 namespace {
 
 // The fused forward where it pays (Note [Fused forward], fused_forward_cpu.cpp). Otherwise a
@@ -65,4 +73,6 @@ constexpr DeformConv2dLaunchers kCpuLaunchers{
 
 const DeformConv2dLaunchers& deform_conv2d_cpu_launchers() { return kCpuLaunchers; }
 
-}  // namespace deformconv
+}  // namespace deformconv::DEFORMCONV_CPU_COPY
+
+#endif

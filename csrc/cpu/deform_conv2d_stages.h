@@ -1,15 +1,13 @@
-#pragma once
+// The CPU stages of DCN v1/v2, one file per stage (im2col_cpu.cpp, fused_forward_cpu.cpp,
+// col2im_cpu.cpp, transpose_cpu.cpp), which deform_conv2d_cpu.cpp gathers into the CPU's
+// launcher table (core/deform_conv2d_launchers.h says what each does) with the parts of
+// deform_conv2d_single_copy_cpu.h.
+//
+// Declarations only, into the namespace of the copy being compiled: each kernel file's body
+// includes this header once per copy (Note [CPU copies], cpu_copies.h), and its head includes
+// what the declarations need (ATen's Tensor, core/deform_conv2d_launchers.h).
 
-// The CPU launchers of DCN v1/v2, one file per stage (im2col_cpu.cpp, fused_forward_cpu.cpp,
-// col2im_cpu.cpp, transpose_cpu.cpp), the GEMMs (onednn_gemms_cpu.cpp) and the scratch memory
-// (scratch_pool.cpp), which deform_conv2d_cpu.cpp gathers into the CPU's launcher table
-// (core/deform_conv2d_launchers.h says what each does).
-
-#include <ATen/core/Tensor.h>
-
-#include "../core/deform_conv2d_launchers.h"
-
-namespace deformconv {
+namespace deformconv::DEFORMCONV_CPU_COPY {
 
 void make_plans_cpu(const DeformConv2dGeometry& g, const PixelWindow& window, int64_t batch,
                     const at::Tensor& offset, const at::Tensor& mask, at::Tensor& plans);
@@ -31,9 +29,4 @@ void column_gradients_cpu(const DeformConv2dGeometry& g, const PixelWindow& wind
 
 void transpose_cpu(const at::Tensor& src, at::Tensor& dst);
 
-at::Tensor scratch_cpu(c10::IntArrayRef sizes, const at::TensorOptions& options);
-
-// oneDNN's 1x1 convolutions or bmm: onednn_gemms_cpu.cpp.
-const WindowGemms& window_gemms_cpu(const DeformConv2dGeometry& g, at::ScalarType dtype);
-
-}  // namespace deformconv
+}  // namespace deformconv::DEFORMCONV_CPU_COPY

@@ -11,6 +11,8 @@
 // for weights up to 4 MiB (fused_forward_pays_cpu; about a core's L2 cache or its share of
 // L3). ResNet's 512-channel stage (9 MiB) runs faster as GEMMs.
 
+#if !defined(DEFORMCONV_CPU_COPY)  // the head (Note [CPU copies], cpu_copies.h)
+
 #include <ATen/Dispatch.h>
 
 #include <algorithm>
@@ -19,11 +21,18 @@
 #include <string_view>
 #include <vector>
 
-#include "deform_conv2d_stages.h"
+#include "../core/deform_conv2d_launchers.h"
 #include "simd_blocks.h"
 #include "window_tasks.h"
 
-namespace deformconv {
+#define DEFORMCONV_CPU_COPY_BODY "fused_forward_cpu.cpp"
+#include "cpu_copies.h"
+
+#else  // the body, once per copy
+
+#include "deform_conv2d_stages.h"
+
+namespace deformconv::DEFORMCONV_CPU_COPY {
 namespace {
 
 template <typename scalar_t>
@@ -44,7 +53,7 @@ struct FusedForwardTask {
 // at a time, sampled into `values` (pixel, input channel) and multiplied into the sums, conv
 // group by conv group: Note [Fused forward].
 template <int kVectorBytes, typename scalar_t>
-DEFORMCONV_VECTOR_CLONES void fused_forward_tasks(const FusedForwardTask<scalar_t>& t,
+void fused_forward_tasks(const FusedForwardTask<scalar_t>& t,
                                                   int64_t begin, int64_t end) {
   using opmath_t = at::opmath_type<scalar_t>;
   const DeformConv2dGeometry& g = t.g;
@@ -116,8 +125,8 @@ void fused_forward_cpu(const DeformConv2dGeometry& g, int64_t batch, const at::T
                                        weight_taps.const_data_ptr<at::opmath_type<scalar_t>>(),
                                        data_or_null<scalar_t>(bias),
                                        output.mutable_data_ptr<scalar_t>()};
-    // Multiply-adds as wide as a register of the clone that runs.
-    with_register_bytes([&](auto register_bytes) {
+    // Multiply-adds as wide as a register of the copy that runs.
+    with_register_bytes<kRegisterBytes>([&](auto register_bytes) {
       constexpr int64_t kWidth = register_bytes / sizeof(at::opmath_type<scalar_t>);
       record_channel_loops("deform_conv2d.cpu.fused_forward", g.out_channels / g.groups,
                            {2 * kWidth, kWidth});
@@ -141,4 +150,6 @@ bool fused_forward_pays_cpu(const DeformConv2dGeometry& g, at::ScalarType dtype)
   return weight_bytes <= kCachedWeightBytes;
 }
 
-}  // namespace deformconv
+}  // namespace deformconv::DEFORMCONV_CPU_COPY
+
+#endif

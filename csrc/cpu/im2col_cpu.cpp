@@ -1,19 +1,28 @@
 // The CPU's window preparation (the sampling plans that col2im reads) and im2col of DCN v1/v2.
 
+#if !defined(DEFORMCONV_CPU_COPY)  // the head (Note [CPU copies], cpu_copies.h)
+
 #include <ATen/Dispatch.h>
 
 #include <cstdint>
 #include <vector>
 
-#include "deform_conv2d_stages.h"
+#include "../core/deform_conv2d_launchers.h"
 #include "window_tasks.h"
 
-namespace deformconv {
+#define DEFORMCONV_CPU_COPY_BODY "im2col_cpu.cpp"
+#include "cpu_copies.h"
+
+#else  // the body, once per copy
+
+#include "deform_conv2d_stages.h"
+
+namespace deformconv::DEFORMCONV_CPU_COPY {
 namespace {
 
 // Tasks [begin, end) of the window's plans, task = a stretch of one image's window pixels.
 template <typename scalar_t>
-DEFORMCONV_VECTOR_CLONES void make_plans_tasks(const DeformConv2dGeometry& g,
+void make_plans_tasks(const DeformConv2dGeometry& g,
                                                const PixelWindow& window,
                                                const PixelStretches& stretches,
                                                const scalar_t* offset, const scalar_t* mask,
@@ -73,7 +82,7 @@ struct Im2colTask {
 // samples are located at once; a corner that takes no part reads a row of zeros
 // (sum_corner_rows).
 template <typename scalar_t>
-DEFORMCONV_VECTOR_CLONES void im2col_tasks(const Im2colTask<scalar_t>& t, int64_t begin,
+void im2col_tasks(const Im2colTask<scalar_t>& t, int64_t begin,
                                            int64_t end) {
   using opmath_t = at::opmath_type<scalar_t>;
   const DeformConv2dGeometry& g = t.g;
@@ -126,4 +135,6 @@ void im2col_cpu(const DeformConv2dGeometry& g, const PixelWindow& window, int64_
   });
 }
 
-}  // namespace deformconv
+}  // namespace deformconv::DEFORMCONV_CPU_COPY
+
+#endif

@@ -4,6 +4,8 @@
 // head's D channels are contiguous in value, the output and their gradients: the channel loops
 // are the innermost, and the compiler vectorises them.
 
+#if !defined(DEFORMCONV_CPU_COPY)  // the head (Note [CPU copies], cpu_copies.h)
+
 #include <ATen/Dispatch.h>
 
 #include <algorithm>
@@ -16,12 +18,16 @@
 #include "../infrastructure/input_gradient_sums.h"
 #include "../infrastructure/optional_data.h"
 #include "../infrastructure/parallel_region.h"
-#include "cpu_launchers.h"
 #include "cpu_loops.h"
 #include "located_samples.h"
 #include "sample_gradients.h"
 
-namespace deformconv {
+#define DEFORMCONV_CPU_COPY_BODY "ms_deform_attn_cpu.cpp"
+#include "cpu_copies.h"
+
+#else  // the body, once per copy
+
+namespace deformconv::DEFORMCONV_CPU_COPY {
 namespace {
 
 std::vector<MsDeformAttnLevel> levels_of(const MsDeformAttnGeometry& g,
@@ -82,7 +88,7 @@ class LevelSamples {
 
  private:
   static int64_t padded(int64_t samples) {
-    // Whole vectors of the widest clone (16 floats), which are whole kLanes too.
+    // Whole vectors of the widest copy (16 floats), which are whole kLanes too.
     constexpr int64_t kWidest = 16;
     return (samples + kWidest - 1) / kWidest * kWidest;
   }
@@ -95,7 +101,7 @@ class LevelSamples {
 // located at once, then each head's D channels summed over its samples, four corner rows a
 // sample, into `sum` (a buffer of D).
 template <typename scalar_t>
-DEFORMCONV_VECTOR_CLONES void forward_queries(const MsDeformAttnGeometry& g,
+void forward_queries(const MsDeformAttnGeometry& g,
                                               const MsDeformAttnLevel* levels,
                                               const scalar_t* value, const scalar_t* locations,
                                               const scalar_t* weights, scalar_t* output,
@@ -175,7 +181,7 @@ inline int64_t backward_queries_per_locate(const MsDeformAttnGeometry& g) {
 // of D that is never read, which takes the scatter of corners of weight 0, so that 0 times an
 // infinite output gradient adds no NaN to the value gradient.
 template <int kVectorBytes, typename scalar_t>
-DEFORMCONV_VECTOR_CLONES void backward_heads(
+void backward_heads(
     const MsDeformAttnGeometry& g, const MsDeformAttnLevel* levels, const scalar_t* grad_output,
     const scalar_t* value, const scalar_t* locations, const scalar_t* weights,
     at::opmath_type<scalar_t>* grad_sums, scalar_t* grad_locations, scalar_t* grad_weights,
@@ -286,8 +292,8 @@ void ms_deform_attn_backward_cpu(const MsDeformAttnGeometry& g, const at::Tensor
                           ? uninitialised_input_gradient_sums<scalar_t>(grad_value)
                           : at::Tensor();
     const std::vector<scalar_t> zeros(D, scalar_t(0));
-    // The scatter's vectors as wide as a register of the clone that runs.
-    with_register_bytes([&](auto register_bytes) {
+    // The scatter's vectors as wide as a register of the copy that runs.
+    with_register_bytes<kRegisterBytes>([&](auto register_bytes) {
       constexpr int64_t kWidth = register_bytes / sizeof(opmath_t);
       if (grad_value.defined()) {
         record_channel_loops("ms_deform_attn.cpu.scatter", D,
@@ -328,4 +334,6 @@ constexpr MsDeformAttnLaunchers kCpuMsDeformAttnLaunchers{
 
 const MsDeformAttnLaunchers& ms_deform_attn_cpu_launchers() { return kCpuMsDeformAttnLaunchers; }
 
-}  // namespace deformconv
+}  // namespace deformconv::DEFORMCONV_CPU_COPY
+
+#endif

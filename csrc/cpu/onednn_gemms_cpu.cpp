@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "../core/deform_conv2d_gemms.h"
-#include "deform_conv2d_stages.h"
+#include "deform_conv2d_single_copy_cpu.h"
 
 namespace deformconv {
 

@@ -1,4 +1,5 @@
-// Registration of the ops' CPU kernels: the device-neutral drivers with the CPU's launchers.
+// Registration of the ops' CPU kernels: the device-neutral drivers with the launchers of the
+// copy of the CPU kernels in use (cpu_capability.cpp).
 
 #include <torch/library.h>
 
@@ -19,7 +20,7 @@ at::Tensor deform_conv2d_cpu(const at::Tensor& input, const at::Tensor& offset,
                              const std::optional<at::Tensor>& bias, c10::IntArrayRef stride,
                              c10::IntArrayRef padding, c10::IntArrayRef dilation, int64_t groups,
                              int64_t offset_groups, int64_t im2col_step) {
-  return deform_conv2d_forward(deform_conv2d_cpu_launchers(), input, offset, weight, mask, bias,
+  return deform_conv2d_forward(cpu_copy().deform_conv2d(), input, offset, weight, mask, bias,
                                stride, padding, dilation, groups, offset_groups, im2col_step);
 }
 
@@ -28,20 +29,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> deform_co
     const at::Tensor& weight, const std::optional<at::Tensor>& mask, c10::IntArrayRef stride,
     c10::IntArrayRef padding, c10::IntArrayRef dilation, int64_t groups, int64_t offset_groups,
     int64_t im2col_step, std::array<bool, 5> output_mask) {
-  return deform_conv2d_backward(deform_conv2d_cpu_launchers(), grad_output, input, offset,
+  return deform_conv2d_backward(cpu_copy().deform_conv2d(), grad_output, input, offset,
                                 weight, mask, stride, padding, dilation, groups, offset_groups,
                                 im2col_step, output_mask);
 }
 
 at::Tensor dcnv3_cpu(const at::Tensor& input, const at::Tensor& offset, const at::Tensor& mask,
                      const Dcnv3Arguments& args) {
-  return dcnv3_forward(dcnv3_cpu_launchers(), input, offset, mask, args);
+  return dcnv3_forward(cpu_copy().dcnv3(), input, offset, mask, args);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> dcnv3_backward_cpu(
     const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& offset,
     const at::Tensor& mask, const Dcnv3Arguments& args, std::array<bool, 3> output_mask) {
-  return dcnv3_backward(dcnv3_cpu_launchers(), grad_output, input, offset, mask, args,
+  return dcnv3_backward(cpu_copy().dcnv3(), grad_output, input, offset, mask, args,
                         output_mask);
 }
 
@@ -49,7 +50,7 @@ at::Tensor ms_deform_attn_cpu(const at::Tensor& value, const at::Tensor& spatial
                               const at::Tensor& level_start_index,
                               const at::Tensor& sampling_locations,
                               const at::Tensor& attention_weights, int64_t im2col_step) {
-  return ms_deform_attn_forward(ms_deform_attn_cpu_launchers(), value, spatial_shapes,
+  return ms_deform_attn_forward(cpu_copy().ms_deform_attn(), value, spatial_shapes,
                                 level_start_index, sampling_locations, attention_weights,
                                 im2col_step);
 }
@@ -58,7 +59,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ms_deform_attn_backward_cpu(
     const at::Tensor& grad_output, const at::Tensor& value, const at::Tensor& spatial_shapes,
     const at::Tensor& level_start_index, const at::Tensor& sampling_locations,
     const at::Tensor& attention_weights, int64_t im2col_step, std::array<bool, 3> output_mask) {
-  return ms_deform_attn_backward(ms_deform_attn_cpu_launchers(), grad_output, value,
+  return ms_deform_attn_backward(cpu_copy().ms_deform_attn(), grad_output, value,
                                  spatial_shapes, level_start_index, sampling_locations,
                                  attention_weights, im2col_step, output_mask);
 }

@@ -24,7 +24,7 @@ DEFORMCONV_INLINE void add_corner_products(const Lanes& grad, const Lanes& value
 }
 
 // weight[corner] * grad added onto each corner's row grad_row[corner], over the D channels of
-// a group: in vectors as wide as the running clone's registers (kVectorBytes: one AVX-512
+// a group: in vectors as wide as the running copy's registers (kVectorBytes: one AVX-512
 // register for a group of 16 float channels, where kLanes would take two), then kLanes at a
 // time, then one by one. Each channel's sum is the same multiply-add whatever the width.
 template <int kVectorBytes, typename opmath_t>

@@ -17,7 +17,7 @@
 #include <sys/mman.h>
 #endif
 
-#include "deform_conv2d_stages.h"
+#include "deform_conv2d_single_copy_cpu.h"
 
 namespace deformconv {
 namespace {

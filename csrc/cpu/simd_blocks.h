@@ -15,7 +15,7 @@
 namespace deformconv {
 
 // Pixels whose output sums share each load of a weight row: with two vectors of sums per pixel,
-// half the registers of the clone (16 of AVX2's 32-byte ones, 32 of AVX-512's 64-byte ones).
+// half the registers of the copy (16 of AVX2's 32-byte ones, 32 of AVX-512's 64-byte ones).
 // With more pixels GCC spilled.
 template <int kVectorBytes>
 constexpr int64_t kFusedPixels = kVectorBytes / 8;

@@ -1,15 +1,24 @@
 // The tiled transposes between the (C_in, H * W) planes of the user's tensors and
 // channels-last, on the CPU.
 
+#if !defined(DEFORMCONV_CPU_COPY)  // the head (Note [CPU copies], cpu_copies.h)
+
 #include <ATen/Dispatch.h>
 
 #include <algorithm>
 #include <cstdint>
 
+#include "../core/deform_conv2d_launchers.h"
 #include "cpu_loops.h"
+
+#define DEFORMCONV_CPU_COPY_BODY "transpose_cpu.cpp"
+#include "cpu_copies.h"
+
+#else  // the body, once per copy
+
 #include "deform_conv2d_stages.h"
 
-namespace deformconv {
+namespace deformconv::DEFORMCONV_CPU_COPY {
 namespace {
 
 // Swaps the last two dimensions in square tiles, so that both the reads and the writes of a
@@ -18,7 +27,7 @@ namespace {
 constexpr int64_t kTransposeTile = 64;
 
 template <typename scalar_t>
-DEFORMCONV_VECTOR_CLONES void transpose_tiles(const scalar_t* src, scalar_t* dst, int64_t rows,
+void transpose_tiles(const scalar_t* src, scalar_t* dst, int64_t rows,
                                               int64_t cols, int64_t begin, int64_t end) {
   const int64_t row_tiles = (rows + kTransposeTile - 1) / kTransposeTile;
   const int64_t col_tiles = (cols + kTransposeTile - 1) / kTransposeTile;
@@ -54,4 +63,6 @@ void transpose_cpu(const at::Tensor& src, at::Tensor& dst) {
   });
 }
 
-}  // namespace deformconv
+}  // namespace deformconv::DEFORMCONV_CPU_COPY
+
+#endif

@@ -1,0 +1,160 @@
+// The choice of the copy of the CPU kernels that runs (Note [CPU copies], cpu_copies.h): on
+// first use, the best copy that the CPU runs, or the one DEFORMCONV_CPU_CAPABILITY names. A
+// name that is no copy, a copy this build lacks or one the CPU cannot run is warned about, and
+// the best copy runs instead. The private ops report the choice (python -m deformconv info,
+// the benchmark) and let the tests run each copy in one process.
+
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include <atomic>
+#include <cstdlib>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "../infrastructure/branch_trace.h"
+#include "cpu_copy_list.h"
+#include "cpu_launchers.h"
+
+// Each copy's tables, defined in its namespace by the kernel files' bodies.
+#define DEFORMCONV_DECLARE_COPY_TABLES(copy, name)                  \
+  namespace deformconv::copy {                                      \
+  const DeformConv2dLaunchers& deform_conv2d_cpu_launchers();       \
+  const Dcnv3Launchers& dcnv3_cpu_launchers();                      \
+  const MsDeformAttnLaunchers& ms_deform_attn_cpu_launchers();      \
+  }
+DEFORMCONV_FOR_EACH_CPU_COPY(DEFORMCONV_DECLARE_COPY_TABLES)
+#undef DEFORMCONV_DECLARE_COPY_TABLES
+
+namespace deformconv {
+namespace {
+
+#define DEFORMCONV_COPY_ENTRY(copy, name)                                                    \
+  CpuCopy{name, "cpu.capability." name, copy::deform_conv2d_cpu_launchers,                   \
+          copy::dcnv3_cpu_launchers, copy::ms_deform_attn_cpu_launchers},
+// Best first.
+constexpr CpuCopy kCopies[] = {DEFORMCONV_FOR_EACH_CPU_COPY(DEFORMCONV_COPY_ENTRY)};
+#undef DEFORMCONV_COPY_ENTRY
+
+constexpr const char* kKnownNames = "avx512, avx2 or default";
+
+bool runs_here(std::string_view name) {
+#if defined(DEFORMCONV_X86_CPU_COPIES)
+  // The instruction sets of the copies' target pragmas, and the operating system's support for
+  // their registers, which GCC's CPU model checks too.
+#if __GNUC__ >= 12
+  if (name == "avx512") {
+    return __builtin_cpu_supports("x86-64-v4");
+  }
+  if (name == "avx2") {
+    return __builtin_cpu_supports("x86-64-v3");
+  }
+#else
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                    __builtin_cpu_supports("bmi") && __builtin_cpu_supports("bmi2");
+  if (name == "avx512") {
+    return avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
+           __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq") &&
+           __builtin_cpu_supports("avx512cd");
+  }
+  if (name == "avx2") {
+    return avx2;
+  }
+#endif
+#endif
+  return name == "default";
+}
+
+const CpuCopy* held_copy(std::string_view name) {
+  for (const CpuCopy& copy : kCopies) {
+    if (name == copy.name) {
+      return &copy;
+    }
+  }
+  return nullptr;
+}
+
+const CpuCopy& best_copy() {
+  for (const CpuCopy& copy : kCopies) {
+    if (runs_here(copy.name)) {
+      return copy;
+    }
+  }
+  return kCopies[std::size(kCopies) - 1];  // the default copy, which every CPU runs
+}
+
+std::string held_names() {
+  std::string names;
+  for (const CpuCopy& copy : kCopies) {
+    names += names.empty() ? copy.name : std::string(" ") + copy.name;
+  }
+  return names;
+}
+
+// Why `name` cannot run here, or empty if it can.
+std::string refusal(std::string_view name) {
+  if (name != "avx512" && name != "avx2" && name != "default") {
+    return c10::str("expected ", kKnownNames, ", but got '", name, "'");
+  }
+  if (held_copy(name) == nullptr) {
+    return c10::str("this build holds no ", name, " copy (it holds: ", held_names(), ")");
+  }
+  if (!runs_here(name)) {
+    return c10::str("this CPU cannot run the ", name, " copy");
+  }
+  return "";
+}
+
+const CpuCopy& requested_or_best_copy() {
+  const char* requested = std::getenv("DEFORMCONV_CPU_CAPABILITY");
+  if (requested == nullptr || *requested == '\0') {
+    return best_copy();
+  }
+  const std::string why_not = refusal(requested);
+  if (!why_not.empty()) {
+    TORCH_WARN("DEFORMCONV_CPU_CAPABILITY: ", why_not, "; running the ", best_copy().name,
+               " copy of the CPU kernels instead");
+    return best_copy();
+  }
+  return *held_copy(requested);
+}
+
+std::atomic<const CpuCopy*>& selected_copy() {
+  static std::atomic<const CpuCopy*> selected{&requested_or_best_copy()};
+  return selected;
+}
+
+std::string cpu_capability() { return selected_copy().load()->name; }
+
+std::vector<std::string> cpu_capabilities() {
+  std::vector<std::string> runnable;
+  for (const CpuCopy& copy : kCopies) {
+    if (runs_here(copy.name)) {
+      runnable.emplace_back(copy.name);
+    }
+  }
+  return runnable;
+}
+
+std::string select_cpu_capability(const std::string& capability) {
+  const std::string why_not = refusal(capability);
+  TORCH_CHECK_VALUE(why_not.empty(), "_select_cpu_capability(): ", why_not);
+  return selected_copy().exchange(held_copy(capability))->name;
+}
+
+}  // namespace
+
+const CpuCopy& cpu_copy() {
+  const CpuCopy& copy = *selected_copy().load();
+  record_branch(copy.branch);
+  return copy;
+}
+
+TORCH_LIBRARY_IMPL(deformconv, CompositeExplicitAutograd, m) {
+  m.impl("_cpu_capability", TORCH_FN(cpu_capability));
+  m.impl("_cpu_capabilities", TORCH_FN(cpu_capabilities));
+  m.impl("_select_cpu_capability", TORCH_FN(select_cpu_capability));
+}
+
+}  // namespace deformconv

@@ -1,0 +1,19 @@
+#pragma once
+
+// The parts of DCN v1/v2's CPU launcher table that are compiled once and shared by every copy
+// of the kernels (Note [CPU copies], cpu_copies.h): the scratch memory (scratch_pool.cpp),
+// one pool for the process, and the GEMMs (onednn_gemms_cpu.cpp), whose vector code is
+// oneDNN's and ATen's own.
+
+#include <ATen/core/Tensor.h>
+
+#include "../core/deform_conv2d_launchers.h"
+
+namespace deformconv {
+
+at::Tensor scratch_cpu(c10::IntArrayRef sizes, const at::TensorOptions& options);
+
+// oneDNN's 1x1 convolutions or bmm.
+const WindowGemms& window_gemms_cpu(const DeformConv2dGeometry& g, at::ScalarType dtype);
+
+}  // namespace deformconv

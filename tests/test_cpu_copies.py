@@ -1,0 +1,125 @@
+"""The copies of the CPU kernels (Note [CPU copies], csrc/cpu/cpu_copies.h): each copy that
+this CPU runs runs every op, as the branch trace shows, with the vectors of its instruction set
+and the results of the others; DEFORMCONV_CPU_CAPABILITY chooses the copy at load time and
+falls back, warning, from one that cannot run. The paths of each op under each copy are the
+branch tests' (their cpu_copy fixture)."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import deformconv
+from branching import branch_trace
+from cases import GEOMETRIES, make_operands
+from dcnv3_reference import pack_offset_mask, random_operands
+from ms_deform_attn_reference import make_operands as attention_operands
+
+COPIES = list(torch.ops.deformconv._cpu_capabilities())
+
+
+def cpu_flags():
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def every_op(dtype):
+    """Each op's forward and every gradient, on small operands off integer coordinates."""
+    geometry = GEOMETRIES[4]
+    input, offset, weight, bias, mask = [
+        t.requires_grad_() for t in make_operands(geometry, dtype=dtype)]
+    results = {"deform_conv2d": (deformconv.deform_conv2d(
+        input, offset, weight, bias, geometry.stride, geometry.padding, geometry.dilation,
+        mask),
+        (input, offset, weight, bias, mask))}
+    dcnv3_geometry = ((3, 3), (1, 1), (1, 1), (1, 1), 2, 16)
+    x, o, m = [t.requires_grad_() for t in random_operands(2, 5, 6, dcnv3_geometry, dtype=dtype)]
+    flat = (3, 3, 1, 1, 1, 1, 1, 1, 2, 16, 0.5, 0, False)
+    results["dcnv3"] = (deformconv.dcnv3(x, o, m, *flat), (x, o, m))
+    offset_mask = pack_offset_mask(o.detach(), m.detach(), 2, padding_value=0.0)
+    x4 = x.detach().clone().requires_grad_()
+    offset_mask.requires_grad_()
+    results["dcnv4"] = (deformconv.dcnv4(x4, offset_mask, *flat), (x4, offset_mask))
+    value, shapes, starts, locations, weights = attention_operands(
+        [(4, 6), (2, 3)], channels=16, dtype=dtype)
+    floating = [t.requires_grad_() for t in (value, locations, weights)]
+    results["ms_deform_attn"] = (deformconv.ms_deform_attn(
+        floating[0], shapes, starts, floating[1], floating[2]), floating)
+    gradients = {}
+    for op, (output, operands) in results.items():
+        grad_output = torch.ones_like(output) / 7
+        gradients[op] = [output.detach(), *torch.autograd.grad(output, operands, grad_output)]
+    return gradients
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_each_copy_runs_every_op_with_its_vectors(cpu_copy, dtype):
+    with branch_trace() as taken:
+        results = every_op(dtype)
+    copies_run = {name for name in taken if name.startswith("cpu.capability.")}
+    assert copies_run == {f"cpu.capability.{cpu_copy}"}
+    widths = {name for name in taken if name.startswith("cpu.vectors.")}
+    assert widths == {"cpu.vectors.64bytes" if cpu_copy == "avx512" else "cpu.vectors.32bytes"}
+    # Against the best copy's results: the copies differ in rounding only (fused multiply-adds,
+    # the order of vector sums).
+    previous = torch.ops.deformconv._select_cpu_capability(COPIES[0])
+    try:
+        expected = every_op(dtype)
+    finally:
+        torch.ops.deformconv._select_cpu_capability(previous)
+    tolerance = 1e-4 if dtype == torch.float32 else 1e-10
+    for op in results:
+        for got, want in zip(results[op], expected[op]):
+            torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance, msg=op)
+
+
+def test_the_copies_this_cpu_runs():
+    assert COPIES[-1] == "default"
+    assert COPIES == [name for name in ("avx512", "avx2", "default") if name in COPIES]
+    flags = cpu_flags()
+    if "avx512" in COPIES:
+        assert {"avx512f", "avx512bw", "avx512vl"} <= flags
+    if "avx2" in COPIES:
+        assert {"avx2", "fma"} <= flags
+    assert torch.ops.deformconv._cpu_capability() in COPIES
+
+
+def test_select_refuses_a_copy_it_cannot_run():
+    with pytest.raises(ValueError, match="expected avx512, avx2 or default, but got 'avx3'"):
+        torch.ops.deformconv._select_cpu_capability("avx3")
+    for name in {"avx512", "avx2"} - set(COPIES):
+        with pytest.raises(ValueError, match=f"(holds no|cannot run the) {name} copy"):
+            torch.ops.deformconv._select_cpu_capability(name)
+
+
+def capability_chosen_by(value):
+    """The copy in use, and what was printed to stderr, in a fresh process whose
+    DEFORMCONV_CPU_CAPABILITY is value."""
+    script = ("import torch, deformconv; "
+              "print(torch.ops.deformconv._cpu_capability())")
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         env={**os.environ, "DEFORMCONV_CPU_CAPABILITY": value}, timeout=300)
+    assert run.returncode == 0, run.stderr
+    return run.stdout.strip(), run.stderr
+
+
+@pytest.mark.parametrize("copy", COPIES)
+def test_the_variable_chooses_a_copy_at_load_time(copy):
+    chosen, stderr = capability_chosen_by(copy)
+    assert chosen == copy
+    assert "DEFORMCONV_CPU_CAPABILITY" not in stderr
+
+
+def test_the_variable_falls_back_with_a_warning():
+    chosen, stderr = capability_chosen_by("avx3")
+    assert chosen == COPIES[0]
+    assert ("DEFORMCONV_CPU_CAPABILITY: expected avx512, avx2 or default, but got 'avx3'; "
+            f"running the {COPIES[0]} copy") in stderr
