@@ -5,6 +5,9 @@ falls back, warning, from one that cannot run. The paths of each op under each c
 branch tests' (their cpu_copy fixture)."""
 
 import os
+import platform
+import re
+import shutil
 import subprocess
 import sys
 
@@ -123,3 +126,35 @@ def test_the_variable_falls_back_with_a_warning():
     assert chosen == COPIES[0]
     assert ("DEFORMCONV_CPU_CAPABILITY: expected avx512, avx2 or default, but got 'avx3'; "
             f"running the {COPIES[0]} copy") in stderr
+
+
+def functions_using(pattern, disassembly):
+    """The names of the functions of an objdump listing with an instruction that matches."""
+    found, current = set(), None
+    for line in disassembly.splitlines():
+        label = re.match(r"^[0-9a-f]+ <(.*)>:$", line)
+        if label:
+            current = label.group(1)
+        elif current and re.search(pattern, line):
+            found.add(current)
+    return found
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64" or shutil.which("objdump") is None,
+                    reason="x86-64 machine code, read with binutils' objdump")
+def test_wide_vectors_only_inside_their_copies():
+    # The one-definition rule at work (Note [CPU copies]): code outside the AVX-512 and AVX2
+    # copies' namespaces is compiled for the default target, so that the linker, which keeps
+    # one of several definitions of an inline function, never hands a CPU without AVX2 an
+    # instruction of another copy; and the AVX2 copy holds no AVX-512 instruction.
+    library = deformconv._C.__file__
+    listing = subprocess.run(["objdump", "-d", "--no-show-raw-insn", "-C", library],
+                             capture_output=True, text=True, check=True).stdout
+    if "deformconv::cpu_avx2::" not in listing:
+        pytest.skip("a build with the default copy alone (not GCC on x86-64)")
+    copies = ("deformconv::cpu_avx512::", "deformconv::cpu_avx2::")
+    wide = functions_using(r"%[yz]mm|%k[1-7]\b", listing)
+    assert any("deformconv::cpu_avx512::" in name for name in wide)
+    assert not {name for name in wide if not any(copy in name for copy in copies)}
+    avx512 = functions_using(r"%zmm|%k[1-7]\b", listing)
+    assert not {name for name in avx512 if "deformconv::cpu_avx2::" in name}
