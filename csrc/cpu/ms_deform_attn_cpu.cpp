@@ -275,17 +275,17 @@ void backward_heads(
   }
 }
 
-void ms_deform_attn_backward_cpu(const MsDeformAttnGeometry& g, const at::Tensor& grad_output,
-                                 const at::Tensor& value, const at::Tensor& spatial_shapes,
-                                 const at::Tensor& level_start_index,
-                                 const at::Tensor& sampling_locations,
-                                 const at::Tensor& attention_weights, at::Tensor& grad_value,
-                                 at::Tensor& grad_sampling_locations,
-                                 at::Tensor& grad_attention_weights) {
+void ms_deform_attn_gradients_cpu(const MsDeformAttnGeometry& g, const at::Tensor& grad_output,
+                                  const at::Tensor& value, const at::Tensor& spatial_shapes,
+                                  const at::Tensor& level_start_index,
+                                  const at::Tensor& sampling_locations,
+                                  const at::Tensor& attention_weights, at::Tensor& grad_value,
+                                  at::Tensor& grad_sampling_locations,
+                                  at::Tensor& grad_attention_weights) {
   const std::vector<MsDeformAttnLevel> levels = levels_of(g, spatial_shapes, level_start_index);
   const int64_t D = g.channels;
   const int64_t whole_lanes = (D + kLanes - 1) / kLanes * kLanes;
-  DEFORMCONV_DISPATCH(value.scalar_type(), "ms_deform_attn_backward_cpu", [&] {
+  DEFORMCONV_DISPATCH(value.scalar_type(), "ms_deform_attn_gradients_cpu", [&] {
     using opmath_t = at::opmath_type<scalar_t>;
     // Note [Input gradient sums in float32]
     at::Tensor sums = grad_value.defined()
@@ -327,7 +327,7 @@ void ms_deform_attn_backward_cpu(const MsDeformAttnGeometry& g, const at::Tensor
 
 constexpr MsDeformAttnLaunchers kCpuMsDeformAttnLaunchers{
     .forward = ms_deform_attn_forward_cpu,
-    .backward = ms_deform_attn_backward_cpu,
+    .backward = ms_deform_attn_gradients_cpu,
 };
 
 }  // namespace

@@ -255,11 +255,11 @@ __global__ void ms_deform_attn_backward_kernel(
   }
 }
 
-void ms_deform_attn_forward_launch(const MsDeformAttnGeometry& g, const at::Tensor& value,
-                                   const at::Tensor& spatial_shapes,
-                                   const at::Tensor& level_start_index,
-                                   const at::Tensor& sampling_locations,
-                                   const at::Tensor& attention_weights, at::Tensor& output) {
+void ms_deform_attn_forward_cuda(const MsDeformAttnGeometry& g, const at::Tensor& value,
+                                 const at::Tensor& spatial_shapes,
+                                 const at::Tensor& level_start_index,
+                                 const at::Tensor& sampling_locations,
+                                 const at::Tensor& attention_weights, at::Tensor& output) {
   DEFORMCONV_DISPATCH(value.scalar_type(), "ms_deform_attn_forward_cuda", [&] {
     with_channel_vectors<16 / sizeof(scalar_t)>(
         g.batch * g.queries * g.heads, g.channels, g.channels, g.head_samples(),
@@ -277,13 +277,13 @@ void ms_deform_attn_forward_launch(const MsDeformAttnGeometry& g, const at::Tens
   });
 }
 
-void ms_deform_attn_backward_launch(const MsDeformAttnGeometry& g, const at::Tensor& grad_output,
-                                    const at::Tensor& value, const at::Tensor& spatial_shapes,
-                                    const at::Tensor& level_start_index,
-                                    const at::Tensor& sampling_locations,
-                                    const at::Tensor& attention_weights, at::Tensor& grad_value,
-                                    at::Tensor& grad_sampling_locations,
-                                    at::Tensor& grad_attention_weights) {
+void ms_deform_attn_gradients_cuda(const MsDeformAttnGeometry& g, const at::Tensor& grad_output,
+                                   const at::Tensor& value, const at::Tensor& spatial_shapes,
+                                   const at::Tensor& level_start_index,
+                                   const at::Tensor& sampling_locations,
+                                   const at::Tensor& attention_weights, at::Tensor& grad_value,
+                                   at::Tensor& grad_sampling_locations,
+                                   at::Tensor& grad_attention_weights) {
   if (grad_value.defined()) {
     record_branch("ms_deform_attn.cuda.backward.value_gradient");
   }
@@ -325,8 +325,8 @@ void ms_deform_attn_backward_launch(const MsDeformAttnGeometry& g, const at::Ten
 
 const MsDeformAttnLaunchers& ms_deform_attn_cuda_launchers() {
   static const MsDeformAttnLaunchers launchers{
-      .forward = ms_deform_attn_forward_launch,
-      .backward = ms_deform_attn_backward_launch,
+      .forward = ms_deform_attn_forward_cuda,
+      .backward = ms_deform_attn_gradients_cuda,
   };
   return launchers;
 }

@@ -12,12 +12,11 @@
 
 namespace deformconv {
 
-at::Tensor deform_conv2d_cuda(const DeformConv2dLaunchers& launchers, const at::Tensor& input,
-                              const at::Tensor& offset, const at::Tensor& weight,
-                              const std::optional<at::Tensor>& mask,
-                              const std::optional<at::Tensor>& bias, c10::IntArrayRef stride,
-                              c10::IntArrayRef padding, c10::IntArrayRef dilation,
-                              int64_t groups, int64_t offset_groups, int64_t im2col_step) {
+at::Tensor deform_conv2d_cuda_with_launchers(
+    const DeformConv2dLaunchers& launchers, const at::Tensor& input, const at::Tensor& offset,
+    const at::Tensor& weight, const std::optional<at::Tensor>& mask,
+    const std::optional<at::Tensor>& bias, c10::IntArrayRef stride, c10::IntArrayRef padding,
+    c10::IntArrayRef dilation, int64_t groups, int64_t offset_groups, int64_t im2col_step) {
   // Before the guard, which needs input on a CUDA device: never touch memory of another device.
   check_same_device(input, offset, weight, mask, bias);
   const c10::cuda::CUDAGuard device_guard(input.device());
@@ -25,7 +24,8 @@ at::Tensor deform_conv2d_cuda(const DeformConv2dLaunchers& launchers, const at::
                                dilation, groups, offset_groups, im2col_step);
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> deform_conv2d_backward_cuda(
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
+deform_conv2d_backward_cuda_with_launchers(
     const DeformConv2dLaunchers& launchers, const at::Tensor& grad_output,
     const at::Tensor& input, const at::Tensor& offset, const at::Tensor& weight,
     const std::optional<at::Tensor>& mask, c10::IntArrayRef stride, c10::IntArrayRef padding,

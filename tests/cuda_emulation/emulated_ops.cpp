@@ -27,8 +27,9 @@ at::Tensor emulated_forward(const at::Tensor& input, const at::Tensor& offset,
                             const std::optional<at::Tensor>& bias, c10::IntArrayRef stride,
                             c10::IntArrayRef padding, c10::IntArrayRef dilation, int64_t groups,
                             int64_t offset_groups, int64_t im2col_step) {
-  return deform_conv2d_cuda(emulated_launchers(), input, offset, weight, mask, bias, stride,
-                            padding, dilation, groups, offset_groups, im2col_step);
+  return deform_conv2d_cuda_with_launchers(emulated_launchers(), input, offset, weight, mask,
+                                           bias, stride, padding, dilation, groups,
+                                           offset_groups, im2col_step);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> emulated_backward(
@@ -36,9 +37,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> emulated_
     const at::Tensor& weight, const std::optional<at::Tensor>& mask, c10::IntArrayRef stride,
     c10::IntArrayRef padding, c10::IntArrayRef dilation, int64_t groups, int64_t offset_groups,
     int64_t im2col_step, std::array<bool, 5> output_mask) {
-  return deform_conv2d_backward_cuda(emulated_launchers(), grad_output, input, offset, weight,
-                                     mask, stride, padding, dilation, groups, offset_groups,
-                                     im2col_step, output_mask);
+  return deform_conv2d_backward_cuda_with_launchers(
+      emulated_launchers(), grad_output, input, offset, weight, mask, stride, padding, dilation,
+      groups, offset_groups, im2col_step, output_mask);
 }
 
 void configure(int64_t block_order, int64_t thread_order, int64_t grid_cap, int64_t seed,
