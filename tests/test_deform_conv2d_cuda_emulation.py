@@ -406,3 +406,48 @@ def test_im2col_and_column_gradient_paths(emulated, in_channels, groups, offset_
             else:
                 assert grad is None, name
     assert_launches_well_kept(emulated)
+
+
+def backward_calls(emulated):
+    """For each op, a call of its emulated backward op with the first gradient asked for or not
+    (the input's, or the value's), on small float64 operands."""
+    from dcnv3_reference import pack_offset_mask, random_operands
+    from ms_deform_attn_reference import make_operands as attention_operands
+
+    geometry = GEOMETRIES[1]
+    x, o, w, _, m = make_operands(geometry)
+    geometry_args = (list(geometry.stride), list(geometry.padding), list(geometry.dilation),
+                     geometry.groups, geometry.offset_groups, 0)
+    grad = torch.ones(x.shape[0], w.shape[0], *geometry.output_size(), dtype=torch.float64)
+    input, offset, mask = random_operands(1, 4, 5, ((3, 3), (1, 1), (1, 1), (1, 1), 2, 3))
+    flat = (3, 3, 1, 1, 1, 1, 1, 1, 2, 3, 1.0, 0, False)
+    offset_mask = pack_offset_mask(offset, mask, 2, padding_value=0.0)
+    attention = attention_operands([(4, 5), (2, 2)])
+    attention_grad = torch.ones(2, 5, 6, dtype=torch.float64)
+    return {
+        "deform_conv2d": lambda first: emulated.deform_conv2d_backward(
+            grad, x, o, w, m, *geometry_args, [first, True, True, True, True]),
+        "dcnv3": lambda first: emulated.dcnv3_backward(
+            torch.ones_like(input), input, offset, mask, *flat, [first, True, True]),
+        "dcnv4": lambda first: emulated.dcnv4_backward(
+            torch.ones_like(input), input, offset_mask, *flat, [first, True]),
+        "ms_deform_attn": lambda first: emulated.ms_deform_attn_backward(
+            attention_grad, *attention, 64, [first, True, True]),
+    }
+
+
+@pytest.mark.parametrize("op", ["deform_conv2d", "dcnv3", "dcnv4", "ms_deform_attn"])
+def test_deterministic_mode_refuses_the_atomic_first_gradient(emulated, op):
+    # Note [Device kernels]: the CUDA kernels add the input (or value) gradient with atomic
+    # adds; PyTorch's deterministic mode raises, naming the op, when that gradient is asked
+    # for, and lets the others run. The emulator's device is the CPU.
+    call = backward_calls(emulated)[op]
+    first = "value" if op == "ms_deform_attn" else "input"
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert call(False)[0] is None
+        with pytest.raises(RuntimeError, match=rf"{op}_backward_cpu \({first} gradient\)"):
+            call(True)
+    finally:
+        torch.use_deterministic_algorithms(previous)

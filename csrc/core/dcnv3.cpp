@@ -166,9 +166,12 @@ Dcnv3Geometry check_dcnv3_arguments(const std::optional<at::Tensor>& grad_output
   return g;
 }
 
-at::Tensor dcnv3_forward(const Dcnv3Launchers& launchers, const at::Tensor& input_arg,
-                         const at::Tensor& offset_arg, const at::Tensor& mask_arg,
-                         const Dcnv3Arguments& args) {
+namespace {
+
+// The drivers over the gathered arguments, mask undefined for DCNv4.
+at::Tensor forward(const Dcnv3Launchers& launchers, const at::Tensor& input_arg,
+                   const at::Tensor& offset_arg, const at::Tensor& mask_arg,
+                   const Dcnv3Arguments& args) {
   const Dcnv3Geometry g =
       check_dcnv3_arguments(std::nullopt, input_arg, offset_arg, mask_arg, args);
   const int64_t batch = input_arg.size(0);
@@ -186,7 +189,7 @@ at::Tensor dcnv3_forward(const Dcnv3Launchers& launchers, const at::Tensor& inpu
   return output;
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> dcnv3_backward(
+std::tuple<at::Tensor, at::Tensor, at::Tensor> backward(
     const Dcnv3Launchers& launchers, const at::Tensor& grad_output_arg,
     const at::Tensor& input_arg, const at::Tensor& offset_arg, const at::Tensor& mask_arg,
     const Dcnv3Arguments& args, std::array<bool, 3> output_mask) {
@@ -227,6 +230,56 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dcnv3_backward(
   launchers.backward(g, fields, batch, grad_output, input, offset, mask_slots(g, offset, mask),
                      grad_input, grad_offset, grad_mask_slots);
   return {grad_input, grad_offset, grad_mask};
+}
+
+}  // namespace
+
+at::Tensor dcnv3_forward(const Dcnv3Launchers& launchers, const at::Tensor& input,
+                         const at::Tensor& offset, const at::Tensor& mask, int64_t kernel_h,
+                         int64_t kernel_w, int64_t stride_h, int64_t stride_w, int64_t pad_h,
+                         int64_t pad_w, int64_t dilation_h, int64_t dilation_w, int64_t group,
+                         int64_t group_channels, double offset_scale, int64_t im2col_step,
+                         bool remove_center) {
+  return forward(launchers, input, offset, mask,
+                 {kernel_h, kernel_w, stride_h, stride_w, pad_h, pad_w, dilation_h, dilation_w,
+                  group, group_channels, offset_scale, im2col_step, remove_center});
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> dcnv3_backward(
+    const Dcnv3Launchers& launchers, const at::Tensor& grad_output, const at::Tensor& input,
+    const at::Tensor& offset, const at::Tensor& mask, int64_t kernel_h, int64_t kernel_w,
+    int64_t stride_h, int64_t stride_w, int64_t pad_h, int64_t pad_w, int64_t dilation_h,
+    int64_t dilation_w, int64_t group, int64_t group_channels, double offset_scale,
+    int64_t im2col_step, bool remove_center, std::array<bool, 3> output_mask) {
+  return backward(launchers, grad_output, input, offset, mask,
+                  {kernel_h, kernel_w, stride_h, stride_w, pad_h, pad_w, dilation_h, dilation_w,
+                   group, group_channels, offset_scale, im2col_step, remove_center},
+                  output_mask);
+}
+
+at::Tensor dcnv4_forward(const Dcnv3Launchers& launchers, const at::Tensor& input,
+                         const at::Tensor& offset_mask, int64_t kernel_h, int64_t kernel_w,
+                         int64_t stride_h, int64_t stride_w, int64_t pad_h, int64_t pad_w,
+                         int64_t dilation_h, int64_t dilation_w, int64_t group,
+                         int64_t group_channels, double offset_scale, int64_t im2col_step,
+                         bool remove_center) {
+  return forward(launchers, input, offset_mask, at::Tensor(),
+                 {kernel_h, kernel_w, stride_h, stride_w, pad_h, pad_w, dilation_h, dilation_w,
+                  group, group_channels, offset_scale, im2col_step, remove_center});
+}
+
+std::tuple<at::Tensor, at::Tensor> dcnv4_backward(
+    const Dcnv3Launchers& launchers, const at::Tensor& grad_output, const at::Tensor& input,
+    const at::Tensor& offset_mask, int64_t kernel_h, int64_t kernel_w, int64_t stride_h,
+    int64_t stride_w, int64_t pad_h, int64_t pad_w, int64_t dilation_h, int64_t dilation_w,
+    int64_t group, int64_t group_channels, double offset_scale, int64_t im2col_step,
+    bool remove_center, std::array<bool, 2> output_mask) {
+  auto [grad_input, grad_offset_mask, no_mask_gradient] = backward(
+      launchers, grad_output, input, offset_mask, at::Tensor(),
+      {kernel_h, kernel_w, stride_h, stride_w, pad_h, pad_w, dilation_h, dilation_w, group,
+       group_channels, offset_scale, im2col_step, remove_center},
+      {output_mask[0], output_mask[1], false});
+  return {grad_input, grad_offset_mask};
 }
 
 }  // namespace deformconv

@@ -51,67 +51,6 @@ struct Dcnv3Arguments {
   bool remove_center;
 };
 
-// The ops' kernels per dispatch key, over the gathered arguments; mask undefined for DCNv4
-// (Note [DCNv4 is DCNv3 without a mask tensor]), which has no mask gradient.
-using Dcnv3Forward = at::Tensor (*)(const at::Tensor& input, const at::Tensor& offset,
-                                    const at::Tensor& mask, const Dcnv3Arguments& args);
-using Dcnv3Backward = std::tuple<at::Tensor, at::Tensor, at::Tensor> (*)(
-    const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& offset,
-    const at::Tensor& mask, const Dcnv3Arguments& args, std::array<bool, 3> output_mask);
-
-// The schemas' flat signatures (schemas.h) over such a kernel: each dispatch key registers
-// dcnv3_kernel<its forward> and dcnv3_backward_kernel<its backward>.
-template <Dcnv3Forward forward>
-at::Tensor dcnv3_kernel(const at::Tensor& input, const at::Tensor& offset, const at::Tensor& mask,
-                        int64_t kernel_h, int64_t kernel_w, int64_t stride_h, int64_t stride_w,
-                        int64_t pad_h, int64_t pad_w, int64_t dilation_h, int64_t dilation_w,
-                        int64_t group, int64_t group_channels, double offset_scale,
-                        int64_t im2col_step, bool remove_center) {
-  return forward(input, offset, mask,
-                 {kernel_h, kernel_w, stride_h, stride_w, pad_h, pad_w, dilation_h, dilation_w,
-                  group, group_channels, offset_scale, im2col_step, remove_center});
-}
-
-template <Dcnv3Backward backward>
-std::tuple<at::Tensor, at::Tensor, at::Tensor> dcnv3_backward_kernel(
-    const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& offset,
-    const at::Tensor& mask, int64_t kernel_h, int64_t kernel_w, int64_t stride_h,
-    int64_t stride_w, int64_t pad_h, int64_t pad_w, int64_t dilation_h, int64_t dilation_w,
-    int64_t group, int64_t group_channels, double offset_scale, int64_t im2col_step,
-    bool remove_center, std::array<bool, 3> output_mask) {
-  return backward(grad_output, input, offset, mask,
-                  {kernel_h, kernel_w, stride_h, stride_w, pad_h, pad_w, dilation_h, dilation_w,
-                   group, group_channels, offset_scale, im2col_step, remove_center},
-                  output_mask);
-}
-
-// The same for dcnv4: offset_mask in the offset slot.
-template <Dcnv3Forward forward>
-at::Tensor dcnv4_kernel(const at::Tensor& input, const at::Tensor& offset_mask, int64_t kernel_h,
-                        int64_t kernel_w, int64_t stride_h, int64_t stride_w, int64_t pad_h,
-                        int64_t pad_w, int64_t dilation_h, int64_t dilation_w, int64_t group,
-                        int64_t group_channels, double offset_scale, int64_t im2col_step,
-                        bool remove_center) {
-  return forward(input, offset_mask, at::Tensor(),
-                 {kernel_h, kernel_w, stride_h, stride_w, pad_h, pad_w, dilation_h, dilation_w,
-                  group, group_channels, offset_scale, im2col_step, remove_center});
-}
-
-template <Dcnv3Backward backward>
-std::tuple<at::Tensor, at::Tensor> dcnv4_backward_kernel(
-    const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& offset_mask,
-    int64_t kernel_h, int64_t kernel_w, int64_t stride_h, int64_t stride_w, int64_t pad_h,
-    int64_t pad_w, int64_t dilation_h, int64_t dilation_w, int64_t group,
-    int64_t group_channels, double offset_scale, int64_t im2col_step, bool remove_center,
-    std::array<bool, 2> output_mask) {
-  auto [grad_input, grad_offset_mask, no_mask_gradient] = backward(
-      grad_output, input, offset_mask, at::Tensor(),
-      {kernel_h, kernel_w, stride_h, stride_w, pad_h, pad_w, dilation_h, dilation_w, group,
-       group_channels, offset_scale, im2col_step, remove_center},
-      {output_mask[0], output_mask[1], false});
-  return {grad_input, grad_offset_mask};
-}
-
 // That every tensor given is on input's device; raises ValueError naming the first that is not.
 void check_dcnv3_devices(const at::Tensor& input, const at::Tensor& offset, const at::Tensor& mask,
                          const std::optional<at::Tensor>& grad_output);
@@ -123,15 +62,36 @@ Dcnv3Geometry check_dcnv3_arguments(const std::optional<at::Tensor>& grad_output
                                     const at::Tensor& input, const at::Tensor& offset,
                                     const at::Tensor& mask, const Dcnv3Arguments& args);
 
+// The drivers, over the schemas' arguments (schemas.h), which each device registers with its
+// launchers (Note [Device kernels], infrastructure/device_kernels.h). DCNv4's take offset_mask
+// where DCNv3's take offset, and no mask; their offset gradient is offset_mask's, zero in its
+// padding. Gradients not selected by output_mask come back undefined.
 at::Tensor dcnv3_forward(const Dcnv3Launchers& launchers, const at::Tensor& input,
-                         const at::Tensor& offset, const at::Tensor& mask,
-                         const Dcnv3Arguments& args);
+                         const at::Tensor& offset, const at::Tensor& mask, int64_t kernel_h,
+                         int64_t kernel_w, int64_t stride_h, int64_t stride_w, int64_t pad_h,
+                         int64_t pad_w, int64_t dilation_h, int64_t dilation_w, int64_t group,
+                         int64_t group_channels, double offset_scale, int64_t im2col_step,
+                         bool remove_center);
 
-// Gradients of (input, offset, mask), those not selected by output_mask undefined. For
-// DCNv4 the offset gradient is offset_mask's, zero in its padding.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> dcnv3_backward(
     const Dcnv3Launchers& launchers, const at::Tensor& grad_output, const at::Tensor& input,
-    const at::Tensor& offset, const at::Tensor& mask, const Dcnv3Arguments& args,
-    std::array<bool, 3> output_mask);
+    const at::Tensor& offset, const at::Tensor& mask, int64_t kernel_h, int64_t kernel_w,
+    int64_t stride_h, int64_t stride_w, int64_t pad_h, int64_t pad_w, int64_t dilation_h,
+    int64_t dilation_w, int64_t group, int64_t group_channels, double offset_scale,
+    int64_t im2col_step, bool remove_center, std::array<bool, 3> output_mask);
+
+at::Tensor dcnv4_forward(const Dcnv3Launchers& launchers, const at::Tensor& input,
+                         const at::Tensor& offset_mask, int64_t kernel_h, int64_t kernel_w,
+                         int64_t stride_h, int64_t stride_w, int64_t pad_h, int64_t pad_w,
+                         int64_t dilation_h, int64_t dilation_w, int64_t group,
+                         int64_t group_channels, double offset_scale, int64_t im2col_step,
+                         bool remove_center);
+
+std::tuple<at::Tensor, at::Tensor> dcnv4_backward(
+    const Dcnv3Launchers& launchers, const at::Tensor& grad_output, const at::Tensor& input,
+    const at::Tensor& offset_mask, int64_t kernel_h, int64_t kernel_w, int64_t stride_h,
+    int64_t stride_w, int64_t pad_h, int64_t pad_w, int64_t dilation_h, int64_t dilation_w,
+    int64_t group, int64_t group_channels, double offset_scale, int64_t im2col_step,
+    bool remove_center, std::array<bool, 2> output_mask);
 
 }  // namespace deformconv

@@ -48,7 +48,7 @@
 #include "../infrastructure/input_gradient_sums.h"
 #include "../infrastructure/optional_data.h"
 #include "channel_vectors.cuh"
-#include "dcnv3_cuda.h"
+#include "cuda_launchers.h"
 #include "launch.cuh"
 
 namespace deformconv {

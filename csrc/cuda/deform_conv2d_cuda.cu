@@ -24,7 +24,7 @@
 #include "../core/deform_conv2d_gemms.h"
 #include "../infrastructure/branch_trace.h"
 #include "channel_vectors.cuh"
-#include "deform_conv2d_cuda.h"
+#include "cuda_launchers.h"
 #include "launch.cuh"
 
 namespace deformconv {

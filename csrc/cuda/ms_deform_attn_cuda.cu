@@ -32,8 +32,8 @@
 #include "../infrastructure/input_gradient_sums.h"
 #include "../infrastructure/optional_data.h"
 #include "channel_vectors.cuh"
+#include "cuda_launchers.h"
 #include "launch.cuh"
-#include "ms_deform_attn_cuda.h"
 
 namespace deformconv {
 namespace {

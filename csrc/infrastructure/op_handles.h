@@ -18,6 +18,7 @@ namespace deformconv {
 // Each description gives
 //   kName                the op's name in the deformconv namespace, and in messages;
 //   Signature            the op's C++ signature;
+//   kArgumentNames       its arguments' names, as the schema gives them;
 //   BackwardSignature    its backward op's: grad_output, kBackwardArguments, output_mask;
 //   kGradientArguments   the places, among the op's arguments, of the tensors whose gradients
 //                        the backward op returns, in its output_mask's order;
@@ -31,6 +32,9 @@ struct DeformConv2dOp {
                                const std::optional<at::Tensor>& bias, c10::IntArrayRef stride,
                                c10::IntArrayRef padding, c10::IntArrayRef dilation,
                                int64_t groups, int64_t offset_groups, int64_t im2col_step);
+  static constexpr std::array<const char*, 11> kArgumentNames = {
+      "input", "offset", "weight", "mask", "bias", "stride", "padding", "dilation", "groups",
+      "offset_groups", "im2col_step"};
   using BackwardSignature = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
       const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& offset,
       const at::Tensor& weight, const std::optional<at::Tensor>& mask, c10::IntArrayRef stride,
@@ -49,6 +53,10 @@ struct Dcnv3Op {
                                int64_t dilation_h, int64_t dilation_w, int64_t group,
                                int64_t group_channels, double offset_scale, int64_t im2col_step,
                                bool remove_center);
+  static constexpr std::array<const char*, 16> kArgumentNames = {
+      "input", "offset", "mask", "kernel_h", "kernel_w", "stride_h", "stride_w", "pad_h", "pad_w",
+      "dilation_h", "dilation_w", "group", "group_channels", "offset_scale", "im2col_step",
+      "remove_center"};
   using BackwardSignature = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
       const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& offset,
       const at::Tensor& mask, int64_t kernel_h, int64_t kernel_w, int64_t stride_h,
@@ -67,6 +75,10 @@ struct Dcnv4Op {
                                int64_t stride_w, int64_t pad_h, int64_t pad_w, int64_t dilation_h,
                                int64_t dilation_w, int64_t group, int64_t group_channels,
                                double offset_scale, int64_t im2col_step, bool remove_center);
+  static constexpr std::array<const char*, 15> kArgumentNames = {
+      "input", "offset_mask", "kernel_h", "kernel_w", "stride_h", "stride_w", "pad_h", "pad_w",
+      "dilation_h", "dilation_w", "group", "group_channels", "offset_scale", "im2col_step",
+      "remove_center"};
   using BackwardSignature = std::tuple<at::Tensor, at::Tensor>(
       const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& offset_mask,
       int64_t kernel_h, int64_t kernel_w, int64_t stride_h, int64_t stride_w, int64_t pad_h,
@@ -84,6 +96,9 @@ struct MsDeformAttnOp {
                                const at::Tensor& level_start_index,
                                const at::Tensor& sampling_locations,
                                const at::Tensor& attention_weights, int64_t im2col_step);
+  static constexpr std::array<const char*, 6> kArgumentNames = {
+      "value", "spatial_shapes", "level_start_index", "sampling_locations", "attention_weights",
+      "im2col_step"};
   using BackwardSignature = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
       const at::Tensor& grad_output, const at::Tensor& value, const at::Tensor& spatial_shapes,
       const at::Tensor& level_start_index, const at::Tensor& sampling_locations,

@@ -1,8 +1,9 @@
 // The CUDA kernels of the ops, run on the CPU: csrc/cuda/*.cu themselves, compiled
-// as C++ in this translation unit, with ops_cuda.cpp and the driver beside it (see
-// tests/emulated_cuda.py for the build). They are declared again as torch.ops.deformconv_emulated.*
-// at the CPU key, with the CUDA launchers, whose window budget the tests may shrink; plus ops
-// to set the emulator and read its bookkeeping and its branch trace (Note [Branch trace]).
+// as C++ in this translation unit, registered as register_cuda.cpp registers them (Note [Device
+// kernels]), with the driver beside it (see tests/emulated_cuda.py for the build). They are
+// declared again as torch.ops.deformconv_emulated.* at the CPU key, with the CUDA launchers,
+// whose window budget the tests may shrink; plus ops to set the emulator and read its
+// bookkeeping and its branch trace (Note [Branch trace]).
 
 #include <torch/library.h>
 
@@ -10,6 +11,8 @@
 #include "../../csrc/cuda/dcnv3_cuda.cu"
 #include "../../csrc/cuda/deform_conv2d_cuda.cu"
 #include "../../csrc/cuda/ms_deform_attn_cuda.cu"
+#include "../../csrc/core/device_registration.h"
+#include "../../csrc/cuda/cuda_device.h"
 #include "../../csrc/infrastructure/branch_trace.h"
 #include "../../csrc/schemas.h"
 
@@ -20,26 +23,6 @@ namespace {
 DeformConv2dLaunchers& emulated_launchers() {
   static DeformConv2dLaunchers launchers = deform_conv2d_cuda_launchers();
   return launchers;
-}
-
-at::Tensor emulated_forward(const at::Tensor& input, const at::Tensor& offset,
-                            const at::Tensor& weight, const std::optional<at::Tensor>& mask,
-                            const std::optional<at::Tensor>& bias, c10::IntArrayRef stride,
-                            c10::IntArrayRef padding, c10::IntArrayRef dilation, int64_t groups,
-                            int64_t offset_groups, int64_t im2col_step) {
-  return deform_conv2d_cuda_with_launchers(emulated_launchers(), input, offset, weight, mask,
-                                           bias, stride, padding, dilation, groups,
-                                           offset_groups, im2col_step);
-}
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> emulated_backward(
-    const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& offset,
-    const at::Tensor& weight, const std::optional<at::Tensor>& mask, c10::IntArrayRef stride,
-    c10::IntArrayRef padding, c10::IntArrayRef dilation, int64_t groups, int64_t offset_groups,
-    int64_t im2col_step, std::array<bool, 5> output_mask) {
-  return deform_conv2d_backward_cuda_with_launchers(
-      emulated_launchers(), grad_output, input, offset, weight, mask, stride, padding, dilation,
-      groups, offset_groups, im2col_step, output_mask);
 }
 
 void configure(int64_t block_order, int64_t thread_order, int64_t grid_cap, int64_t seed,
@@ -194,14 +177,8 @@ TORCH_LIBRARY(deformconv_emulated, m) {
 }
 
 TORCH_LIBRARY_IMPL(deformconv_emulated, CPU, m) {
-  m.impl("deform_conv2d", TORCH_FN(emulated_forward));
-  m.impl("deform_conv2d_backward", TORCH_FN(emulated_backward));
-  m.impl("dcnv3", TORCH_FN(dcnv3_kernel<dcnv3_cuda>));
-  m.impl("dcnv3_backward", TORCH_FN(dcnv3_backward_kernel<dcnv3_backward_cuda>));
-  m.impl("dcnv4", TORCH_FN(dcnv4_kernel<dcnv3_cuda>));
-  m.impl("dcnv4_backward", TORCH_FN(dcnv4_backward_kernel<dcnv3_backward_cuda>));
-  m.impl("ms_deform_attn", TORCH_FN(ms_deform_attn_cuda));
-  m.impl("ms_deform_attn_backward", TORCH_FN(ms_deform_attn_backward_cuda));
+  register_ops_on_device<CudaDevice, emulated_launchers, dcnv3_cuda_launchers,
+                         ms_deform_attn_cuda_launchers>(m);
 }
 
 TORCH_LIBRARY_IMPL(deformconv_emulated, CompositeExplicitAutograd, m) {

@@ -1,0 +1,117 @@
+#pragma once
+
+// Note [Device kernels]
+// An op's kernel at a device's dispatch key is its device-neutral driver (core/) with the
+// device's table of launchers, one pattern for every op and device:
+// register_device_kernels<Op, Device, forward, backward, launchers>(m) registers the op and
+// its backward op, where Op is the op's description (op_handles.h), forward and backward its
+// drivers, over the schemas' arguments after the launcher table, and launchers() the table.
+// Each kernel first checks that every tensor is on the device of the op's first tensor (the
+// backward op's: of its first argument after grad_output), naming the one that is not, before
+// any memory is touched; then holds Device::Guard for that device while the driver runs (the
+// CUDA guard: without it, work on a second GPU runs on the first). Where
+// Device::kAtomicFirstGradient, the backward adds its first gradient (the input's or the
+// value's) with atomic adds, whose order varies from run to run, and says so to PyTorch's
+// deterministic mode.
+
+#include <ATen/Context.h>
+#include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include <array>
+#include <cstddef>
+#include <optional>
+#include <string>
+#include <type_traits>
+
+namespace deformconv {
+
+// The CPU's: no guard, no atomics.
+struct CpuDevice {
+  struct Guard {
+    explicit Guard(c10::Device /*device*/) {}
+  };
+  static constexpr bool kAtomicFirstGradient = false;
+};
+
+namespace device_kernels_detail {
+
+// The names of the backward op's arguments: grad_output, those of the forward it takes, and
+// output_mask.
+template <typename Op>
+constexpr auto backward_argument_names() {
+  std::array<const char*, Op::kBackwardArguments.size() + 2> names{};
+  names[0] = "grad_output";
+  for (size_t index = 0; index < Op::kBackwardArguments.size(); ++index) {
+    names[index + 1] = Op::kArgumentNames[Op::kBackwardArguments[index]];
+  }
+  names[names.size() - 1] = "output_mask";
+  return names;
+}
+
+template <typename Argument>
+std::optional<c10::Device> device_of(const Argument& argument) {
+  if constexpr (std::is_same_v<std::decay_t<Argument>, at::Tensor>) {
+    return argument.device();
+  } else if constexpr (std::is_same_v<std::decay_t<Argument>, std::optional<at::Tensor>>) {
+    return argument.has_value() ? std::optional<c10::Device>(argument->device()) : std::nullopt;
+  } else {
+    return std::nullopt;
+  }
+}
+
+template <typename Op, bool kBackward, typename Device, auto driver, auto launchers,
+          typename Signature>
+struct DeviceKernel;
+
+template <typename Op, bool kBackward, typename Device, auto driver, auto launchers,
+          typename Result, typename... Arguments>
+struct DeviceKernel<Op, kBackward, Device, driver, launchers, Result(Arguments...)> {
+  static Result call(Arguments... arguments) {
+    static constexpr auto kNames = [] {
+      if constexpr (kBackward) {
+        return backward_argument_names<Op>();
+      } else {
+        return Op::kArgumentNames;
+      }
+    }();
+    static_assert(kNames.size() == sizeof...(Arguments));
+    const std::string op = kBackward ? std::string(Op::kName) + "_backward" : Op::kName;
+    const std::array<std::optional<c10::Device>, sizeof...(Arguments)> devices = {
+        device_of(arguments)...};
+    constexpr size_t kReference = kBackward ? 1 : 0;
+    const c10::Device reference = *devices[kReference];
+    for (size_t index = 0; index < devices.size(); ++index) {
+      TORCH_CHECK_VALUE(!devices[index].has_value() || *devices[index] == reference, op,
+                        "(): expected ", kNames[index], " to be on the device of ",
+                        kNames[kReference], " (", reference, "), but got ", *devices[index]);
+    }
+    if constexpr (kBackward && Device::kAtomicFirstGradient) {
+      const auto& output_mask = std::get<sizeof...(Arguments) - 1>(std::tie(arguments...));
+      if (output_mask[0]) {
+        at::globalContext().alertNotDeterministic(
+            c10::str(op, "_", c10::DeviceTypeName(reference.type(), /*lower_case=*/true), " (",
+                     Op::kArgumentNames[Op::kGradientArguments[0]], " gradient)"));
+      }
+    }
+    const typename Device::Guard device_guard(reference);
+    return driver(launchers(), arguments...);
+  }
+};
+
+}  // namespace device_kernels_detail
+
+template <typename Op, typename Device, auto forward, auto backward, auto launchers>
+void register_device_kernels(torch::Library& m) {
+  using device_kernels_detail::DeviceKernel;
+  m.impl(Op::kName,
+         TORCH_FN((DeviceKernel<Op, false, Device, forward, launchers,
+                                typename Op::Signature>::call)));
+  m.impl((std::string(Op::kName) + "_backward").c_str(),
+         TORCH_FN((DeviceKernel<Op, true, Device, backward, launchers,
+                                typename Op::BackwardSignature>::call)));
+}
+
+}  // namespace deformconv
