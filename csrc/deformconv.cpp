@@ -1,7 +1,7 @@
 // The op schemas (schemas.h), declared once. Kernels are registered per dispatch key:
 // cpu/register_cpu.cpp (CPU), cuda/register_cuda.cpp (CUDA), core/register_autograd.cpp
 // (Autograd), core/register_autocast.cpp (Autocast),
-// core/register_checks.cpp (_check_deform_conv2d_arguments),
+// core/register_checks.cpp (the _check_<op>_arguments ops),
 // infrastructure/register_branch_trace.cpp (the branch trace), cpu/cpu_capability.cpp
 // (the CPU copies' ops), and the fake kernels in Python (deformconv/ops/), which run the checks
 // ops.

@@ -9,7 +9,7 @@
 //
 // Note [DCNv4 is DCNv3 without a mask tensor]
 // DCNv4 computes what DCNv3 computes, its offsets and mask packed in one tensor offset_mask.
-// The driver, the kernels per dispatch key and the checks take DCNv4's offset_mask in DCNv3's
+// DCNv4's drivers (dcnv4_forward, dcnv4_backward) and the checks take offset_mask in DCNv3's
 // offset slot and an undefined mask; the launchers read both through Dcnv3Fields and never
 // see the difference.
 
