@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 import deformconv
-from cases import GEOMETRIES, make_operands
+from deform_conv2d_cases import GEOMETRIES, make_operands
 
 pytestmark = pytest.mark.workflows
 

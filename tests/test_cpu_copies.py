@@ -16,7 +16,7 @@ import torch
 
 import deformconv
 from branching import branch_trace
-from cases import GEOMETRIES, make_operands
+from deform_conv2d_cases import GEOMETRIES, make_operands
 from dcnv3_reference import pack_offset_mask, random_operands
 from ms_deform_attn_reference import make_operands as attention_operands
 

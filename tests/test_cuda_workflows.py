@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import deformconv
-from cases import (GEOMETRIES, check_indices_past_two_to_the_31, differentiable,
-                   forward_and_grads, make_operands)
+from deform_conv2d_cases import (GEOMETRIES, check_indices_past_two_to_the_31, differentiable,
+                                 forward_and_grads, make_operands)
 
 needs_cuda = pytest.mark.skipif(
     not (torch.cuda.is_available() and deformconv.cuda_compiled()),

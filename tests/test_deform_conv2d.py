@@ -1,14 +1,14 @@
 """Forward and all five gradients of deformconv.deform_conv2d against the pure-PyTorch
-reference (tests/reference.py), over geometries, masks, biases, batch sizes, im2col steps and
-memory layouts; gradcheck in float64; low precision on the CPU."""
+reference (tests/deform_conv2d_reference.py), over geometries, masks, biases, batch sizes,
+im2col steps and memory layouts; gradcheck in float64; low precision on the CPU."""
 
 import pytest
 import torch
 
 import deformconv
-from cases import (GEOMETRIES, Geometry, differentiable, forward_and_grads, make_operands,
-                   strided_copies)
-from reference import deform_conv2d_reference
+from deform_conv2d_cases import (GEOMETRIES, Geometry, differentiable, forward_and_grads,
+                                 make_operands, strided_copies)
+from deform_conv2d_reference import deform_conv2d_reference
 
 
 def assert_close_all(actual, expected, **tolerance):

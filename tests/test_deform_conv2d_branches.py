@@ -17,8 +17,8 @@ import torch
 import deformconv
 from branching import (assert_close_at, branch_trace, channel_loops, opmath_bytes,
                        requested_subsets, threads, vector_bytes)
-from cases import Geometry, make_operands
-from reference import deform_conv2d_reference
+from deform_conv2d_cases import Geometry, make_operands
+from deform_conv2d_reference import deform_conv2d_reference
 
 # torch.backends.mkldnn.flags sets oneDNN's TF32 switch too, which warns on builds without
 # Intel GPU support; the switch does nothing on the CPU.

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import deformconv
-from cases import GEOMETRIES, forward_and_grads, make_operands
+from deform_conv2d_cases import GEOMETRIES, forward_and_grads, make_operands
 
 needs_cuda = pytest.mark.skipif(
     not (torch.cuda.is_available() and deformconv.cuda_compiled()),

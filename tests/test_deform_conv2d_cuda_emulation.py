@@ -15,9 +15,10 @@ import torch
 import deformconv  # noqa: F401  (registers torch.ops.deformconv, the CPU op compared against)
 from branching import (assert_close_at, branch_trace, cuda_lane_paths, misaligned, opmath_bytes,
                        requested_subsets, shared_sample_bytes)
-from cases import GEOMETRIES, Geometry, forward_and_grads, make_operands, strided_copies
+from deform_conv2d_cases import (GEOMETRIES, Geometry, forward_and_grads, make_operands,
+                                 strided_copies)
 from emulation import FORWARD, REVERSE, SHUFFLED, set_emulator
-from reference import deform_conv2d_reference
+from deform_conv2d_reference import deform_conv2d_reference
 
 pytestmark = pytest.mark.usefixtures("emulator_settings")
 

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 import deformconv
-from reference import deform_conv2d_reference
+from deform_conv2d_reference import deform_conv2d_reference
 
 pytestmark = pytest.mark.workflows
 

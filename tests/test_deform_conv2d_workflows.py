@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import deformconv
-from cases import GEOMETRIES, make_operands
+from deform_conv2d_cases import GEOMETRIES, make_operands
 
 pytestmark = pytest.mark.workflows
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import deformconv
-from cases import GEOMETRIES, forward_and_grads, make_operands
+from deform_conv2d_cases import GEOMETRIES, forward_and_grads, make_operands
 
 VECTORS = json.loads((Path(__file__).parent / "mmcv_vectors.json").read_text())
 

@@ -9,8 +9,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import deformconv
-from cases import Geometry, check_indices_past_two_to_the_31, forward_and_grads, make_operands
-from reference import deform_conv2d_reference
+from deform_conv2d_cases import (Geometry, check_indices_past_two_to_the_31, forward_and_grads,
+                                 make_operands)
+from deform_conv2d_reference import deform_conv2d_reference
 
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import given, settings, strategies as st  # noqa: E402
