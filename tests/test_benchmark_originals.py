@@ -9,7 +9,6 @@ from argparse import Namespace
 from pathlib import Path
 
 import pytest
-import torch
 
 import deformconv
 from deformconv.__main__ import main

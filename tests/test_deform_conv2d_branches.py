@@ -9,7 +9,7 @@ launchers under the emulator; DCNv3 and DCNv4 are in tests/test_dcnv3_branches.p
 branches and the tests that force them is in docs/testing.md."""
 
 from dataclasses import dataclass, field
-from typing import FrozenSet, Optional, Tuple
+from typing import FrozenSet
 
 import pytest
 import torch
