@@ -103,26 +103,28 @@ def test_select_refuses_a_copy_it_cannot_run():
             torch.ops.deformconv._select_cpu_capability(name)
 
 
-def capability_chosen_by(value):
+def capability_chosen_by(value, directory):
     """The copy in use, and what was printed to stderr, in a fresh process whose
-    DEFORMCONV_CPU_CAPABILITY is value."""
+    DEFORMCONV_CPU_CAPABILITY is value, run from `directory`: from the repository's root, the
+    source folder would shadow an installed package."""
     script = ("import torch, deformconv; "
               "print(torch.ops.deformconv._cpu_capability())")
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                         env={**os.environ, "DEFORMCONV_CPU_CAPABILITY": value}, timeout=300)
+                         env={**os.environ, "DEFORMCONV_CPU_CAPABILITY": value}, cwd=directory,
+                         timeout=300)
     assert run.returncode == 0, run.stderr
     return run.stdout.strip(), run.stderr
 
 
 @pytest.mark.parametrize("copy", COPIES)
-def test_the_variable_chooses_a_copy_at_load_time(copy):
-    chosen, stderr = capability_chosen_by(copy)
+def test_the_variable_chooses_a_copy_at_load_time(copy, tmp_path):
+    chosen, stderr = capability_chosen_by(copy, tmp_path)
     assert chosen == copy
     assert "DEFORMCONV_CPU_CAPABILITY" not in stderr
 
 
-def test_the_variable_falls_back_with_a_warning():
-    chosen, stderr = capability_chosen_by("avx3")
+def test_the_variable_falls_back_with_a_warning(tmp_path):
+    chosen, stderr = capability_chosen_by("avx3", tmp_path)
     assert chosen == COPIES[0]
     assert ("DEFORMCONV_CPU_CAPABILITY: expected avx512, avx2 or default, but got 'avx3'; "
             f"running the {COPIES[0]} copy") in stderr
