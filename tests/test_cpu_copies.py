@@ -10,6 +10,7 @@ import re
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -105,13 +106,18 @@ def test_select_refuses_a_copy_it_cannot_run():
 
 def capability_chosen_by(value, directory):
     """The copy in use, and what was printed to stderr, in a fresh process whose
-    DEFORMCONV_CPU_CAPABILITY is value, run from `directory`: from the repository's root, the
-    source folder would shadow an installed package."""
+    DEFORMCONV_CPU_CAPABILITY is value. The process imports the deformconv that this one runs
+    (an installed wheel, an editable install, the sanitized build in place): its folder goes
+    first on the path, and the process runs from `directory`, where no source folder can shadow
+    it."""
     script = ("import torch, deformconv; "
               "print(torch.ops.deformconv._cpu_capability())")
+    package_parent = str(Path(deformconv.__file__).resolve().parent.parent)
+    path = os.pathsep.join(filter(None, [package_parent, os.environ.get("PYTHONPATH")]))
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                         env={**os.environ, "DEFORMCONV_CPU_CAPABILITY": value}, cwd=directory,
-                         timeout=300)
+                         env={**os.environ, "DEFORMCONV_CPU_CAPABILITY": value,
+                              "PYTHONPATH": path},
+                         cwd=directory, timeout=300)
     assert run.returncode == 0, run.stderr
     return run.stdout.strip(), run.stderr
 
