@@ -26,6 +26,8 @@
 #include <string>
 #include <type_traits>
 
+#include "op_handles.h"
+
 namespace deformconv {
 
 // The CPU's: no guard, no atomics.
@@ -53,9 +55,9 @@ constexpr auto backward_argument_names() {
 
 template <typename Argument>
 std::optional<c10::Device> device_of(const Argument& argument) {
-  if constexpr (std::is_same_v<std::decay_t<Argument>, at::Tensor>) {
+  if constexpr (is_tensor_argument<Argument>) {
     return argument.device();
-  } else if constexpr (std::is_same_v<std::decay_t<Argument>, std::optional<at::Tensor>>) {
+  } else if constexpr (is_optional_tensor_argument<Argument>) {
     return argument.has_value() ? std::optional<c10::Device>(argument->device()) : std::nullopt;
   } else {
     return std::nullopt;
@@ -78,22 +80,24 @@ struct DeviceKernel<Op, kBackward, Device, driver, launchers, Result(Arguments..
       }
     }();
     static_assert(kNames.size() == sizeof...(Arguments));
-    const std::string op = kBackward ? std::string(Op::kName) + "_backward" : Op::kName;
+    // The op's name in messages, in two pieces, so that no string is built unless one is.
+    constexpr const char* kSuffix = kBackward ? "_backward" : "";
     const std::array<std::optional<c10::Device>, sizeof...(Arguments)> devices = {
         device_of(arguments)...};
     constexpr size_t kReference = kBackward ? 1 : 0;
     const c10::Device reference = *devices[kReference];
     for (size_t index = 0; index < devices.size(); ++index) {
-      TORCH_CHECK_VALUE(!devices[index].has_value() || *devices[index] == reference, op,
-                        "(): expected ", kNames[index], " to be on the device of ",
+      TORCH_CHECK_VALUE(!devices[index].has_value() || *devices[index] == reference, Op::kName,
+                        kSuffix, "(): expected ", kNames[index], " to be on the device of ",
                         kNames[kReference], " (", reference, "), but got ", *devices[index]);
     }
     if constexpr (kBackward && Device::kAtomicFirstGradient) {
       const auto& output_mask = std::get<sizeof...(Arguments) - 1>(std::tie(arguments...));
-      if (output_mask[0]) {
-        at::globalContext().alertNotDeterministic(
-            c10::str(op, "_", c10::DeviceTypeName(reference.type(), /*lower_case=*/true), " (",
-                     Op::kArgumentNames[Op::kGradientArguments[0]], " gradient)"));
+      // The message is built only where deterministic mode is on, the one case that reads it.
+      if (output_mask[0] && at::globalContext().deterministicAlgorithms()) {
+        at::globalContext().alertNotDeterministic(c10::str(
+            Op::kName, kSuffix, "_", c10::DeviceTypeName(reference.type(), /*lower_case=*/true),
+            " (", Op::kArgumentNames[Op::kGradientArguments[0]], " gradient)"));
       }
     }
     const typename Device::Guard device_guard(reference);

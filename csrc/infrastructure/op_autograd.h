@@ -31,17 +31,10 @@ using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
 template <typename Argument>
-constexpr bool is_tensor = std::is_same_v<std::decay_t<Argument>, at::Tensor>;
-
-template <typename Argument>
-constexpr bool is_optional_tensor =
-    std::is_same_v<std::decay_t<Argument>, std::optional<at::Tensor>>;
-
-template <typename Argument>
 bool requires_grad(const Argument& argument) {
-  if constexpr (is_tensor<Argument>) {
+  if constexpr (is_tensor_argument<Argument>) {
     return argument.requires_grad();
-  } else if constexpr (is_optional_tensor<Argument>) {
+  } else if constexpr (is_optional_tensor_argument<Argument>) {
     return argument.has_value() && argument->requires_grad();
   } else {
     return false;
@@ -57,9 +50,9 @@ inline std::string saved_argument_key(size_t index) {
 template <typename Argument>
 void save_argument(AutogradContext* ctx, variable_list& tensors, size_t index,
                    const Argument& argument) {
-  if constexpr (is_tensor<Argument>) {
+  if constexpr (is_tensor_argument<Argument>) {
     tensors.push_back(argument);
-  } else if constexpr (is_optional_tensor<Argument>) {
+  } else if constexpr (is_optional_tensor_argument<Argument>) {
     tensors.push_back(argument.value_or(at::Tensor()));
   } else {
     ctx->saved_data[saved_argument_key(index)] = c10::IValue(argument);
@@ -75,7 +68,7 @@ class ForwardFunction<Op, at::Tensor(Arguments...)>
     : public torch::autograd::Function<ForwardFunction<Op, at::Tensor(Arguments...)>> {
   static constexpr size_t kArguments = sizeof...(Arguments);
   static constexpr std::array<bool, kArguments> kTensorArguments = {
-      (is_tensor<Arguments> || is_optional_tensor<Arguments>)...};
+      (is_tensor_argument<Arguments> || is_optional_tensor_argument<Arguments>)...};
 
  public:
   static at::Tensor forward(AutogradContext* ctx, Arguments... arguments) {

@@ -12,6 +12,7 @@
 #include <optional>
 #include <string>
 #include <tuple>
+#include <type_traits>
 
 namespace deformconv {
 
@@ -107,6 +108,15 @@ struct MsDeformAttnOp {
   static constexpr std::array<size_t, 3> kGradientArguments = {0, 3, 4};
   static constexpr std::array<size_t, 6> kBackwardArguments = {0, 1, 2, 3, 4, 5};
 };
+
+// The schemas' tensor arguments, as the C++ signatures take them: Tensor, and Tensor? (absent
+// when std::nullopt).
+template <typename Argument>
+constexpr bool is_tensor_argument = std::is_same_v<std::decay_t<Argument>, at::Tensor>;
+
+template <typename Argument>
+constexpr bool is_optional_tensor_argument =
+    std::is_same_v<std::decay_t<Argument>, std::optional<at::Tensor>>;
 
 template <typename Op>
 const c10::TypedOperatorHandle<typename Op::Signature>& forward_handle() {
