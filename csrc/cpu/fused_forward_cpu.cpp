@@ -63,14 +63,16 @@ void fused_forward_tasks(const FusedForwardTask<scalar_t>& t,
   const std::vector<scalar_t> zeros(g.in_channels, scalar_t(0));
   constexpr int64_t kBlockPixels = kFusedPixels<kVectorBytes>;
   std::vector<opmath_t> values(kBlockPixels * g.in_channels);
-  // (stretch pixel, output channel)
+  // (stretch pixel, output channel), for whole blocks of pixels: a stretch's short last block
+  // (an image's last stretch) is multiplied as a whole one, by the one register-blocked kernel,
+  // its missing pixels' values left from the block before and their sums never stored.
   std::vector<opmath_t> sums(t.stretches.pixels * g.out_channels);
   std::vector<StretchSamples<opmath_t>> samples(g.offset_groups,
                                                 StretchSamples<opmath_t>(g, t.stretches.pixels));
   for (int64_t task = begin; task < end; ++task) {
     const auto [n, first_pixel, pixels] = stretch_of(t.image, t.stretches, task);
     const scalar_t* image = channel_of(g, t.input, n, 0);
-    std::fill_n(sums.begin(), pixels * g.out_channels, opmath_t(0));
+    std::fill(sums.begin(), sums.end(), opmath_t(0));
     for (StretchSamples<opmath_t>& group_samples : samples) {
       group_samples.start(g, first_pixel, pixels);
     }
@@ -95,7 +97,7 @@ void fused_forward_tasks(const FusedForwardTask<scalar_t>& t,
           const opmath_t* weights =
               t.weight_taps + (conv_group * g.taps() + tap) * in_per_group * out_per_group;
           multiply_add_block<kVectorBytes>(
-              values.data() + conv_group * in_per_group, g.in_channels, block, in_per_group,
+              values.data() + conv_group * in_per_group, g.in_channels, in_per_group,
               weights, out_per_group,
               sums.data() + block_pixel * g.out_channels + conv_group * out_per_group,
               g.out_channels);
@@ -114,19 +116,20 @@ void fused_forward_cpu(const DeformConv2dGeometry& g, int64_t batch, const at::T
                        const at::Tensor& weight_taps, const at::Tensor& bias,
                        at::Tensor& output) {
   const PixelWindow image{0, g.out_pixels()};
-  const PixelStretches stretches = pixel_stretches(g, image);
   DEFORMCONV_DISPATCH(input.scalar_type(), "deform_conv2d_fused_forward_cpu", [&] {
-    const FusedForwardTask<scalar_t> t{g,
-                                       image,
-                                       stretches,
-                                       offset.const_data_ptr<scalar_t>(),
-                                       data_or_null<scalar_t>(mask),
-                                       input.const_data_ptr<scalar_t>(),
-                                       weight_taps.const_data_ptr<at::opmath_type<scalar_t>>(),
-                                       data_or_null<scalar_t>(bias),
-                                       output.mutable_data_ptr<scalar_t>()};
     // Multiply-adds as wide as a register of the copy that runs.
     with_register_bytes<kRegisterBytes>([&](auto register_bytes) {
+      const PixelStretches stretches =
+          pixel_stretches(g, image, kFusedPixels<register_bytes>);
+      const FusedForwardTask<scalar_t> t{g,
+                                         image,
+                                         stretches,
+                                         offset.const_data_ptr<scalar_t>(),
+                                         data_or_null<scalar_t>(mask),
+                                         input.const_data_ptr<scalar_t>(),
+                                         weight_taps.const_data_ptr<at::opmath_type<scalar_t>>(),
+                                         data_or_null<scalar_t>(bias),
+                                         output.mutable_data_ptr<scalar_t>()};
       constexpr int64_t kWidth = register_bytes / sizeof(at::opmath_type<scalar_t>);
       record_channel_loops("deform_conv2d.cpu.fused_forward", g.out_channels / g.groups,
                            {2 * kWidth, kWidth});

@@ -14,20 +14,23 @@
 
 namespace deformconv {
 
-// Pixels whose output sums share each load of a weight row: with two vectors of sums per pixel,
-// half the registers of the copy (16 of AVX2's 32-byte ones, 32 of AVX-512's 64-byte ones).
-// With more pixels GCC spilled.
+// Pixels whose output sums share each load of a weight row, with two vectors of sums per pixel.
+// AVX2 (16 registers of 32 bytes): 6 pixels, 12 sums, which leaves the two weight vectors and
+// the broadcast value their registers. Each sum takes one multiply-add per input channel, and
+// a multiply-add's result is ready 4 or 5 cycles after it issues, 2 issuing per cycle: 8 sums
+// (4 pixels) left the multiply-add units idle between them on Zen cores. AVX-512 (32
+// registers of 64 bytes): 8 pixels, 16 sums; with more pixels GCC spilled.
 template <int kVectorBytes>
-constexpr int64_t kFusedPixels = kVectorBytes / 8;
+constexpr int64_t kFusedPixels = kVectorBytes == 32 ? 6 : kVectorBytes / 8;
 
 // sums[p * sums_stride + j] += sum over c < count of values[p * values_stride + c] *
-// weights[c * out_per_group + j], for pixels p < `pixels` and j < out_per_group: the products
-// of one tap's values of a conv group with its weights. With a full block of pixels, output
+// weights[c * out_per_group + j], for the block's pixels p < kFusedPixels and j <
+// out_per_group: the products of one tap's values of a conv group with its weights. Output
 // channels go a vector of kVectorBytes at a time, with the sums held in registers over the
 // channels; the rest one by one.
 template <int kVectorBytes, typename opmath_t>
 DEFORMCONV_INLINE void multiply_add_block(const opmath_t* __restrict values,
-                                          int64_t values_stride, int64_t pixels, int64_t count,
+                                          int64_t values_stride, int64_t count,
                                           const opmath_t* __restrict weights,
                                           int64_t out_per_group, opmath_t* __restrict sums,
                                           int64_t sums_stride) {
@@ -44,46 +47,44 @@ DEFORMCONV_INLINE void multiply_add_block(const opmath_t* __restrict values,
     return reinterpret_cast<const Unaligned*>(data);
   };
   int64_t vectorised = 0;
-  if (pixels == kPixels) {
-    for (; vectorised + 2 * kWidth <= out_per_group; vectorised += 2 * kWidth) {
-      const int64_t j = vectorised;
-      Vector low[kPixels], high[kPixels];
+  for (; vectorised + 2 * kWidth <= out_per_group; vectorised += 2 * kWidth) {
+    const int64_t j = vectorised;
+    Vector low[kPixels], high[kPixels];
+    for (int64_t p = 0; p < kPixels; ++p) {
+      low[p] = *at(sums + p * sums_stride + j);
+      high[p] = *at(sums + p * sums_stride + j + kWidth);
+    }
+    for (int64_t c = 0; c < count; ++c) {
+      const Vector weight_low = *at_const(weights + c * out_per_group + j);
+      const Vector weight_high = *at_const(weights + c * out_per_group + j + kWidth);
       for (int64_t p = 0; p < kPixels; ++p) {
-        low[p] = *at(sums + p * sums_stride + j);
-        high[p] = *at(sums + p * sums_stride + j + kWidth);
-      }
-      for (int64_t c = 0; c < count; ++c) {
-        const Vector weight_low = *at_const(weights + c * out_per_group + j);
-        const Vector weight_high = *at_const(weights + c * out_per_group + j + kWidth);
-        for (int64_t p = 0; p < kPixels; ++p) {
-          const opmath_t value = values[p * values_stride + c];
-          low[p] += value * weight_low;
-          high[p] += value * weight_high;
-        }
-      }
-      for (int64_t p = 0; p < kPixels; ++p) {
-        *at(sums + p * sums_stride + j) = low[p];
-        *at(sums + p * sums_stride + j + kWidth) = high[p];
+        const opmath_t value = values[p * values_stride + c];
+        low[p] += value * weight_low;
+        high[p] += value * weight_high;
       }
     }
-    for (; vectorised + kWidth <= out_per_group; vectorised += kWidth) {
-      const int64_t j = vectorised;
-      Vector lanes[kPixels];
-      for (int64_t p = 0; p < kPixels; ++p) {
-        lanes[p] = *at(sums + p * sums_stride + j);
-      }
-      for (int64_t c = 0; c < count; ++c) {
-        const Vector weight = *at_const(weights + c * out_per_group + j);
-        for (int64_t p = 0; p < kPixels; ++p) {
-          lanes[p] += values[p * values_stride + c] * weight;
-        }
-      }
-      for (int64_t p = 0; p < kPixels; ++p) {
-        *at(sums + p * sums_stride + j) = lanes[p];
-      }
+    for (int64_t p = 0; p < kPixels; ++p) {
+      *at(sums + p * sums_stride + j) = low[p];
+      *at(sums + p * sums_stride + j + kWidth) = high[p];
     }
   }
-  for (int64_t p = 0; p < pixels; ++p) {
+  for (; vectorised + kWidth <= out_per_group; vectorised += kWidth) {
+    const int64_t j = vectorised;
+    Vector lanes[kPixels];
+    for (int64_t p = 0; p < kPixels; ++p) {
+      lanes[p] = *at(sums + p * sums_stride + j);
+    }
+    for (int64_t c = 0; c < count; ++c) {
+      const Vector weight = *at_const(weights + c * out_per_group + j);
+      for (int64_t p = 0; p < kPixels; ++p) {
+        lanes[p] += values[p * values_stride + c] * weight;
+      }
+    }
+    for (int64_t p = 0; p < kPixels; ++p) {
+      *at(sums + p * sums_stride + j) = lanes[p];
+    }
+  }
+  for (int64_t p = 0; p < kPixels; ++p) {
     for (int64_t j = vectorised; j < out_per_group; ++j) {
       opmath_t sum = sums[p * sums_stride + j];
       for (int64_t c = 0; c < count; ++c) {

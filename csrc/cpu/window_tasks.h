@@ -73,15 +73,17 @@ inline int64_t pixels_per_task(int64_t plans_per_pixel) {
   return std::max(kMinPixelsPerTask, kPlansPerTask / plans_per_pixel);
 }
 
-// The window's pixels of each image cut into stretches of pixels_per_task pixels: the tasks of
-// the stages that walk the samples along (deform group, tap) rows.
+// The window's pixels of each image cut into stretches of pixels_per_task pixels, rounded up to
+// a multiple of `block` (the fused forward's blocks of pixels): the tasks of the stages that
+// walk the samples along (deform group, tap) rows.
 struct PixelStretches {
   int64_t pixels;     // per stretch; the last of an image may be shorter
   int64_t per_image;  // stretches per image
 };
 
-inline PixelStretches pixel_stretches(const DeformConv2dGeometry& g, const PixelWindow& window) {
-  const int64_t pixels = pixels_per_task(g.offset_groups * g.taps());
+inline PixelStretches pixel_stretches(const DeformConv2dGeometry& g, const PixelWindow& window,
+                                      int64_t block = 1) {
+  const int64_t pixels = (pixels_per_task(g.offset_groups * g.taps()) + block - 1) / block * block;
   return {pixels, (window.pixels + pixels - 1) / pixels};
 }
 
