@@ -94,20 +94,12 @@ void forward_block(const DeformConv2dLaunchers& launchers, const DeformConv2dGeo
       });
 }
 
-// The weight as the fused forward takes it: (G, K, C_in / G, C_out / G), in at::opmath_type.
-at::Tensor weight_taps(const DeformConv2dGeometry& g, const at::Tensor& weight) {
-  return weight.reshape({g.groups, g.out_channels / g.groups, g.channels_per_group(), g.taps()})
-      .permute({0, 3, 2, 1})
-      .to(at::toOpMathType(weight.scalar_type()))
-      .contiguous();
-}
-
 // The fused forward, a block of images at a time.
 void fused_forward(const DeformConv2dLaunchers& launchers, const DeformConv2dGeometry& g,
                    const WorkSplit& w, const at::Tensor& input, const at::Tensor& offset,
                    const at::Tensor& mask, const at::Tensor& weight,
                    const std::optional<at::Tensor>& bias, at::Tensor& output) {
-  const at::Tensor taps = weight_taps(g, weight);
+  const at::Tensor panels = launchers.fused_forward_weight(g, weight);
   const at::Tensor bias_values = bias.has_value() ? bias->contiguous() : at::Tensor();
   const int64_t batch = input.size(0);
   for (int64_t first = 0; first < batch; first += w.step) {
@@ -115,7 +107,7 @@ void fused_forward(const DeformConv2dLaunchers& launchers, const DeformConv2dGeo
     at::Tensor output_block = output.narrow(0, first, images);
     launchers.fused_forward(g, images, channels_last_block(launchers, input, first, images),
                             offset.narrow(0, first, images),
-                            mask.defined() ? mask.narrow(0, first, images) : at::Tensor(), taps,
+                            mask.defined() ? mask.narrow(0, first, images) : at::Tensor(), panels,
                             bias_values, output_block);
   }
 }

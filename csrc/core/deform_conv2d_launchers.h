@@ -119,11 +119,14 @@ struct DeformConv2dLaunchers {
                               const WindowGemms& gemms);
   // The whole forward of a block of `batch` images without columns (Note [Fused forward],
   // cpu/fused_forward_cpu.cpp): output (batch, C_out, H_out, W_out) = the convolution of the
-  // sampled input with weight_taps, (G, K, C_in / G, C_out / G) in at::opmath_type, plus bias
-  // (undefined: none). Run where forward_plan says kFused; null where it never does (CUDA).
+  // sampled input with the weight, plus bias (undefined: none), the weight as
+  // fused_forward_weight lays it out, once for all of a call's blocks. Run where forward_plan
+  // says kFused; both null where it never does (CUDA).
+  at::Tensor (*fused_forward_weight)(const DeformConv2dGeometry& geometry,
+                                     const at::Tensor& weight);
   void (*fused_forward)(const DeformConv2dGeometry& geometry, int64_t batch,
                         const at::Tensor& input, const at::Tensor& offset,
-                        const at::Tensor& mask, const at::Tensor& weight_taps,
+                        const at::Tensor& mask, const at::Tensor& weight_panels,
                         const at::Tensor& bias, at::Tensor& output);
 };
 

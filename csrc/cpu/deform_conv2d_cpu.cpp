@@ -66,6 +66,7 @@ constexpr DeformConv2dLaunchers kCpuLaunchers{
     .transpose = transpose_cpu,
     .gemms = window_gemms_cpu,
     .forward_plan = forward_plan_cpu,
+    .fused_forward_weight = fused_forward_weight_cpu,
     .fused_forward = fused_forward_cpu,
 };
 

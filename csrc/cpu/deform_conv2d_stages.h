@@ -15,9 +15,11 @@ void make_plans_cpu(const DeformConv2dGeometry& g, const PixelWindow& window, in
 void im2col_cpu(const DeformConv2dGeometry& g, const PixelWindow& window, int64_t batch,
                 const at::Tensor& input, const WindowSampling& sampling, at::Tensor& columns);
 
+at::Tensor fused_forward_weight_cpu(const DeformConv2dGeometry& g, const at::Tensor& weight);
+
 void fused_forward_cpu(const DeformConv2dGeometry& g, int64_t batch, const at::Tensor& input,
                        const at::Tensor& offset, const at::Tensor& mask,
-                       const at::Tensor& weight_taps, const at::Tensor& bias,
+                       const at::Tensor& weight_panels, const at::Tensor& bias,
                        at::Tensor& output);
 
 bool fused_forward_pays_cpu(const DeformConv2dGeometry& g, at::ScalarType dtype);

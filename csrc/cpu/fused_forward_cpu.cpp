@@ -2,14 +2,17 @@
 // The forward as im2col and GEMMs writes every sampled value to the columns, and the GEMM then
 // reads them back (a BLAS packing them first), window by window, each stage a parallel region
 // of its own; with conv groups, the GEMMs are many small products that a BLAS runs far below
-// its speed. The fused forward writes no columns: a task samples one tap of a few pixels into
-// a buffer that stays in the L1 cache, and at once adds the products of those values with the
-// tap's weights into the pixels' output sums, which it writes when every tap is summed. The
+// its speed. The fused forward writes no columns: a task samples one tap of a stretch of pixels
+// into a buffer that stays in the L2 cache, and at once adds the products of those values with
+// the tap's weights into the pixels' output sums, which it writes when every tap is summed. The
 // whole forward of a block is one parallel region. Each output is summed over (tap, input
 // channel) in that order, as the GEMM over a columns row sums it, whichever thread runs it.
-// Each block of pixels reads the whole weight, which must stay in cache: the fused forward runs
-// for weights up to 4 MiB (fused_forward_pays_cpu; about a core's L2 cache or its share of
-// L3). ResNet's 512-channel stage (9 MiB) runs faster as GEMMs.
+// Each stretch reads the whole weight, in panels (Note [Weight panels], simd_blocks.h), which
+// must stay in cache: the fused forward runs for weights up to 4 MiB (fused_forward_pays_cpu;
+// about a core's L2 cache or its share of L3). With ResNet's 512-channel stage (9 MiB) on a Zen
+// 5 with a 32 MiB L3, one image ran 3-4% faster fused than as GEMMs; but 8 images, whose input
+// (17 MiB) shares the L3 with the weight, ran from 7% faster to 19% slower fused in the AVX2
+// copy, over three runs.
 
 #if !defined(DEFORMCONV_CPU_COPY)  // the head (Note [CPU copies], cpu_copies.h)
 
@@ -22,6 +25,7 @@
 #include <vector>
 
 #include "../core/deform_conv2d_launchers.h"
+#include "deform_conv2d_single_copy_cpu.h"
 #include "simd_blocks.h"
 #include "window_tasks.h"
 
@@ -43,18 +47,17 @@ struct FusedForwardTask {
   const scalar_t* offset;
   const scalar_t* mask;
   const scalar_t* input;
-  const at::opmath_type<scalar_t>* weight_taps;
+  const at::opmath_type<scalar_t>* weight_panels;
   const scalar_t* bias;
   scalar_t* output;
 };
 
 // Tasks [begin, end) of the fused forward, task = a stretch of one image's output pixels, tap
-// by tap: the tap's samples of every deform group are located at once, then taken a few pixels
-// at a time, sampled into `values` (pixel, input channel) and multiplied into the sums, conv
-// group by conv group: Note [Fused forward].
+// by tap: the tap's samples of every deform group are located at once, sampled into `values`
+// (pixel, input channel) and multiplied into the sums, conv group by conv group, a panel of
+// output channels for all the stretch's blocks of pixels at a time: Note [Fused forward].
 template <int kVectorBytes, typename scalar_t>
-void fused_forward_tasks(const FusedForwardTask<scalar_t>& t,
-                                                  int64_t begin, int64_t end) {
+void fused_forward_tasks(const FusedForwardTask<scalar_t>& t, int64_t begin, int64_t end) {
   using opmath_t = at::opmath_type<scalar_t>;
   const DeformConv2dGeometry& g = t.g;
   const int64_t in_per_offset_group = g.channels_per_offset_group();
@@ -62,16 +65,18 @@ void fused_forward_tasks(const FusedForwardTask<scalar_t>& t,
   const int64_t out_per_group = g.out_channels / g.groups;
   const std::vector<scalar_t> zeros(g.in_channels, scalar_t(0));
   constexpr int64_t kBlockPixels = kFusedPixels<kVectorBytes>;
-  std::vector<opmath_t> values(kBlockPixels * g.in_channels);
-  // (stretch pixel, output channel), for whole blocks of pixels: a stretch's short last block
-  // (an image's last stretch) is multiplied as a whole one, by the one register-blocked kernel,
-  // its missing pixels' values left from the block before and their sums never stored.
+  // (stretch pixel, input channel) and (stretch pixel, output channel), for whole blocks of
+  // pixels: a stretch's short last block (an image's last stretch) is multiplied as a whole
+  // one, by the one register-blocked kernel, its missing pixels' values left from before and
+  // their sums never stored.
+  std::vector<opmath_t> values(t.stretches.pixels * g.in_channels);
   std::vector<opmath_t> sums(t.stretches.pixels * g.out_channels);
   std::vector<StretchSamples<opmath_t>> samples(g.offset_groups,
                                                 StretchSamples<opmath_t>(g, t.stretches.pixels));
   for (int64_t task = begin; task < end; ++task) {
     const auto [n, first_pixel, pixels] = stretch_of(t.image, t.stretches, task);
     const scalar_t* image = channel_of(g, t.input, n, 0);
+    const int64_t blocks = (pixels + kBlockPixels - 1) / kBlockPixels;
     std::fill(sums.begin(), sums.end(), opmath_t(0));
     for (StretchSamples<opmath_t>& group_samples : samples) {
       group_samples.start(g, first_pixel, pixels);
@@ -80,28 +85,22 @@ void fused_forward_tasks(const FusedForwardTask<scalar_t>& t,
       for (int64_t group = 0; group < g.offset_groups; ++group) {
         samples[group].locate(g, n, group, tap, t.offset, t.mask);
       }
-      for (int64_t block_pixel = 0; block_pixel < pixels; block_pixel += kBlockPixels) {
-        const int64_t block = std::min(kBlockPixels, pixels - block_pixel);
-        for (int64_t p = 0; p < block; ++p) {
-          for (int64_t group = 0; group < g.offset_groups; ++group) {
-            const int64_t first = first_channel(g, group);
-            opmath_t weight[4];
-            const scalar_t* rows[4];
-            samples[group].corner_rows(block_pixel + p, image + first, g.in_channels,
-                                       zeros.data() + first, weight, rows);
-            sum_corner_rows(rows, weight, in_per_offset_group,
-                            values.data() + p * g.in_channels + first);
-          }
+      for (int64_t p = 0; p < pixels; ++p) {
+        for (int64_t group = 0; group < g.offset_groups; ++group) {
+          const int64_t first = first_channel(g, group);
+          opmath_t weight[4];
+          const scalar_t* rows[4];
+          samples[group].corner_rows(p, image + first, g.in_channels, zeros.data() + first,
+                                     weight, rows);
+          sum_corner_rows(rows, weight, in_per_offset_group,
+                          values.data() + p * g.in_channels + first);
         }
-        for (int64_t conv_group = 0; conv_group < g.groups; ++conv_group) {
-          const opmath_t* weights =
-              t.weight_taps + (conv_group * g.taps() + tap) * in_per_group * out_per_group;
-          multiply_add_block<kVectorBytes>(
-              values.data() + conv_group * in_per_group, g.in_channels, in_per_group,
-              weights, out_per_group,
-              sums.data() + block_pixel * g.out_channels + conv_group * out_per_group,
-              g.out_channels);
-        }
+      }
+      for (int64_t conv_group = 0; conv_group < g.groups; ++conv_group) {
+        multiply_add_blocks<kVectorBytes>(
+            values.data() + conv_group * in_per_group, g.in_channels, blocks, in_per_group,
+            t.weight_panels + (conv_group * g.taps() + tap) * in_per_group * out_per_group,
+            out_per_group, sums.data() + conv_group * out_per_group, g.out_channels);
       }
     }
     store_sums(sums.data(), pixels, g.out_channels, t.bias,
@@ -111,9 +110,48 @@ void fused_forward_tasks(const FusedForwardTask<scalar_t>& t,
 
 }  // namespace
 
+// The weight (C_out, C_in / G, kh, kw) in panels (Note [Weight panels], simd_blocks.h) as wide
+// as the registers of the copy that runs, in at::opmath_type, (conv group, tap) after (conv
+// group, tap): scratch memory, which a 512-channel layer's 9 MiB would otherwise fault in
+// afresh at every call.
+at::Tensor fused_forward_weight_cpu(const DeformConv2dGeometry& g, const at::Tensor& weight) {
+  const at::Tensor source = weight.contiguous();
+  at::Tensor panels = scratch_cpu(
+      {weight.numel()}, weight.options().dtype(at::toOpMathType(weight.scalar_type())));
+  const int64_t count = g.channels_per_group();
+  const int64_t out_per_group = g.out_channels / g.groups;
+  const int64_t taps = g.taps();
+  DEFORMCONV_DISPATCH(weight.scalar_type(), "deform_conv2d_fused_forward_weight_cpu", [&] {
+    using opmath_t = at::opmath_type<scalar_t>;
+    const scalar_t* from = source.const_data_ptr<scalar_t>();
+    opmath_t* to = panels.mutable_data_ptr<opmath_t>();
+    with_register_bytes<kRegisterBytes>([&](auto register_bytes) {
+      parallel_tasks(g.groups * taps, [&](int64_t begin, int64_t end) {
+        for (int64_t matrix = begin; matrix < end; ++matrix) {
+          const int64_t group = matrix / taps;
+          const int64_t tap = matrix % taps;
+          opmath_t* matrix_panels = to + matrix * count * out_per_group;
+          for (int64_t first = 0; first < out_per_group;) {
+            const int64_t width =
+                weight_panel_width<register_bytes, opmath_t>(first, out_per_group);
+            for (int64_t c = 0; c < count; ++c) {
+              for (int64_t i = 0; i < width; ++i) {
+                matrix_panels[first * count + c * width + i] = static_cast<opmath_t>(
+                    from[((group * out_per_group + first + i) * count + c) * taps + tap]);
+              }
+            }
+            first += width;
+          }
+        }
+      });
+    });
+  });
+  return panels;
+}
+
 void fused_forward_cpu(const DeformConv2dGeometry& g, int64_t batch, const at::Tensor& input,
                        const at::Tensor& offset, const at::Tensor& mask,
-                       const at::Tensor& weight_taps, const at::Tensor& bias,
+                       const at::Tensor& weight_panels, const at::Tensor& bias,
                        at::Tensor& output) {
   const PixelWindow image{0, g.out_pixels()};
   DEFORMCONV_DISPATCH(input.scalar_type(), "deform_conv2d_fused_forward_cpu", [&] {
@@ -127,7 +165,7 @@ void fused_forward_cpu(const DeformConv2dGeometry& g, int64_t batch, const at::T
                                          offset.const_data_ptr<scalar_t>(),
                                          data_or_null<scalar_t>(mask),
                                          input.const_data_ptr<scalar_t>(),
-                                         weight_taps.const_data_ptr<at::opmath_type<scalar_t>>(),
+                                         weight_panels.const_data_ptr<at::opmath_type<scalar_t>>(),
                                          data_or_null<scalar_t>(bias),
                                          output.mutable_data_ptr<scalar_t>()};
       constexpr int64_t kWidth = register_bytes / sizeof(at::opmath_type<scalar_t>);

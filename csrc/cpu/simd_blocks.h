@@ -7,6 +7,7 @@
 
 #include <ATen/OpMathType.h>
 
+#include <algorithm>
 #include <cstdint>
 
 #include "cpu_loops.h"
@@ -23,17 +24,40 @@ namespace deformconv {
 template <int kVectorBytes>
 constexpr int64_t kFusedPixels = kVectorBytes == 32 ? 6 : kVectorBytes / 8;
 
-// sums[p * sums_stride + j] += sum over c < count of values[p * values_stride + c] *
-// weights[c * out_per_group + j], for the block's pixels p < kFusedPixels and j <
-// out_per_group: the products of one tap's values of a conv group with its weights. Output
-// channels go a vector of kVectorBytes at a time, with the sums held in registers over the
-// channels; the rest one by one.
+// Note [Weight panels]
+// The fused forward's weight, for each (conv group, tap), is a (count = C_in / G) x
+// (out_per_group = C_out / G) matrix, cut by output channels into panels: two vectors wide
+// (2 * kWidth channels) while they fit, then one vector wide if one fits, then the rest. A
+// panel of width w whose first channel is j0 is stored whole, row after row: element (c, j) at
+// j0 * count + c * w + (j - j0). The multiply-adds of a panel then read one contiguous stream,
+// which the hardware prefetchers follow, where rows of the whole matrix lay out_per_group
+// apart (a 512-channel layer's weight stalled every load on the next row).
 template <int kVectorBytes, typename opmath_t>
-DEFORMCONV_INLINE void multiply_add_block(const opmath_t* __restrict values,
-                                          int64_t values_stride, int64_t count,
-                                          const opmath_t* __restrict weights,
-                                          int64_t out_per_group, opmath_t* __restrict sums,
-                                          int64_t sums_stride) {
+DEFORMCONV_INLINE int64_t weight_panel_width(int64_t first, int64_t out_per_group) {
+  constexpr int64_t kWidth = kVectorBytes / sizeof(opmath_t);
+  const int64_t rest = out_per_group - first;
+  return rest >= 2 * kWidth ? 2 * kWidth : rest >= kWidth ? kWidth : rest;
+}
+
+// Input channels a panel of two vectors is multiplied over before the next block of pixels
+// takes it: 16 KiB of the panel, which stays in the L1 cache (32 or 48 KiB) for every block of
+// a stretch beside the blocks' values.
+template <int kVectorBytes>
+constexpr int64_t kPanelPassChannels = 16384 / (2 * kVectorBytes);
+
+// sums[p * sums_stride + j] += sum over c < count of values[p * values_stride + c] * (the
+// weight of (c, j) in `panels`, Note [Weight panels]), for pixels p < blocks * kFusedPixels and
+// j < out_per_group: the products of one tap's values of a conv group with its weights, for a
+// stretch's blocks of pixels. A vector-wide panel's sums of a block are held in registers over
+// the channels, kPanelPassChannels at a time, the blocks in the inner loop; the last panel's
+// sums (fewer channels than a vector) one by one. Each sum takes its products in the order of
+// c, whatever the blocking.
+template <int kVectorBytes, typename opmath_t>
+DEFORMCONV_INLINE void multiply_add_blocks(const opmath_t* __restrict values,
+                                           int64_t values_stride, int64_t blocks, int64_t count,
+                                           const opmath_t* __restrict panels,
+                                           int64_t out_per_group, opmath_t* __restrict sums,
+                                           int64_t sums_stride) {
   typedef opmath_t Vector __attribute__((vector_size(kVectorBytes)));
   // The same vector at any address of an opmath_t, which may alias it (as the intrinsics'
   // unaligned loads are declared): loads and stores through it are plain vector moves, where
@@ -42,55 +66,70 @@ DEFORMCONV_INLINE void multiply_add_block(const opmath_t* __restrict values,
       __attribute__((vector_size(kVectorBytes), aligned(alignof(opmath_t)), may_alias));
   constexpr int64_t kWidth = kVectorBytes / sizeof(opmath_t);
   constexpr int64_t kPixels = kFusedPixels<kVectorBytes>;
+  constexpr int64_t kPass = kPanelPassChannels<kVectorBytes>;
   const auto at = [](opmath_t* data) { return reinterpret_cast<Unaligned*>(data); };
   const auto at_const = [](const opmath_t* data) {
     return reinterpret_cast<const Unaligned*>(data);
   };
-  int64_t vectorised = 0;
-  for (; vectorised + 2 * kWidth <= out_per_group; vectorised += 2 * kWidth) {
-    const int64_t j = vectorised;
-    Vector low[kPixels], high[kPixels];
-    for (int64_t p = 0; p < kPixels; ++p) {
-      low[p] = *at(sums + p * sums_stride + j);
-      high[p] = *at(sums + p * sums_stride + j + kWidth);
-    }
-    for (int64_t c = 0; c < count; ++c) {
-      const Vector weight_low = *at_const(weights + c * out_per_group + j);
-      const Vector weight_high = *at_const(weights + c * out_per_group + j + kWidth);
-      for (int64_t p = 0; p < kPixels; ++p) {
-        const opmath_t value = values[p * values_stride + c];
-        low[p] += value * weight_low;
-        high[p] += value * weight_high;
+  int64_t j = 0;
+  for (; j + 2 * kWidth <= out_per_group; j += 2 * kWidth) {
+    const opmath_t* panel = panels + j * count;
+    for (int64_t pass = 0; pass < count; pass += kPass) {
+      const int64_t pass_end = std::min(count, pass + kPass);
+      for (int64_t block = 0; block < blocks; ++block) {
+        const opmath_t* block_values = values + block * kPixels * values_stride;
+        opmath_t* block_sums = sums + block * kPixels * sums_stride + j;
+        Vector low[kPixels], high[kPixels];
+        for (int64_t p = 0; p < kPixels; ++p) {
+          low[p] = *at(block_sums + p * sums_stride);
+          high[p] = *at(block_sums + p * sums_stride + kWidth);
+        }
+        for (int64_t c = pass; c < pass_end; ++c) {
+          const Vector weight_low = *at_const(panel + c * 2 * kWidth);
+          const Vector weight_high = *at_const(panel + c * 2 * kWidth + kWidth);
+          for (int64_t p = 0; p < kPixels; ++p) {
+            const opmath_t value = block_values[p * values_stride + c];
+            low[p] += value * weight_low;
+            high[p] += value * weight_high;
+          }
+        }
+        for (int64_t p = 0; p < kPixels; ++p) {
+          *at(block_sums + p * sums_stride) = low[p];
+          *at(block_sums + p * sums_stride + kWidth) = high[p];
+        }
       }
     }
-    for (int64_t p = 0; p < kPixels; ++p) {
-      *at(sums + p * sums_stride + j) = low[p];
-      *at(sums + p * sums_stride + j + kWidth) = high[p];
-    }
   }
-  for (; vectorised + kWidth <= out_per_group; vectorised += kWidth) {
-    const int64_t j = vectorised;
-    Vector lanes[kPixels];
-    for (int64_t p = 0; p < kPixels; ++p) {
-      lanes[p] = *at(sums + p * sums_stride + j);
-    }
-    for (int64_t c = 0; c < count; ++c) {
-      const Vector weight = *at_const(weights + c * out_per_group + j);
+  if (j + kWidth <= out_per_group) {
+    const opmath_t* panel = panels + j * count;
+    for (int64_t block = 0; block < blocks; ++block) {
+      const opmath_t* block_values = values + block * kPixels * values_stride;
+      opmath_t* block_sums = sums + block * kPixels * sums_stride + j;
+      Vector lanes[kPixels];
       for (int64_t p = 0; p < kPixels; ++p) {
-        lanes[p] += values[p * values_stride + c] * weight;
+        lanes[p] = *at(block_sums + p * sums_stride);
       }
-    }
-    for (int64_t p = 0; p < kPixels; ++p) {
-      *at(sums + p * sums_stride + j) = lanes[p];
-    }
-  }
-  for (int64_t p = 0; p < kPixels; ++p) {
-    for (int64_t j = vectorised; j < out_per_group; ++j) {
-      opmath_t sum = sums[p * sums_stride + j];
       for (int64_t c = 0; c < count; ++c) {
-        sum += values[p * values_stride + c] * weights[c * out_per_group + j];
+        const Vector weight = *at_const(panel + c * kWidth);
+        for (int64_t p = 0; p < kPixels; ++p) {
+          lanes[p] += block_values[p * values_stride + c] * weight;
+        }
       }
-      sums[p * sums_stride + j] = sum;
+      for (int64_t p = 0; p < kPixels; ++p) {
+        *at(block_sums + p * sums_stride) = lanes[p];
+      }
+    }
+    j += kWidth;
+  }
+  const int64_t rest = out_per_group - j;
+  const opmath_t* panel = panels + j * count;
+  for (int64_t p = 0; p < blocks * kPixels; ++p) {
+    for (int64_t i = 0; i < rest; ++i) {
+      opmath_t sum = sums[p * sums_stride + j + i];
+      for (int64_t c = 0; c < count; ++c) {
+        sum += values[p * values_stride + c] * panel[c * rest + i];
+      }
+      sums[p * sums_stride + j + i] = sum;
     }
   }
 }

@@ -361,6 +361,7 @@ const DeformConv2dLaunchers& deform_conv2d_cuda_launchers() {
       .transpose = transpose_cuda,
       .gemms = window_gemms_cuda,
       .forward_plan = forward_plan_cuda,
+      .fused_forward_weight = nullptr,
       .fused_forward = nullptr,
   };
   return launchers;
