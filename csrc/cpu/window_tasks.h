@@ -118,8 +118,8 @@ class StretchSamples : public LocatedSamples<opmath_t> {
     pixels_ = pixels;
     SampleIndex s = make_sample_index(g, 0, 0, 0, first_pixel);
     for (int64_t i = 0; i < pixels; ++i, next_pixel(g, s)) {
-      origin_y_[i] = s.grid_y;
-      origin_x_[i] = s.grid_x;
+      origin_y_[i] = static_cast<int32_t>(s.grid_y);
+      origin_x_[i] = static_cast<int32_t>(s.grid_x);
     }
   }
 
@@ -129,16 +129,12 @@ class StretchSamples : public LocatedSamples<opmath_t> {
   DEFORMCONV_INLINE void locate(const DeformConv2dGeometry& g, int64_t n, int64_t group,
                                 int64_t tap, const scalar_t* offset, const scalar_t* mask) {
     const SampleIndex s = make_sample_index(g, n, group, tap, first_pixel_);
-    const int64_t tap_y = s.grid_y - origin_y_[0];
-    const int64_t tap_x = s.grid_x - origin_x_[0];
     const scalar_t* offset_y = offset + offset_y_index(g, s);
     const scalar_t* offset_x = offset_y + g.out_pixels();
-    for (int64_t i = 0; i < pixels_; ++i) {
-      this->grid_y[i] = static_cast<opmath_t>(origin_y_[i] + tap_y);
-      this->grid_x[i] = static_cast<opmath_t>(origin_x_[i] + tap_x);
-      this->dy[i] = static_cast<opmath_t>(offset_y[i]);
-      this->dx[i] = static_cast<opmath_t>(offset_x[i]);
-    }
+    fill_positions(pixels_, static_cast<int32_t>(s.grid_y - origin_y_[0]),
+                   static_cast<int32_t>(s.grid_x - origin_x_[0]), origin_y_.data(),
+                   origin_x_.data(), offset_y, offset_x, this->grid_y.data(),
+                   this->grid_x.data(), this->dy.data(), this->dx.data());
     if (mask == nullptr) {
       std::fill_n(this->m.begin(), pixels_, opmath_t(1));
     } else {
@@ -170,7 +166,28 @@ class StretchSamples : public LocatedSamples<opmath_t> {
     }
   }
 
-  std::vector<int64_t> origin_y_, origin_x_;
+  // The positions' inputs of a row: each pixel's grid position, its undeformed position
+  // tap_y/tap_x away from its origin, and its offsets. A function of restrict-qualified
+  // arrays, so that the loop vectorises (GCC heeds restrict on parameters), and the origins
+  // in int32, as LocatedSamples' grid indices are (the drivers check that they fit), whose
+  // conversions vectorise where those of int64 do not before AVX-512. Inlined into the fused
+  // forward's task with a loop of its own, it ran scalar, at 5% of the task's time with 16
+  // channels a deform group.
+  template <typename scalar_t>
+  static DEFORMCONV_INLINE void fill_positions(
+      int64_t pixels, int32_t tap_y, int32_t tap_x, const int32_t* __restrict origin_y,
+      const int32_t* __restrict origin_x, const scalar_t* __restrict offset_y,
+      const scalar_t* __restrict offset_x, opmath_t* __restrict grid_y,
+      opmath_t* __restrict grid_x, opmath_t* __restrict dy, opmath_t* __restrict dx) {
+    for (int64_t i = 0; i < pixels; ++i) {
+      grid_y[i] = static_cast<opmath_t>(origin_y[i] + tap_y);
+      grid_x[i] = static_cast<opmath_t>(origin_x[i] + tap_x);
+      dy[i] = static_cast<opmath_t>(offset_y[i]);
+      dx[i] = static_cast<opmath_t>(offset_x[i]);
+    }
+  }
+
+  std::vector<int32_t> origin_y_, origin_x_;
   int64_t first_pixel_ = 0;
   int64_t pixels_ = 0;
 };
