@@ -69,8 +69,8 @@ GROUPED = Geometry("grouped", 3, 6, 120, 6, 7, (2, 3), stride=(1, 2), padding=(1
 LANES = Geometry("lanes", 2, 24, 16, 6, 5, (3, 3), padding=(1, 1), offset_groups=2)
 LANES_GROUPED = Geometry("lanes-grouped", 2, 32, 8, 5, 6, (3, 3), padding=(1, 1), groups=2)
 # 300 input channels: the fused forward multiplies a weight panel over them in passes (of 128
-# or 256 channels, Note [Weight panels]), the last one short; 40 output channels: panels of
-# two vectors, of one and the rest.
+# or 256 channels, Note [Weight panels]), the last one short, and samples a stretch's 30 pixels
+# in runs of one or two blocks; 40 output channels: panels of two vectors, of one and the rest.
 DEEP = Geometry("deep", 1, 300, 40, 5, 6, (3, 3), padding=(1, 1))
 # 64 x 64 output pixels of 32 channels in blocks of 2 images: several windows in every dtype
 # (the CPU's window budget is 4 MiB of columns and sampling plans), several blocks.

@@ -1,18 +1,18 @@
 // Note [Fused forward]
 // The forward as im2col and GEMMs writes every sampled value to the columns, and the GEMM then
-// reads them back (a BLAS packing them first), window by window, each stage a parallel region
-// of its own; with conv groups, the GEMMs are many small products that a BLAS runs far below
-// its speed. The fused forward writes no columns: a task samples one tap of a stretch of pixels
-// into a buffer that stays in the L2 cache, and at once adds the products of those values with
-// the tap's weights into the pixels' output sums, which it writes when every tap is summed. The
-// whole forward of a block is one parallel region. Each output is summed over (tap, input
-// channel) in that order, as the GEMM over a columns row sums it, whichever thread runs it.
-// Each stretch reads the whole weight, in panels (Note [Weight panels], simd_blocks.h), which
-// must stay in cache: the fused forward runs for weights up to 4 MiB (fused_forward_pays_cpu;
-// about a core's L2 cache or its share of L3). With ResNet's 512-channel stage (9 MiB) on a Zen
-// 5 with a 32 MiB L3, one image ran 3-4% faster fused than as GEMMs; but 8 images, whose input
-// (17 MiB) shares the L3 with the weight, ran from 7% faster to 19% slower fused in the AVX2
-// copy, over three runs.
+// reads them back (a BLAS packing them first), window by window, each stage a parallel region of
+// its own; with conv groups, the GEMMs are many small products that a BLAS runs far below its
+// speed. The fused forward writes no columns: a task samples one tap of a few blocks of pixels into
+// a buffer that stays in the L1 cache, and at once adds the products of those values with the tap's
+// weights into the pixels' output sums, which it writes when every tap is summed for its stretch of
+// pixels. The whole forward of a block is one parallel region. Each output is summed over (tap,
+// input channel) in that order, as the GEMM over a columns row sums it, whichever thread runs it.
+// Each run of blocks reads the whole weight, in panels (Note [Weight panels], simd_blocks.h), which
+// must stay in cache: the fused forward runs for weights up to 4 MiB (fused_forward_pays_cpu; about
+// a core's L2 cache or its share of L3). ResNet's 512-channel stage (9 MiB) runs as GEMMs: fused,
+// on a Zen 5 with a 32 MiB L3, one image ran level with the GEMMs in the AVX2 copy and 10% faster
+// in the AVX-512 one, but 8 images, whose input shares the L3 with the weight, ran from 7% faster
+// to 19% slower than the GEMMs in the AVX2 copy over three runs.
 
 #if !defined(DEFORMCONV_CPU_COPY)  // the head (Note [CPU copies], cpu_copies.h)
 
@@ -53,9 +53,10 @@ struct FusedForwardTask {
 };
 
 // Tasks [begin, end) of the fused forward, task = a stretch of one image's output pixels, tap
-// by tap: the tap's samples of every deform group are located at once, sampled into `values`
-// (pixel, input channel) and multiplied into the sums, conv group by conv group, a panel of
-// output channels for all the stretch's blocks of pixels at a time: Note [Fused forward].
+// by tap: the tap's samples of every deform group are located at once, then sampled into
+// `values` (pixel, input channel) a run of blocks of pixels at a time and multiplied into the
+// sums, conv group by conv group, a panel of output channels for all the run's blocks at a
+// time: Note [Fused forward].
 template <int kVectorBytes, typename scalar_t>
 void fused_forward_tasks(const FusedForwardTask<scalar_t>& t, int64_t begin, int64_t end) {
   using opmath_t = at::opmath_type<scalar_t>;
@@ -65,11 +66,17 @@ void fused_forward_tasks(const FusedForwardTask<scalar_t>& t, int64_t begin, int
   const int64_t out_per_group = g.out_channels / g.groups;
   const std::vector<scalar_t> zeros(g.in_channels, scalar_t(0));
   constexpr int64_t kBlockPixels = kFusedPixels<kVectorBytes>;
-  // (stretch pixel, input channel) and (stretch pixel, output channel), for whole blocks of
+  // Blocks whose values are sampled at once: as many as fit in 16 KiB, at least one. Each
+  // panel's slice then serves them all from the L1 cache, while their values stay there too:
+  // sampled for the whole stretch, 64 KiB of 512 channels, the values went out to the L2 cache
+  // and back, which cost grouped convolutions (few products per value) 3-14%.
+  const int64_t run_blocks = std::max<int64_t>(
+      1, 16384 / (kBlockPixels * g.in_channels * static_cast<int64_t>(sizeof(opmath_t))));
+  // (run pixel, input channel) and (stretch pixel, output channel), for whole blocks of
   // pixels: a stretch's short last block (an image's last stretch) is multiplied as a whole
   // one, by the one register-blocked kernel, its missing pixels' values left from before and
   // their sums never stored.
-  std::vector<opmath_t> values(t.stretches.pixels * g.in_channels);
+  std::vector<opmath_t> values(run_blocks * kBlockPixels * g.in_channels);
   std::vector<opmath_t> sums(t.stretches.pixels * g.out_channels);
   std::vector<StretchSamples<opmath_t>> samples(g.offset_groups,
                                                 StretchSamples<opmath_t>(g, t.stretches.pixels));
@@ -85,22 +92,28 @@ void fused_forward_tasks(const FusedForwardTask<scalar_t>& t, int64_t begin, int
       for (int64_t group = 0; group < g.offset_groups; ++group) {
         samples[group].locate(g, n, group, tap, t.offset, t.mask);
       }
-      for (int64_t p = 0; p < pixels; ++p) {
-        for (int64_t group = 0; group < g.offset_groups; ++group) {
-          const int64_t first = first_channel(g, group);
-          opmath_t weight[4];
-          const scalar_t* rows[4];
-          samples[group].corner_rows(p, image + first, g.in_channels, zeros.data() + first,
-                                     weight, rows);
-          sum_corner_rows(rows, weight, in_per_offset_group,
-                          values.data() + p * g.in_channels + first);
+      for (int64_t first_block = 0; first_block < blocks; first_block += run_blocks) {
+        const int64_t run = std::min(run_blocks, blocks - first_block);
+        const int64_t run_pixel = first_block * kBlockPixels;
+        const int64_t run_end = std::min(pixels, run_pixel + run * kBlockPixels);
+        for (int64_t p = run_pixel; p < run_end; ++p) {
+          for (int64_t group = 0; group < g.offset_groups; ++group) {
+            const int64_t first = first_channel(g, group);
+            opmath_t weight[4];
+            const scalar_t* rows[4];
+            samples[group].corner_rows(p, image + first, g.in_channels, zeros.data() + first,
+                                       weight, rows);
+            sum_corner_rows(rows, weight, in_per_offset_group,
+                            values.data() + (p - run_pixel) * g.in_channels + first);
+          }
         }
-      }
-      for (int64_t conv_group = 0; conv_group < g.groups; ++conv_group) {
-        multiply_add_blocks<kVectorBytes>(
-            values.data() + conv_group * in_per_group, g.in_channels, blocks, in_per_group,
-            t.weight_panels + (conv_group * g.taps() + tap) * in_per_group * out_per_group,
-            out_per_group, sums.data() + conv_group * out_per_group, g.out_channels);
+        for (int64_t conv_group = 0; conv_group < g.groups; ++conv_group) {
+          multiply_add_blocks<kVectorBytes>(
+              values.data() + conv_group * in_per_group, g.in_channels, run, in_per_group,
+              t.weight_panels + (conv_group * g.taps() + tap) * in_per_group * out_per_group,
+              out_per_group, sums.data() + run_pixel * g.out_channels + conv_group * out_per_group,
+              g.out_channels);
+        }
       }
     }
     store_sums(sums.data(), pixels, g.out_channels, t.bias,

@@ -41,14 +41,14 @@ DEFORMCONV_INLINE int64_t weight_panel_width(int64_t first, int64_t out_per_grou
 
 // Input channels a panel of two vectors is multiplied over before the next block of pixels
 // takes it: 16 KiB of the panel, which stays in the L1 cache (32 or 48 KiB) for every block of
-// a stretch beside the blocks' values.
+// a run beside the blocks' values.
 template <int kVectorBytes>
 constexpr int64_t kPanelPassChannels = 16384 / (2 * kVectorBytes);
 
 // sums[p * sums_stride + j] += sum over c < count of values[p * values_stride + c] * (the
 // weight of (c, j) in `panels`, Note [Weight panels]), for pixels p < blocks * kFusedPixels and
 // j < out_per_group: the products of one tap's values of a conv group with its weights, for a
-// stretch's blocks of pixels. A vector-wide panel's sums of a block are held in registers over
+// run of blocks of pixels. A vector-wide panel's sums of a block are held in registers over
 // the channels, kPanelPassChannels at a time, the blocks in the inner loop; the last panel's
 // sums (fewer channels than a vector) one by one. Each sum takes its products in the order of
 // c, whatever the blocking.
