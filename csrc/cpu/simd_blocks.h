@@ -71,66 +71,66 @@ DEFORMCONV_INLINE void multiply_add_blocks(const opmath_t* __restrict values,
   const auto at_const = [](const opmath_t* data) {
     return reinterpret_cast<const Unaligned*>(data);
   };
-  int64_t j = 0;
-  for (; j + 2 * kWidth <= out_per_group; j += 2 * kWidth) {
+  // The panels as weight_panel_width cuts them, which is how the weight was laid out.
+  for (int64_t j = 0; j < out_per_group;) {
+    const int64_t width = weight_panel_width<kVectorBytes, opmath_t>(j, out_per_group);
     const opmath_t* panel = panels + j * count;
-    for (int64_t pass = 0; pass < count; pass += kPass) {
-      const int64_t pass_end = std::min(count, pass + kPass);
+    if (width == 2 * kWidth) {
+      for (int64_t pass = 0; pass < count; pass += kPass) {
+        const int64_t pass_end = std::min(count, pass + kPass);
+        for (int64_t block = 0; block < blocks; ++block) {
+          const opmath_t* block_values = values + block * kPixels * values_stride;
+          opmath_t* block_sums = sums + block * kPixels * sums_stride + j;
+          Vector low[kPixels], high[kPixels];
+          for (int64_t p = 0; p < kPixels; ++p) {
+            low[p] = *at(block_sums + p * sums_stride);
+            high[p] = *at(block_sums + p * sums_stride + kWidth);
+          }
+          for (int64_t c = pass; c < pass_end; ++c) {
+            const Vector weight_low = *at_const(panel + c * 2 * kWidth);
+            const Vector weight_high = *at_const(panel + c * 2 * kWidth + kWidth);
+            for (int64_t p = 0; p < kPixels; ++p) {
+              const opmath_t value = block_values[p * values_stride + c];
+              low[p] += value * weight_low;
+              high[p] += value * weight_high;
+            }
+          }
+          for (int64_t p = 0; p < kPixels; ++p) {
+            *at(block_sums + p * sums_stride) = low[p];
+            *at(block_sums + p * sums_stride + kWidth) = high[p];
+          }
+        }
+      }
+    } else if (width == kWidth) {
       for (int64_t block = 0; block < blocks; ++block) {
         const opmath_t* block_values = values + block * kPixels * values_stride;
         opmath_t* block_sums = sums + block * kPixels * sums_stride + j;
-        Vector low[kPixels], high[kPixels];
+        Vector lanes[kPixels];
         for (int64_t p = 0; p < kPixels; ++p) {
-          low[p] = *at(block_sums + p * sums_stride);
-          high[p] = *at(block_sums + p * sums_stride + kWidth);
+          lanes[p] = *at(block_sums + p * sums_stride);
         }
-        for (int64_t c = pass; c < pass_end; ++c) {
-          const Vector weight_low = *at_const(panel + c * 2 * kWidth);
-          const Vector weight_high = *at_const(panel + c * 2 * kWidth + kWidth);
+        for (int64_t c = 0; c < count; ++c) {
+          const Vector weight = *at_const(panel + c * kWidth);
           for (int64_t p = 0; p < kPixels; ++p) {
-            const opmath_t value = block_values[p * values_stride + c];
-            low[p] += value * weight_low;
-            high[p] += value * weight_high;
+            lanes[p] += block_values[p * values_stride + c] * weight;
           }
         }
         for (int64_t p = 0; p < kPixels; ++p) {
-          *at(block_sums + p * sums_stride) = low[p];
-          *at(block_sums + p * sums_stride + kWidth) = high[p];
+          *at(block_sums + p * sums_stride) = lanes[p];
+        }
+      }
+    } else {
+      for (int64_t p = 0; p < blocks * kPixels; ++p) {
+        for (int64_t i = 0; i < width; ++i) {
+          opmath_t sum = sums[p * sums_stride + j + i];
+          for (int64_t c = 0; c < count; ++c) {
+            sum += values[p * values_stride + c] * panel[c * width + i];
+          }
+          sums[p * sums_stride + j + i] = sum;
         }
       }
     }
-  }
-  if (j + kWidth <= out_per_group) {
-    const opmath_t* panel = panels + j * count;
-    for (int64_t block = 0; block < blocks; ++block) {
-      const opmath_t* block_values = values + block * kPixels * values_stride;
-      opmath_t* block_sums = sums + block * kPixels * sums_stride + j;
-      Vector lanes[kPixels];
-      for (int64_t p = 0; p < kPixels; ++p) {
-        lanes[p] = *at(block_sums + p * sums_stride);
-      }
-      for (int64_t c = 0; c < count; ++c) {
-        const Vector weight = *at_const(panel + c * kWidth);
-        for (int64_t p = 0; p < kPixels; ++p) {
-          lanes[p] += block_values[p * values_stride + c] * weight;
-        }
-      }
-      for (int64_t p = 0; p < kPixels; ++p) {
-        *at(block_sums + p * sums_stride) = lanes[p];
-      }
-    }
-    j += kWidth;
-  }
-  const int64_t rest = out_per_group - j;
-  const opmath_t* panel = panels + j * count;
-  for (int64_t p = 0; p < blocks * kPixels; ++p) {
-    for (int64_t i = 0; i < rest; ++i) {
-      opmath_t sum = sums[p * sums_stride + j + i];
-      for (int64_t c = 0; c < count; ++c) {
-        sum += values[p * values_stride + c] * panel[c * rest + i];
-      }
-      sums[p * sums_stride + j + i] = sum;
-    }
+    j += width;
   }
 }
 
