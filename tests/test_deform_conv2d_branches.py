@@ -260,3 +260,45 @@ def test_backward_op_computes_only_what_is_asked(cpu_copy, path, forced):
                     assert_close_at(grad, expected, torch.float32, f"{name} of {output_mask}")
                 else:
                     assert grad is None, f"{name} of {output_mask}"
+
+
+# 60 output channels: the in-place transposition of a contiguous weight gradient goes in shares
+# of 8 output channels, the last one short (4); a 2 x 3 kernel, whose (C_in, K) matrices are not
+# square.
+WEIGHT_LAYOUT_GEOMETRY = Geometry("weight-layouts", 2, 5, 60, 6, 7, (2, 3), padding=(1, 1))
+WEIGHT_LAYOUTS = {
+    # (C_out, kh, kw, C_in) in memory: weight_rows' order, the GEMMs add into grad_weight.
+    "channels-last": ("rows_layout", lambda w: w.to(memory_format=torch.channels_last)),
+    # (C_out, C_in, kh, kw): summed in grad_weight's memory, transposed in place.
+    "contiguous": ("transposed_in_place", lambda w: w.contiguous()),
+    # (C_out, C_in, kw, kh) in memory, dense but neither: a buffer of its own.
+    "kernel-transposed": ("own_buffer",
+                          lambda w: w.transpose(2, 3).contiguous().transpose(2, 3)),
+}
+
+
+@pytest.mark.parametrize("layout", WEIGHT_LAYOUTS)
+@pytest.mark.parametrize("onednn", [True, False], ids=["onednn", "bmm"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_weight_gradient_in_each_layout(cpu_copy, layout, onednn, dtype, forced):
+    # Note [The weight gradient in its own memory]: the weight gradient keeps the weight's
+    # strides and equals the reference's, whichever way it was summed.
+    if onednn and dtype != torch.float32:
+        pytest.skip("oneDNN's GEMMs run in float32 only")
+    branch, relayout = WEIGHT_LAYOUTS[layout]
+    path = Path(f"weight-{layout}", WEIGHT_LAYOUT_GEOMETRY, onednn=onednn, fused=False)
+    operands = operands_of(path, dtype)
+    operands[2] = relayout(operands[2])
+    g = path.geometry
+    exact = [t.double().requires_grad_() for t in operands]
+    expected = deform_conv2d_reference(exact[0], exact[1], exact[2], exact[3], g.stride,
+                                       g.padding, g.dilation, exact[4])
+    grad_output = gradient_for(expected)
+    (expected_weight_grad,) = torch.autograd.grad(expected, [exact[2]], grad_output)
+    with threads(path.threads), forced(path):
+        _, grads, taken = run(path, operands, [True, True, True, True, True],
+                              grad_output.to(dtype))
+    assert_path_ran(path, dtype, taken, backward=True)
+    assert f"deform_conv2d.weight_gradient.{branch}" in taken, sorted(taken)
+    assert grads[2].stride() == operands[2].stride()
+    assert_close_at(grads[2], expected_weight_grad, dtype, "weight")

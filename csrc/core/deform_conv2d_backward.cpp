@@ -35,14 +35,15 @@ struct BackwardScratch {
   const WindowGemms* gemms;
   // gemms->weight's; the oneDNN backward takes it even for the weight gradient alone.
   at::Tensor weight;
-  // The weight gradient in the order of weight_rows, summed over the windows.
+  // The weight gradient in the order of weight_rows, summed over the windows
+  // (weight_gradient_rows).
   at::Tensor grad_weight_rows;
 };
 
 BackwardScratch backward_scratch(const DeformConv2dLaunchers& launchers,
                                  const DeformConv2dGeometry& g, const WantedGradients& want,
                                  int64_t batch, int64_t im2col_step, const at::Tensor& input,
-                                 const at::Tensor& weight) {
+                                 const at::Tensor& weight, at::Tensor& grad_weight) {
   BackwardScratch scratch;
   scratch.w = split_work(g, batch, im2col_step, input.scalar_type(), launchers,
                          kMinBackwardWindowPixels);
@@ -56,8 +57,7 @@ BackwardScratch backward_scratch(const DeformConv2dLaunchers& launchers,
   record_split(w, batch, "deform_conv2d.backward.blocks", "deform_conv2d.backward.windows");
   scratch.weight = scratch.gemms->weight(launchers, g, weight, w);
   if (want.weight) {
-    scratch.grad_weight_rows =
-        at::zeros({w.groups, w.out_per_group, w.rows_per_group}, weight.options());
+    scratch.grad_weight_rows = weight_gradient_rows(g, w, grad_weight);
   }
   return scratch;
 }
@@ -173,7 +173,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> deform_co
   }
 
   BackwardScratch scratch =
-      backward_scratch(launchers, g, want, batch, im2col_step, input_arg, weight_arg);
+      backward_scratch(launchers, g, want, batch, im2col_step, input_arg, weight_arg, grad_weight);
   const int64_t step = scratch.w.step;
   for (int64_t first = 0; first < batch; first += step) {
     BackwardBlock block =

@@ -17,8 +17,13 @@ namespace deformconv {
 at::Tensor weight_rows(const DeformConv2dLaunchers& launchers, const DeformConv2dGeometry& g,
                        const at::Tensor& weight, const WorkSplit& w);
 
-// Writes a weight gradient summed in weight_rows' order into grad_weight, in the weight's
-// layout.
+// The weight gradient in weight_rows' order, (G, C_out / G, K * C_in / G), zeroed, for the
+// windows' GEMMs to add into (Note [The weight gradient in its own memory]).
+at::Tensor weight_gradient_rows(const DeformConv2dGeometry& g, const WorkSplit& w,
+                                at::Tensor& grad_weight);
+
+// Puts the weight gradient that the GEMMs summed in weight_gradient_rows' tensor into
+// grad_weight's layout.
 void store_weight_gradient(const DeformConv2dLaunchers& launchers, const DeformConv2dGeometry& g,
                            const at::Tensor& rows, at::Tensor& grad_weight);
 
