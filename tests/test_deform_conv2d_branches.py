@@ -55,7 +55,11 @@ class Path:
         return "deform_conv2d.forward." + ("onednn" if self.onednn else "bmm")
 
     def backward_branch(self):
-        return "deform_conv2d.backward." + ("onednn" if self.onednn else "bmm")
+        if not self.onednn:
+            return "deform_conv2d.backward.bmm"
+        # oneDNN's backward in the AVX-512 copy of the CPU kernels, ATen's mm in place in the
+        # others (Note [Backward GEMMs in place]).
+        return "deform_conv2d.backward." + ("onednn" if vector_bytes() == 64 else "mm")
 
 
 # 7 x 7 output pixels: an odd count, which no block of pixels of the fused forward divides.
@@ -120,7 +124,8 @@ PATHS = [
 
 FORWARD_KINDS = {"deform_conv2d.forward.fused", "deform_conv2d.forward.onednn",
                  "deform_conv2d.forward.bmm"}
-BACKWARD_KINDS = {"deform_conv2d.backward.onednn", "deform_conv2d.backward.bmm"}
+BACKWARD_KINDS = {"deform_conv2d.backward.onednn", "deform_conv2d.backward.mm",
+                  "deform_conv2d.backward.bmm"}
 
 
 def path_cases():

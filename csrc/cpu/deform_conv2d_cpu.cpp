@@ -53,6 +53,12 @@ ForwardPlan forward_plan_cpu(const DeformConv2dGeometry& g, at::ScalarType dtype
                                                                 : ForwardPlan::kStages;
 }
 
+// oneDNN's backward GEMMs where its AVX-512 kernels outrun ATen's sgemm; elsewhere the GEMMs
+// that allocate nothing (Note [Backward GEMMs in place], onednn_gemms_cpu.cpp).
+const WindowGemms& window_gemms(const DeformConv2dGeometry& g, at::ScalarType dtype) {
+  return window_gemms_cpu(g, dtype, /*onednn_backward=*/kRegisterBytes == 64);
+}
+
 // 4 MiB of scratch per window (columns and plans): within the last-level cache of a CPU. A
 // plan takes 48 bytes in float32, 64 in float64.
 constexpr DeformConv2dLaunchers kCpuLaunchers{
@@ -64,7 +70,7 @@ constexpr DeformConv2dLaunchers kCpuLaunchers{
     .im2col = im2col_cpu,
     .column_gradients = column_gradients_cpu,
     .transpose = transpose_cpu,
-    .gemms = window_gemms_cpu,
+    .gemms = window_gemms,
     .forward_plan = forward_plan_cpu,
     .fused_forward_weight = fused_forward_weight_cpu,
     .fused_forward = fused_forward_cpu,

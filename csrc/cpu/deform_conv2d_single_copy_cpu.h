@@ -13,7 +13,9 @@ namespace deformconv {
 
 at::Tensor scratch_cpu(c10::IntArrayRef sizes, const at::TensorOptions& options);
 
-// oneDNN's 1x1 convolutions or bmm.
-const WindowGemms& window_gemms_cpu(const DeformConv2dGeometry& g, at::ScalarType dtype);
+// oneDNN's 1x1 convolutions, their backward as oneDNN's with onednn_backward, else as ATen's mm
+// in place (Note [Backward GEMMs in place], onednn_gemms_cpu.cpp); or bmm.
+const WindowGemms& window_gemms_cpu(const DeformConv2dGeometry& g, at::ScalarType dtype,
+                                    bool onednn_backward);
 
 }  // namespace deformconv

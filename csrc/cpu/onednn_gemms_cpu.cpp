@@ -1,8 +1,11 @@
 // The CPU's choice of GEMMs for DCN v1/v2's windows (window_gemms_cpu): oneDNN 1x1 convolutions
-// where they apply, else the bmm of core/deform_conv2d_gemms.h.
+// where they apply, their backward as oneDNN's or as ATen's mm into the driver's buffers; else
+// the bmm of core/deform_conv2d_gemms.h.
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <mutex>
 #include <optional>
 #include <utility>
@@ -110,9 +113,57 @@ at::Tensor convolution_backward(const WorkSplit& w, const PixelWindow& window, i
   return grad_columns;
 }
 
+// Note [Backward GEMMs in place]
+// oneDNN's convolution backward allocates the window's columns gradient and weight gradient
+// (C_out x K * C_in, 9 MiB for 512 x 512 x 3 x 3) afresh, and reorders the weight and the
+// gradient into its blocked layouts, more weight-sized buffers: at c5 the backward's peak was
+// twice torchvision's. ATen's mm, MKL's sgemm in PyTorch's x86 builds, writes where it is told:
+// the weight gradient is added to grad_weight_rows (beta = 1) and the columns gradient written
+// over the columns, which the weight gradient has read by then. The threads split both GEMMs by
+// the columns' K * C_in: a thread's share of the weight gradient reads only its slice of the
+// columns, which its share of the columns gradient then overwrites, so neither waits for the
+// other, and each GEMM runs on one thread, inside the parallel region. MKL's own threads did
+// worse: c3's backward in the AVX2 copy, 2 threads, fastest of 40 calls, took 73-89 ms with
+// them, 65-66 ms split this way, 60-77 ms with oneDNN's convolutions. There the two ran level
+// (c5: 52-56 ms either way); on AVX-512 CPUs oneDNN's kernels outrun MKL's sgemm, which keeps
+// to AVX2 on AMD's (c5: 36-38 against 55-59 ms), so the AVX-512 copy keeps oneDNN's backward,
+// and its memory.
+at::Tensor mm_backward(const WorkSplit& w, const PixelWindow& window, int64_t images,
+                       at::Tensor& columns, const at::Tensor& grad_output_window,
+                       const at::Tensor& weight, bool want_columns_grad,
+                       at::Tensor& grad_weight_rows) {
+  // One conv group (gemms_as_convolutions): (images, window, K * C_in) columns, (C_out,
+  // K * C_in) weight and weight gradient, (images, C_out, window) gradient, rows P apart.
+  const at::Tensor columns_block = columns_of_window(columns, w, window, images);
+  const at::Tensor weight_matrix = weight.view({w.out_per_group, w.rows_per_group});
+  const at::Tensor grad_output_block = grad_output_window.squeeze(1);
+  const bool want_weight = grad_weight_rows.defined();
+  const at::Tensor grad_weight_matrix =
+      want_weight ? grad_weight_rows.view({w.out_per_group, w.rows_per_group}) : at::Tensor();
+  // Slices of whole cache lines of float32.
+  constexpr int64_t kSliceColumns = 16;
+  const int64_t slices = (w.rows_per_group + kSliceColumns - 1) / kSliceColumns;
+  at::parallel_for(0, slices, 1, [&](int64_t first_slice, int64_t end_slice) {
+    const int64_t begin = first_slice * kSliceColumns;
+    const int64_t length = std::min(end_slice * kSliceColumns, w.rows_per_group) - begin;
+    for (int64_t n = 0; n < images; ++n) {
+      at::Tensor columns_slice = columns_block[n].narrow(1, begin, length);
+      if (want_weight) {
+        grad_weight_matrix.narrow(1, begin, length).addmm_(grad_output_block[n], columns_slice);
+      }
+      if (want_columns_grad) {
+        at::mm_out(columns_slice, grad_output_block[n].t(),
+                   weight_matrix.narrow(1, begin, length));
+      }
+    }
+  });
+  return want_columns_grad ? columns : at::Tensor();
+}
+
 }  // namespace
 
-const WindowGemms& window_gemms_cpu(const DeformConv2dGeometry& g, at::ScalarType dtype) {
+const WindowGemms& window_gemms_cpu(const DeformConv2dGeometry& g, at::ScalarType dtype,
+                                    bool onednn_backward) {
   // oneDNN runs a convolution on one thread inside a parallel region, reordering the weight for
   // it (a weight-sized buffer per thread): the forward may then give windows to threads.
   static const WindowGemms convolutions{
@@ -123,7 +174,16 @@ const WindowGemms& window_gemms_cpu(const DeformConv2dGeometry& g, at::ScalarTyp
       .forward = convolution_forward,
       .backward = convolution_backward,
   };
-  return gemms_as_convolutions(g, dtype) ? convolutions : bmm_window_gemms();
+  static const WindowGemms convolutions_then_mm = [] {
+    WindowGemms gemms = convolutions;
+    gemms.backward_branch = "deform_conv2d.backward.mm";
+    gemms.backward = mm_backward;
+    return gemms;
+  }();
+  if (!gemms_as_convolutions(g, dtype)) {
+    return bmm_window_gemms();
+  }
+  return onednn_backward ? convolutions : convolutions_then_mm;
 }
 
 }  // namespace deformconv
