@@ -4,13 +4,10 @@ and the results of the others; DEFORMCONV_CPU_CAPABILITY chooses the copy at loa
 falls back, warning, from one that cannot run. The paths of each op under each copy are the
 branch tests' (their cpu_copy fixture)."""
 
-import os
 import platform
 import re
 import shutil
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,6 +16,7 @@ import deformconv
 from branching import branch_trace
 from deform_conv2d_cases import GEOMETRIES, make_operands
 from dcnv3_reference import pack_offset_mask, random_operands
+from fresh_process import run_script
 from ms_deform_attn_reference import make_operands as attention_operands
 
 COPIES = list(torch.ops.deformconv._cpu_capabilities())
@@ -106,18 +104,10 @@ def test_select_refuses_a_copy_it_cannot_run():
 
 def capability_chosen_by(value, directory):
     """The copy in use, and what was printed to stderr, in a fresh process whose
-    DEFORMCONV_CPU_CAPABILITY is value. The process imports the deformconv that this one runs
-    (an installed wheel, an editable install, the sanitized build in place): its folder goes
-    first on the path, and the process runs from `directory`, where no source folder can shadow
-    it."""
+    DEFORMCONV_CPU_CAPABILITY is value, run from directory (fresh_process.run_script)."""
     script = ("import torch, deformconv; "
               "print(torch.ops.deformconv._cpu_capability())")
-    package_parent = str(Path(deformconv.__file__).resolve().parent.parent)
-    path = os.pathsep.join(filter(None, [package_parent, os.environ.get("PYTHONPATH")]))
-    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                         env={**os.environ, "DEFORMCONV_CPU_CAPABILITY": value,
-                              "PYTHONPATH": path},
-                         cwd=directory, timeout=300)
+    run = run_script(script, directory, DEFORMCONV_CPU_CAPABILITY=value)
     assert run.returncode == 0, run.stderr
     return run.stdout.strip(), run.stderr
 
