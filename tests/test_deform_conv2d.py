@@ -2,6 +2,8 @@
 reference (tests/deform_conv2d_reference.py), over geometries, masks, biases, batch sizes,
 im2col steps and memory layouts; gradcheck in float64; low precision on the CPU."""
 
+import json
+
 import pytest
 import torch
 
@@ -9,6 +11,7 @@ import deformconv
 from deform_conv2d_cases import (GEOMETRIES, Geometry, differentiable, forward_and_grads,
                                  make_operands, strided_copies)
 from deform_conv2d_reference import deform_conv2d_reference
+from fresh_process import run_script
 
 
 def assert_close_all(actual, expected, **tolerance):
@@ -215,3 +218,34 @@ def test_output_pixels_tiled_into_windows(im2col_step, im2col_forward):
                         offset_groups=4)
     operands = make_operands(geometry)
     check_against_reference(operands, geometry, im2col_step=im2col_step)
+
+
+
+# A wide input of many channels and a stride of 2 make the input-sized buffers (32 MiB each)
+# outweigh the rest: the columns of a window (4 MiB at most on the CPU), its sampling plans, the
+# offset and mask gradients (2 MiB). Run in a fresh process, whose scratch pool holds no block
+# that an earlier test left, which a request could be handed (up to twice its size).
+BACKWARD_PEAK_SCRIPT = """
+import json, torch, deformconv
+from deformconv.benchmarks.timing import peak_bytes
+torch.manual_seed(0)
+input = torch.randn(1, 128, 256, 256)
+offset = torch.randn(1, 18, 128, 128)
+mask = torch.rand(1, 9, 128, 128)
+weight = torch.randn(8, 128, 3, 3)
+grad_output = torch.randn(1, 8, 128, 128)
+backward = torch.ops.deformconv.deform_conv2d_backward
+peak = peak_bytes(lambda: backward(grad_output, input, offset, weight, mask, [2, 2], [1, 1],
+                                   [1, 1], 1, 1, 0, [True] * 5))
+print(json.dumps({"peak": peak, "input": input.numel() * input.element_size()}))
+"""
+
+
+def test_backward_never_holds_three_input_sized_buffers(tmp_path):
+    # Note in core/deform_conv2d_backward.cpp: with a contiguous input, grad_input, the
+    # channels-last buffer that col2im adds into and the channels-last copy of the input are
+    # never all live at once (all three: 3.4 times the input).
+    run = run_script(BACKWARD_PEAK_SCRIPT, tmp_path)
+    assert run.returncode == 0, run.stderr
+    measured = json.loads(run.stdout.strip().splitlines()[-1])
+    assert measured["peak"] < 2.75 * measured["input"], measured

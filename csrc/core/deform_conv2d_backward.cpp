@@ -38,6 +38,13 @@ struct BackwardScratch {
   // The weight gradient in the order of weight_rows, summed over the windows
   // (weight_gradient_rows).
   at::Tensor grad_weight_rows;
+
+  // Frees the buffers that only the windows use, once the last window is done.
+  void release_window_buffers() {
+    columns = at::Tensor();
+    workspace = at::Tensor();
+    weight = at::Tensor();
+  }
 };
 
 BackwardScratch backward_scratch(const DeformConv2dLaunchers& launchers,
@@ -71,9 +78,9 @@ struct BackwardBlock {
   at::Tensor mask;
   at::Tensor grad_output;  // (images, G, C_out / G, P)
   // Channels-last and zeroed, for col2im to add into: grad_input's own memory when grad_input
-  // is channels-last, else a block-sized buffer copied into grad_input afterwards.
+  // is channels-last (grad_input_in_place), else a block-sized buffer copied into grad_input
+  // afterwards.
   at::Tensor grad_input;
-  bool grad_input_in_place;
   at::Tensor grad_offset;
   at::Tensor grad_mask;
 };
@@ -83,8 +90,8 @@ BackwardBlock backward_block(const DeformConv2dLaunchers& launchers,
                              const WorkSplit& w, int64_t first, int64_t images,
                              const at::Tensor& grad_output, const at::Tensor& input,
                              const at::Tensor& offset, const at::Tensor& mask,
-                             const at::Tensor& grad_input, const at::Tensor& grad_offset,
-                             const at::Tensor& grad_mask) {
+                             bool grad_input_in_place, const at::Tensor& grad_input,
+                             const at::Tensor& grad_offset, const at::Tensor& grad_mask) {
   BackwardBlock block;
   block.first = first;
   block.images = images;
@@ -97,14 +104,12 @@ BackwardBlock backward_block(const DeformConv2dLaunchers& launchers,
   }
   block.grad_output =
       grad_output.narrow(0, first, images).view({images, w.groups, w.out_per_group, w.pixels});
-  block.grad_input_in_place = false;
   if (want.input) {
-    block.grad_input = grad_input.narrow(0, first, images).permute({0, 2, 3, 1});
-    block.grad_input_in_place = block.grad_input.is_contiguous();
-    if (!block.grad_input_in_place) {
-      block.grad_input =
-          launchers.scratch({images, g.in_height, g.in_width, g.in_channels}, input.options());
-    }
+    block.grad_input =
+        grad_input_in_place
+            ? grad_input.narrow(0, first, images).permute({0, 2, 3, 1})
+            : launchers.scratch({images, g.in_height, g.in_width, g.in_channels},
+                                input.options());
     block.grad_input.zero_();
   }
   if (want.offset) {
@@ -160,14 +165,24 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> deform_co
                              output_mask[3] && mask.defined(), output_mask[4]};
 
   // The input and weight gradients keep the memory format of input and weight; the offset and
-  // mask gradients are contiguous, and written in full, so they need no zero fill.
-  at::Tensor grad_input = want.input ? at::empty_like(input_arg) : at::Tensor();
+  // mask gradients are contiguous, and written in full, so they need no zero fill. col2im adds
+  // into grad_input itself where that is channels-last; otherwise into a channels-last buffer,
+  // copied into grad_input a block at a time. grad_input is then allocated only for the first
+  // block's copy, after that block's channels-last input (and, after the last block, the
+  // windows' buffers) is freed, so that grad_input, the buffer and the channels-last input are
+  // never all live at once (c3-stride2: 33 MiB each).
+  const bool grad_input_in_place =
+      want.input &&
+      at::empty_like(input_arg, input_arg.options().device(at::kMeta))
+          .permute({0, 2, 3, 1})
+          .is_contiguous();
+  at::Tensor grad_input = grad_input_in_place ? at::empty_like(input_arg) : at::Tensor();
   at::Tensor grad_offset = want.offset ? at::empty_like(offset) : at::Tensor();
   at::Tensor grad_weight = want.weight ? at::empty_like(weight_arg) : at::Tensor();
   at::Tensor grad_mask = want.mask ? at::empty_like(mask) : at::Tensor();
   at::Tensor grad_bias = want.bias ? grad_output.sum({0, 2, 3}) : at::Tensor();
   if (batch == 0 || !(want.columns() || want.weight)) {
-    if (want.input) grad_input.zero_();
+    if (want.input) grad_input = at::zeros_like(input_arg);
     if (want.weight) grad_weight.zero_();
     return {grad_input, grad_offset, grad_weight, grad_mask, grad_bias};
   }
@@ -176,13 +191,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> deform_co
       backward_scratch(launchers, g, want, batch, im2col_step, input_arg, weight_arg, grad_weight);
   const int64_t step = scratch.w.step;
   for (int64_t first = 0; first < batch; first += step) {
-    BackwardBlock block =
-        backward_block(launchers, g, want, scratch.w, first, std::min(step, batch - first),
-                       grad_output, input_arg, offset, mask, grad_input, grad_offset, grad_mask);
+    BackwardBlock block = backward_block(
+        launchers, g, want, scratch.w, first, std::min(step, batch - first), grad_output,
+        input_arg, offset, mask, grad_input_in_place, grad_input, grad_offset, grad_mask);
     for (const PixelWindow& window : windows_of(scratch.w)) {
       backward_window(launchers, g, want, scratch, block, window);
     }
-    if (want.input && !block.grad_input_in_place) {
+    if (first + step >= batch) {
+      scratch.release_window_buffers();
+    }
+    if (want.input && !grad_input_in_place) {
+      block.input = at::Tensor();
+      if (!grad_input.defined()) {
+        grad_input = at::empty_like(input_arg);
+      }
       copy_from_channels_last(launchers, block.grad_input,
                               grad_input.narrow(0, block.first, block.images));
     }
