@@ -64,7 +64,7 @@ BackwardScratch backward_scratch(const DeformConv2dLaunchers& launchers,
   record_split(w, batch, "deform_conv2d.backward.blocks", "deform_conv2d.backward.windows");
   scratch.weight = scratch.gemms->weight(launchers, g, weight, w);
   if (want.weight) {
-    scratch.grad_weight_rows = weight_gradient_rows(g, w, grad_weight);
+    scratch.grad_weight_rows = weight_gradient_rows(w, grad_weight);
   }
   return scratch;
 }

@@ -99,8 +99,7 @@ constexpr int64_t kTransposeShares = 8;
 
 }  // namespace
 
-at::Tensor weight_gradient_rows(const DeformConv2dGeometry& g, const WorkSplit& w,
-                                at::Tensor& grad_weight) {
+at::Tensor weight_gradient_rows(const WorkSplit& w, at::Tensor& grad_weight) {
   const std::array<int64_t, 3> rows_shape{w.groups, w.out_per_group, w.rows_per_group};
   switch (weight_gradient_layout(grad_weight)) {
     case WeightGradientLayout::kRows:

@@ -19,8 +19,7 @@ at::Tensor weight_rows(const DeformConv2dLaunchers& launchers, const DeformConv2
 
 // The weight gradient in weight_rows' order, (G, C_out / G, K * C_in / G), zeroed, for the
 // windows' GEMMs to add into (Note [The weight gradient in its own memory]).
-at::Tensor weight_gradient_rows(const DeformConv2dGeometry& g, const WorkSplit& w,
-                                at::Tensor& grad_weight);
+at::Tensor weight_gradient_rows(const WorkSplit& w, at::Tensor& grad_weight);
 
 // Puts the weight gradient that the GEMMs summed in weight_gradient_rows' tensor into
 // grad_weight's layout.
