@@ -124,10 +124,10 @@ at::Tensor convolution_backward(const WorkSplit& w, const PixelWindow& window, i
 // columns, which its share of the columns gradient then overwrites, so neither waits for the
 // other, and each GEMM runs on one thread, inside the parallel region. MKL's own threads did
 // worse: c3's backward in the AVX2 copy, 2 threads, fastest of 40 calls, took 73-89 ms with
-// them, 65-66 ms split this way, 60-77 ms with oneDNN's convolutions. There the two ran level
-// (c5: 52-56 ms either way); on AVX-512 CPUs oneDNN's kernels outrun MKL's sgemm, which keeps
-// to AVX2 on AMD's (c5: 36-38 against 55-59 ms), so the AVX-512 copy keeps oneDNN's backward,
-// and its memory.
+// them, 65-66 ms split this way (in five runs of six; 86 in one that the host slowed), 60-77
+// ms with oneDNN's convolutions. There the two ran level (c5: 52-56 ms either way); on
+// AVX-512 CPUs oneDNN's kernels outrun MKL's sgemm, which keeps to AVX2 on AMD's (c5: 36-38
+// against 55-59 ms), so the AVX-512 copy keeps oneDNN's backward, and its memory.
 at::Tensor mm_backward(const WorkSplit& w, const PixelWindow& window, int64_t images,
                        at::Tensor& columns, const at::Tensor& grad_output_window,
                        const at::Tensor& weight, bool want_columns_grad,
