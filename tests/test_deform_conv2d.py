@@ -220,7 +220,6 @@ def test_output_pixels_tiled_into_windows(im2col_step, im2col_forward):
     check_against_reference(operands, geometry, im2col_step=im2col_step)
 
 
-
 # A wide input of many channels and a stride of 2 make the input-sized buffers (32 MiB each)
 # outweigh the rest: the columns of a window (4 MiB at most on the CPU), its sampling plans, the
 # offset and mask gradients (2 MiB). Run in a fresh process, whose scratch pool holds no block
