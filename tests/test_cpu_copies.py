@@ -14,23 +14,14 @@ import torch
 
 import deformconv
 from branching import branch_trace
+from cpu_levels import cpu_flags, expected_cpu_copies
 from deform_conv2d_cases import GEOMETRIES, make_operands
 from dcnv3_reference import pack_offset_mask, random_operands
 from fresh_process import run_script
 from ms_deform_attn_reference import make_operands as attention_operands
 
 COPIES = list(torch.ops.deformconv._cpu_capabilities())
-
-
-def cpu_flags():
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            for line in cpuinfo:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
+EXPECTED = expected_cpu_copies()
 
 
 def every_op(dtype):
@@ -86,12 +77,22 @@ def test_each_copy_runs_every_op_with_its_vectors(cpu_copy, dtype):
 def test_the_copies_this_cpu_runs():
     assert COPIES[-1] == "default"
     assert COPIES == [name for name in ("avx512", "avx2", "default") if name in COPIES]
-    flags = cpu_flags()
+    flags = cpu_flags() or set()
     if "avx512" in COPIES:
         assert {"avx512f", "avx512bw", "avx512vl"} <= flags
     if "avx2" in COPIES:
         assert {"avx2", "fma"} <= flags
     assert torch.ops.deformconv._cpu_capability() in COPIES
+
+
+def test_every_copy_the_cpu_flags_allow_is_listed_and_best_is_chosen(tmp_path):
+    # The reverse of the test above: a copy that the build holds and whose x86-64 level the
+    # CPU's flags show is listed, and the best is the one in use, so that the cpu_copy
+    # fixture's tests (run on EXPECTED) and the library's list agree in number.
+    assert COPIES == EXPECTED
+    chosen, stderr = capability_chosen_by("", tmp_path)
+    assert chosen == EXPECTED[0]
+    assert "DEFORMCONV_CPU_CAPABILITY" not in stderr
 
 
 def test_select_refuses_a_copy_it_cannot_run():
@@ -112,7 +113,7 @@ def capability_chosen_by(value, directory):
     return run.stdout.strip(), run.stderr
 
 
-@pytest.mark.parametrize("copy", COPIES)
+@pytest.mark.parametrize("copy", EXPECTED)
 def test_the_variable_chooses_a_copy_at_load_time(copy, tmp_path):
     chosen, stderr = capability_chosen_by(copy, tmp_path)
     assert chosen == copy
@@ -121,9 +122,9 @@ def test_the_variable_chooses_a_copy_at_load_time(copy, tmp_path):
 
 def test_the_variable_falls_back_with_a_warning(tmp_path):
     chosen, stderr = capability_chosen_by("avx3", tmp_path)
-    assert chosen == COPIES[0]
+    assert chosen == EXPECTED[0]
     assert ("DEFORMCONV_CPU_CAPABILITY: expected avx512, avx2 or default, but got 'avx3'; "
-            f"running the {COPIES[0]} copy") in stderr
+            f"running the {EXPECTED[0]} copy") in stderr
 
 
 def functions_using(pattern, disassembly):
