@@ -106,3 +106,44 @@ def test_cmake_compiles_the_listed_sources_with_the_listed_flags(tmp_path):
     assert sorted(printed["cpu"].split(";")) == of("library")
     assert sorted(printed["cuda"].split(";")) == of("library", "cuda")
     assert printed["flags"].split(";") == ["-fno-trapping-math", "-Wno-psabi"]
+
+
+# ATen's templates whose bodies are OpenMP regions only where the caller is compiled with
+# OpenMP's flags, which this library is not (Note [Parallel regions through ATen] in
+# csrc/infrastructure/parallel_region.h): called from here, they run serially, silently.
+OPENMP_DEPENDENT = re.compile(
+    r"\b(?:at::)?(?:parallel_for|parallel_reduce|internal::invoke_parallel)\s*\(|"
+    r"#\s*pragma\s+omp\b")
+PARALLEL_REGION_HELPERS = {"csrc/infrastructure/parallel_region.h",
+                           "csrc/infrastructure/parallel_region.cpp"}
+
+
+def without_comments(code):
+    """C++ code with its // and /* */ comments blanked out (string literals are left alone;
+    none in csrc/ holds a comment marker before one of the calls above)."""
+    return re.sub(r"//[^\n]*|/\*.*?\*/", "", code, flags=re.DOTALL)
+
+
+def openmp_dependent_calls(code):
+    return [match.group(0) for match in OPENMP_DEPENDENT.finditer(without_comments(code))]
+
+
+def test_parallel_regions_only_through_the_helpers():
+    sources = [path for path in sorted((ROOT / "csrc").rglob("*"))
+               if path.suffix in (".h", ".cpp", ".cu", ".cuh")]
+    assert len(sources) > 50
+    found = {}
+    for path in sources:
+        relative = str(path.relative_to(ROOT))
+        calls = openmp_dependent_calls(path.read_text())
+        if calls and relative not in PARALLEL_REGION_HELPERS:
+            found[relative] = calls
+    assert not found, f"serial outside ATen's own regions (use parallel_region.h): {found}"
+
+
+def test_the_parallel_region_guard_finds_calls_not_comments():
+    assert openmp_dependent_calls("at::parallel_for(0, n, 1, [&](int64_t b, int64_t e) {});")
+    assert openmp_dependent_calls("at::parallel_reduce (0, n, 1, 0.0, f, g);")
+    assert openmp_dependent_calls("  #pragma omp parallel for\n")
+    assert not openmp_dependent_calls("// at::parallel_for runs serially here\n"
+                                      "/* at::parallel_for(0, n) */ parallel_tasks(n, run);")

@@ -3,7 +3,6 @@
 // the bmm of core/deform_conv2d_gemms.h.
 
 #include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <mutex>
@@ -12,6 +11,7 @@
 #include <vector>
 
 #include "../core/deform_conv2d_gemms.h"
+#include "../infrastructure/parallel_region.h"
 #include "deform_conv2d_single_copy_cpu.h"
 
 namespace deformconv {
@@ -120,14 +120,18 @@ at::Tensor convolution_backward(const WorkSplit& w, const PixelWindow& window, i
 // twice torchvision's. ATen's mm, MKL's sgemm in PyTorch's x86 builds, writes where it is told:
 // the weight gradient is added to grad_weight_rows (beta = 1) and the columns gradient written
 // over the columns, which the weight gradient has read by then. The threads split both GEMMs by
-// the columns' K * C_in: a thread's share of the weight gradient reads only its slice of the
-// columns, which its share of the columns gradient then overwrites, so neither waits for the
-// other, and each GEMM runs on one thread, inside the parallel region. MKL's own threads did
-// worse: c3's backward in the AVX2 copy, 2 threads, fastest of 40 calls, took 73-89 ms with
-// them, 65-66 ms split this way (in five runs of six; 86 in one that the host slowed), 60-77
-// ms with oneDNN's convolutions. There the two ran level (c5: 52-56 ms either way); on
-// AVX-512 CPUs oneDNN's kernels outrun MKL's sgemm, which keeps to AVX2 on AMD's (c5: 36-38
-// against 55-59 ms), so the AVX-512 copy keeps oneDNN's backward, and its memory.
+// the columns' K * C_in, one contiguous share of whole cache lines each, in a parallel region
+// of ATen's (Note [Parallel regions through ATen]): a thread's share of the weight gradient
+// reads only its share of the columns, which its share of the columns gradient then
+// overwrites, so neither waits for the other, and MKL runs each call on its one thread. Against
+// one call a GEMM with MKL's own threads, under the AVX2 caps, 2 threads, the backward alone,
+// fastest of 15 calls alternated in one process, three runs (ms): c3 74-78 against 78-83, c4
+// 62-75 against 65-85, c5 59-64 against 62-69, c3-stride2 107-142 against 108-152; shares of
+// 32 columns taken from a shared counter, as the launchers take their tasks, ran slowest of
+// the three on c3 (86-92), small GEMMs of strided columns. Forward+backward over the whole
+// benchmark is in docs/performance.md. On AVX-512 CPUs oneDNN's kernels outrun MKL's sgemm,
+// which keeps to AVX2 on AMD's (c5: 36-38 against 55-59 ms), so the AVX-512 copy keeps
+// oneDNN's backward, and its memory.
 at::Tensor mm_backward(const WorkSplit& w, const PixelWindow& window, int64_t images,
                        at::Tensor& columns, const at::Tensor& grad_output_window,
                        const at::Tensor& weight, bool want_columns_grad,
@@ -140,23 +144,31 @@ at::Tensor mm_backward(const WorkSplit& w, const PixelWindow& window, int64_t im
   const bool want_weight = grad_weight_rows.defined();
   const at::Tensor grad_weight_matrix =
       want_weight ? grad_weight_rows.view({w.out_per_group, w.rows_per_group}) : at::Tensor();
-  // Slices of whole cache lines of float32.
-  constexpr int64_t kSliceColumns = 16;
-  const int64_t slices = (w.rows_per_group + kSliceColumns - 1) / kSliceColumns;
-  at::parallel_for(0, slices, 1, [&](int64_t first_slice, int64_t end_slice) {
-    const int64_t begin = first_slice * kSliceColumns;
-    const int64_t length = std::min(end_slice * kSliceColumns, w.rows_per_group) - begin;
-    for (int64_t n = 0; n < images; ++n) {
-      at::Tensor columns_slice = columns_block[n].narrow(1, begin, length);
-      if (want_weight) {
-        grad_weight_matrix.narrow(1, begin, length).addmm_(grad_output_block[n], columns_slice);
-      }
-      if (want_columns_grad) {
-        at::mm_out(columns_slice, grad_output_block[n].t(),
-                   weight_matrix.narrow(1, begin, length));
-      }
-    }
-  });
+  // Each thread's share of the columns, in whole cache lines of float32.
+  constexpr int64_t kLineColumns = 16;
+  const int64_t lines = (w.rows_per_group + kLineColumns - 1) / kLineColumns;
+  const int64_t shares = std::min<int64_t>(at::get_num_threads(), lines);
+  const auto share_start = [&](int64_t share) {
+    return std::min(share * lines / shares * kLineColumns, w.rows_per_group);
+  };
+  parallel_tasks(
+      shares,
+      [&](int64_t first_share, int64_t end_share) {
+        const int64_t begin = share_start(first_share);
+        const int64_t length = share_start(end_share) - begin;
+        for (int64_t n = 0; n < images; ++n) {
+          at::Tensor columns_share = columns_block[n].narrow(1, begin, length);
+          if (want_weight) {
+            grad_weight_matrix.narrow(1, begin, length)
+                .addmm_(grad_output_block[n], columns_share);
+          }
+          if (want_columns_grad) {
+            at::mm_out(columns_share, grad_output_block[n].t(),
+                       weight_matrix.narrow(1, begin, length));
+          }
+        }
+      },
+      "deform_conv2d.backward.mm.other_threads");
   return want_columns_grad ? columns : at::Tensor();
 }
 

@@ -13,7 +13,7 @@
 
 namespace deformconv {
 
-void run_on_every_thread(c10::function_ref<void()> body) {
+void run_on_every_thread(c10::function_ref<void()> body, const char* other_threads_branch) {
   const int64_t threads = at::get_num_threads();
   if (threads == 1 || at::in_parallel_region()) {
     body();
@@ -32,7 +32,7 @@ void run_on_every_thread(c10::function_ref<void()> body) {
   iterator.for_each(
       [&](char**, const int64_t*, int64_t size_0, int64_t size_1) {
         if (std::this_thread::get_id() != caller) {
-          record_branch("parallel.other_threads");
+          record_branch(other_threads_branch);
         }
         for (int64_t turn = 0; turn < size_0 * size_1; ++turn) {
           body();

@@ -20,11 +20,18 @@
 
 namespace deformconv {
 
+// The branch that a region records (Note [Branch trace]) when its body runs on a thread besides
+// the caller's: the sign that ATen's region, not a serial fallback, ran it. A region that the
+// tests must see split on its own names its own branch.
+inline constexpr const char* kOtherThreadsBranch = "parallel.other_threads";
+
 // Runs body() on each of at::get_num_threads() threads at once (on the calling thread alone
-// where ATen would not start a region), and returns when every call has returned. The body
-// typically takes work from a shared counter until none is left, so that how many threads
-// run it does not change what is computed.
-void run_on_every_thread(c10::function_ref<void()> body);
+// where ATen would not start a region), and returns when every call has returned; records
+// other_threads_branch where a thread besides the caller's runs it. The body typically takes
+// work from a shared counter until none is left, so that how many threads run it does not
+// change what is computed.
+void run_on_every_thread(c10::function_ref<void()> body,
+                         const char* other_threads_branch = kOtherThreadsBranch);
 
 // The runs of tasks that one thread takes in turn, [begin, end) at a time, from a counter that
 // all the threads share.
@@ -55,7 +62,8 @@ class TaskRuns {
 // at the end of every stage. Which thread runs a task does not change its result. The threads
 // are ATen's (Note [Parallel regions through ATen]).
 template <typename Function>
-void parallel_task_runs(int64_t tasks, const Function& run) {
+void parallel_task_runs(int64_t tasks, const Function& run,
+                        const char* other_threads_branch = kOtherThreadsBranch) {
   std::atomic<int64_t> next{0};
   const int64_t threads = at::get_num_threads();
   if (threads == 1 || tasks <= 1 || at::in_parallel_region()) {
@@ -66,21 +74,27 @@ void parallel_task_runs(int64_t tasks, const Function& run) {
   // About a sixteenth of a thread's share: small enough to rebalance, large enough that the
   // counter is seldom contended.
   const int64_t chunk = std::max<int64_t>(1, tasks / (16 * threads));
-  run_on_every_thread([&] {
-    TaskRuns runs(next, chunk, tasks);
-    run(runs);
-  });
+  run_on_every_thread(
+      [&] {
+        TaskRuns runs(next, chunk, tasks);
+        run(runs);
+      },
+      other_threads_branch);
 }
 
 // parallel_task_runs with nothing to set up per thread: run(begin, end) for each run of tasks.
 template <typename Function>
-void parallel_tasks(int64_t tasks, const Function& run) {
-  parallel_task_runs(tasks, [&](TaskRuns& runs) {
-    int64_t begin, end;
-    while (runs.take(begin, end)) {
-      run(begin, end);
-    }
-  });
+void parallel_tasks(int64_t tasks, const Function& run,
+                    const char* other_threads_branch = kOtherThreadsBranch) {
+  parallel_task_runs(
+      tasks,
+      [&](TaskRuns& runs) {
+        int64_t begin, end;
+        while (runs.take(begin, end)) {
+          run(begin, end);
+        }
+      },
+      other_threads_branch);
 }
 
 }  // namespace deformconv
