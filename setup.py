@@ -216,7 +216,7 @@ def plan_cuda(torch):
 
 
 def listed_sources(*builds):
-    """csrc/sources.txt's sources of any of these builds (library, python, cuda, emulation),
+    """csrc/sources.txt's sources of any of these builds (library, python, libtorch, cuda, emulation),
     which CMakeLists.txt and the emulated build of the tests read too."""
     chosen = []
     for line in (ROOT / "csrc" / "sources.txt").read_text().splitlines():

@@ -1,10 +1,10 @@
 // The op schemas (schemas.h), declared once. Kernels are registered per dispatch key:
-// cpu/register_cpu.cpp (CPU), cuda/register_cuda.cpp (CUDA), core/register_autograd.cpp
-// (Autograd), core/register_autocast.cpp (Autocast),
+// cpu/register_cpu.cpp (CPU), cuda/register_cuda.cpp (CUDA),
 // core/register_checks.cpp (the _check_<op>_arguments ops),
 // infrastructure/register_branch_trace.cpp (the branch trace), cpu/cpu_capability.cpp
-// (the CPU copies' ops), and the fake kernels in Python (deformconv/ops/), which run the checks
-// ops.
+// (the CPU copies' ops); in Python (deformconv/ops/), the Autograd and Autocast kernels and the
+// fake kernels, which run the checks ops. The LibTorch build registers Autograd and Autocast
+// kernels in C++ instead (core/register_autograd.cpp, core/register_autocast.cpp).
 
 #include <torch/library.h>
 

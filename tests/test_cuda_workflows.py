@@ -134,7 +134,7 @@ def test_torch_compile_fullgraph():
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_autocast(dtype):
-    # The op runs in float32 under autocast (core/register_autocast.cpp), its operands cast
+    # The op runs in float32 under autocast (deformconv/ops/_autograd.py), its operands cast
     # up from whatever dtype they came in.
     geometry = GEOMETRIES[1]
     x, o, w, b, m = on_gpu(make_operands(geometry, dtype=torch.float32))

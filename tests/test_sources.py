@@ -17,7 +17,7 @@ if not setup_py.PATH.is_file():
 pytestmark = pytest.mark.workflows
 
 ROOT = setup_py.PATH.parent
-BUILDS = {"library", "python", "cuda", "emulation"}
+BUILDS = {"library", "python", "libtorch", "cuda", "emulation"}
 
 
 def listing():
@@ -96,15 +96,15 @@ def test_the_emulated_build_compiles_the_listed_sources(monkeypatch):
 def test_cmake_compiles_the_listed_sources_with_the_listed_flags(tmp_path):
     script = tmp_path / "print_sources.cmake"
     script.write_text(f'include("{ROOT}/cmake/sources.cmake")\n'
-                      "deformconv_sources(cpu library)\n"
-                      "deformconv_sources(cuda library cuda)\n"
+                      "deformconv_sources(cpu library libtorch)\n"
+                      "deformconv_sources(cuda library libtorch cuda)\n"
                       'message("cpu=${cpu}")\nmessage("cuda=${cuda}")\n'
                       'message("flags=${DEFORMCONV_COMPILE_FLAGS}")\n')
     result = subprocess.run(["cmake", "-P", str(script)], capture_output=True, text=True,
                             check=True)
     printed = dict(line.split("=", 1) for line in result.stderr.splitlines() if "=" in line)
-    assert sorted(printed["cpu"].split(";")) == of("library")
-    assert sorted(printed["cuda"].split(";")) == of("library", "cuda")
+    assert sorted(printed["cpu"].split(";")) == of("library", "libtorch")
+    assert sorted(printed["cuda"].split(";")) == of("library", "libtorch", "cuda")
     assert printed["flags"].split(";") == ["-fno-trapping-math", "-Wno-psabi"]
 
 

@@ -1,11 +1,7 @@
-// Autocast policy: every op runs in float32 under autocast and returns float32, like the ops on
-// autocast's float32 list. Bilinear weights and the input-gradient scatter lose too much in
-// float16/bfloat16 to be worth the speed; a caller who wants half precision calls the op on
-// half tensors outside autocast. Under autocast the operands often come in mixed dtypes (a
-// half-precision projection's offsets beside a float32 softmax's mask), which the ops refuse
-// outside autocast. The casts are recorded by autograd, so gradients come back in the dtypes of
-// the original tensors. The backward ops need no autocast kernel: autograd calls them on the
-// float32 operands it saved.
+// The LibTorch build's Autocast kernels (the Python package registers its own from Python,
+// deformconv/ops/_autograd.py, which says why): every op runs in float32 under autocast and
+// returns float32, every floating-point operand but float64 cast to float32. The backward ops
+// need no autocast kernel: autograd calls them on the float32 operands it saved.
 
 #include <ATen/autocast_mode.h>
 #include <torch/library.h>

@@ -1,4 +1,6 @@
-// Every op's kernel at the Autograd key (Note [One autograd kernel for every op]).
+// Every op's kernel at the Autograd key (Note [One autograd kernel for every op]), in the
+// LibTorch build, for C++ programs that train; the Python package registers its own from
+// Python (deformconv/ops/_autograd.py).
 
 #include <torch/library.h>
 

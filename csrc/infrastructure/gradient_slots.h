@@ -1,8 +1,8 @@
 #pragma once
 
-// Helpers of the ops' autograd kernels (core/*_autograd.cpp): a backward op
-// returns a fixed set of gradient slots, some undefined (not asked for), while a custom
-// autograd Function's outputs must all be defined tensors.
+// Helpers of the LibTorch build's autograd kernels (op_autograd.h): a backward op returns a
+// fixed set of gradient slots, some undefined (not asked for), while a custom autograd
+// Function's outputs must all be defined tensors.
 
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>

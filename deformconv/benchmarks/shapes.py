@@ -120,7 +120,12 @@ GPU_SHAPES = [
 ]
 
 
-SHAPES = {s.name: s for s in CPU_SHAPES + GPU_SHAPES}
+# Not in either set: a layer so small that the time of a call is mostly its fixed cost (the
+# dispatcher, autograd, argument checks), to compare that cost between builds.
+CALL_OVERHEAD_SHAPES = [Shape("small", 1, 16, 16, 16, 16)]
+
+
+SHAPES = {s.name: s for s in CPU_SHAPES + GPU_SHAPES + CALL_OVERHEAD_SHAPES}
 ROOFLINE_SHAPES = (Dcnv3Shape, MsdaShape)
 
 

@@ -1,5 +1,5 @@
-"""The functional ops over torch.ops.deformconv, and the fake (meta) kernels of the ops, which
-importing this package registers."""
+"""The functional ops over torch.ops.deformconv, and the ops' fake (meta), Autograd and Autocast
+kernels, which importing this package registers."""
 
 from .dcnv3 import dcnv3, dcnv4
 from .deform_conv2d import deform_conv2d

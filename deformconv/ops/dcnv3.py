@@ -1,11 +1,12 @@
 """dcnv3 and dcnv4 (InternImage's and FlashInternImage's core ops) over torch.ops.deformconv,
-and the fake kernels of their ops."""
+and their ops' fake, Autograd and Autocast kernels."""
 
 
 import torch
 from torch import Tensor
 
 from ..onnx import dcnv3_in_standard_onnx_ops, dcnv4_in_standard_onnx_ops
+from ._autograd import register_gradients_and_autocast
 from ._common import (_check_cuda_kernels, _fake_gradients, _fake_output, _in_onnx_export,
                       _output_size)
 
@@ -147,3 +148,9 @@ def _dcnv4_backward_fake(grad_output, input, offset_mask, *others_and_output_mas
         [lambda t=t: torch.empty_like(t, memory_format=torch.contiguous_format)
          for t in (input, offset_mask)],
         output_mask, checks_of="dcnv3")
+
+
+# Gradients of input, offset and mask (dcnv3), of input and offset_mask (dcnv4); the backward
+# ops take every argument.
+register_gradients_and_autocast("dcnv3", gradient_arguments=range(3), backward_arguments=range(16))
+register_gradients_and_autocast("dcnv4", gradient_arguments=range(2), backward_arguments=range(15))

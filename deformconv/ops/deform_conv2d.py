@@ -1,10 +1,12 @@
-"""deform_conv2d, DCN v1/v2 over torch.ops.deformconv, and the fake kernels of its ops."""
+"""deform_conv2d, DCN v1/v2 over torch.ops.deformconv, and its ops' fake, Autograd and Autocast
+kernels."""
 
 from typing import Optional
 
 import torch
 from torch import Tensor
 
+from ._autograd import register_gradients_and_autocast
 from ._common import (IntOrPair, _check_cuda_kernels, _fake_gradients, _fake_output, _output_size,
                       _pair)
 
@@ -92,3 +94,9 @@ def _deform_conv2d_backward_fake(grad_output, input, offset, weight, mask, strid
          lambda: None if mask is None else torch.empty_like(mask, memory_format=contiguous),
          lambda: weight.new_empty((weight.shape[0],))),
         output_mask)
+
+
+# Gradients of input, offset, weight, mask and bias; the backward op takes every argument but
+# bias, whose gradient needs only grad_output.
+register_gradients_and_autocast("deform_conv2d", gradient_arguments=range(5),
+                                backward_arguments=(0, 1, 2, 3, 5, 6, 7, 8, 9, 10))

@@ -1,10 +1,12 @@
-"""Multi-scale deformable attention (Deformable DETR's core op) and its fake kernels."""
+"""Multi-scale deformable attention (Deformable DETR's core op) and its ops' fake, Autograd and
+Autocast kernels."""
 
 
 import torch
 from torch import Tensor
 
 from ..onnx import ms_deform_attn_with_grid_sample
+from ._autograd import register_gradients_and_autocast
 from ._common import _check_cuda_kernels, _fake_gradients, _fake_output, _in_onnx_export
 
 
@@ -77,3 +79,9 @@ def _ms_deform_attn_backward_fake(grad_output, value, spatial_shapes, level_star
         [lambda t=t: torch.empty_like(t, memory_format=torch.contiguous_format)
          for t in (value, sampling_locations, attention_weights)],
         output_mask)
+
+
+# Gradients of value, sampling_locations and attention_weights (spatial_shapes and
+# level_start_index are integer tensors); the backward op takes every argument.
+register_gradients_and_autocast("ms_deform_attn", gradient_arguments=(0, 3, 4),
+                                backward_arguments=range(6))
