@@ -1,7 +1,7 @@
 """DCNv3 (deformconv.dcnv3) against its conventions (docs/dcnv3_dcnv4.md): hand-computed
 vectors, a readable pure-PyTorch reference written from them, gradcheck, the four dtypes,
 non-finite values, the backward's passes, argument errors. The PyTorch workflows and the
-emulated CUDA launchers, for both ops: test_dcn_v3_v4_workflows.py."""
+emulated CUDA launchers, for both ops: test_dcnv3_workflows.py."""
 
 import math
 import warnings

@@ -1,7 +1,7 @@
 """DCNv4 (deformconv.dcnv4) against its conventions (docs/dcnv3_dcnv4.md, DCNv4's packed
 offset_mask): the V5 vector, the hand-computed DCNv3 vectors packed into offset_mask, DCNv3's pure-PyTorch reference over packed
 operands whose padding is NaN, gradcheck and argument errors. The PyTorch workflows and the
-emulated CUDA launchers, for both ops: test_dcn_v3_v4_workflows.py."""
+emulated CUDA launchers, for both ops: test_dcnv3_workflows.py."""
 
 import pytest
 import torch

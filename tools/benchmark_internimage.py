@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 import deformconv
-import deformconv.nn.dcn_v3_v4 as deformconv_modules
+import deformconv.nn.dcnv3 as deformconv_modules
 import deformconv.integrations
 from deformconv.benchmarks.environment import cpu_description
 from deformconv.benchmarks.timing import time_interleaved

@@ -283,18 +283,6 @@ struct OffsetMaskGradSums {
   opmath_t y = 0, x = 0, m = 0;
 };
 
-// Locates a sample at (y, x) with modulation m for the gradients above. The cell is built in
-// place: assigned from a returned copy, its flags would be stored byte by byte and reloaded as
-// one word, a store-forwarding stall on x86 per sample.
-template <typename opmath_t>
-C10_HOST_DEVICE inline OffsetMaskGrad<opmath_t> start_position_grad(opmath_t y, opmath_t x,
-                                                                  opmath_t m, int64_t height,
-                                                                  int64_t width) {
-  OffsetMaskGrad<opmath_t> acc{locate_cell(y, x, height, width), {}, m};
-  corner_indices(acc.cell, width, acc.index);
-  return acc;
-}
-
 // Adds the share of one channel to the three sums: the gradient `grad` of its sampled value and
 // its values v00, v01, v10, v11 at the cell's corners (0 outside). value_t is opmath_t, or, in
 // a CPU launcher, a vector of opmath_t holding consecutive channels (the same arithmetic in

@@ -62,24 +62,6 @@ at::Tensor mask_slots(const Dcnv3Geometry& g, const at::Tensor& offset, const at
 
 }  // namespace
 
-void check_dcnv3_devices(const at::Tensor& input, const at::Tensor& offset, const at::Tensor& mask,
-                         const std::optional<at::Tensor>& grad_output) {
-  const auto check = [&](const char* name, const at::Tensor& tensor) {
-    TORCH_CHECK_VALUE(tensor.device() == input.device(), op_name(mask), ": expected ", name,
-                      " to be on the device of input (", input.device(), "), but got ",
-                      tensor.device());
-  };
-  if (mask.defined()) {
-    check("offset", offset);
-    check("mask", mask);
-  } else {
-    check("offset_mask", offset);
-  }
-  if (grad_output.has_value()) {
-    check("grad_output", *grad_output);
-  }
-}
-
 Dcnv3Geometry check_dcnv3_arguments(const std::optional<at::Tensor>& grad_output,
                                     const at::Tensor& input, const at::Tensor& offset,
                                     const at::Tensor& mask, const Dcnv3Arguments& a) {
@@ -90,7 +72,6 @@ Dcnv3Geometry check_dcnv3_arguments(const std::optional<at::Tensor>& grad_output
   TORCH_CHECK_VALUE(input.dim() == 4, op, ": expected input to be a 4-D tensor (batch, "
                     "height, width, channels), but got a ", input.dim(),
                     "-D tensor of shape ", input.sizes());
-  check_dcnv3_devices(input, offset, mask, grad_output);
   const auto at_least = [op](const char* name, int64_t value, int64_t minimum) {
     TORCH_CHECK_VALUE(value >= minimum, op, ": expected ", name, " to be at least ", minimum,
                       ", but got ", value);
@@ -227,7 +208,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward(
   }
   at::Tensor grad_mask_slots =
       packed && want_mask ? mask_slots(g, grad_offset, mask) : grad_mask;
-  launchers.backward(g, fields, batch, grad_output, input, offset, mask_slots(g, offset, mask),
+  launchers.gradients(g, fields, batch, grad_output, input, offset, mask_slots(g, offset, mask),
                      grad_input, grad_offset, grad_mask_slots);
   return {grad_input, grad_offset, grad_mask};
 }

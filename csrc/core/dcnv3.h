@@ -36,10 +36,10 @@ struct Dcnv3Launchers {
   // grad_input, where asked for, comes uninitialised: the launcher writes all of it, zero
   // where no sample reaches (the CPU's, image by image just before the samples add into it,
   // while it is in the cache).
-  void (*backward)(const Dcnv3Geometry& geometry, const Dcnv3Fields& fields, int64_t batch,
-                   const at::Tensor& grad_output, const at::Tensor& input,
-                   const at::Tensor& offset, const at::Tensor& mask, at::Tensor& grad_input,
-                   at::Tensor& grad_offset, at::Tensor& grad_mask);
+  void (*gradients)(const Dcnv3Geometry& geometry, const Dcnv3Fields& fields, int64_t batch,
+                    const at::Tensor& grad_output, const at::Tensor& input,
+                    const at::Tensor& offset, const at::Tensor& mask, at::Tensor& grad_input,
+                    at::Tensor& grad_offset, at::Tensor& grad_mask);
 };
 
 // The scalar arguments of the op, in the originals' order.
@@ -50,10 +50,6 @@ struct Dcnv3Arguments {
   int64_t im2col_step;
   bool remove_center;
 };
-
-// That every tensor given is on input's device; raises ValueError naming the first that is not.
-void check_dcnv3_devices(const at::Tensor& input, const at::Tensor& offset, const at::Tensor& mask,
-                         const std::optional<at::Tensor>& grad_output);
 
 // Checks the operands of dcnv3, or of dcnv4 when mask is undefined (and grad_output, when
 // given, of the backward) without reading tensor data; raises ValueError or TypeError naming

@@ -30,12 +30,6 @@ DeformConv2dGeometry check_deform_conv2d_backward_arguments(
     c10::IntArrayRef padding, c10::IntArrayRef dilation, int64_t groups, int64_t offset_groups,
     int64_t im2col_step);
 
-// Throws unless every defined tensor sits on the input's device. Called before any device
-// guard is taken, so that no kernel ever reads memory of another device.
-void check_same_device(const at::Tensor& input, const at::Tensor& offset, const at::Tensor& weight,
-                       const std::optional<at::Tensor>& mask,
-                       const std::optional<at::Tensor>& bias);
-
 at::Tensor deform_conv2d_forward(
     const DeformConv2dLaunchers& launchers, const at::Tensor& input, const at::Tensor& offset,
     const at::Tensor& weight, const std::optional<at::Tensor>& mask,

@@ -60,7 +60,7 @@ BackwardScratch backward_scratch(const DeformConv2dLaunchers& launchers,
     scratch.workspace = window_workspace(launchers, g, w, input.options());
   }
   scratch.gemms = &launchers.gemms(g, input.scalar_type());
-  record_branch(scratch.gemms->backward_branch);
+  record_branch(scratch.gemms->gradients_branch);
   record_split(w, batch, "deform_conv2d.backward.blocks", "deform_conv2d.backward.windows");
   scratch.weight = scratch.gemms->weight(launchers, g, weight, w);
   if (want.weight) {
@@ -137,7 +137,7 @@ void backward_window(const DeformConv2dLaunchers& launchers, const DeformConv2dG
   if (want.weight) {
     launchers.im2col(g, window, block.images, block.input, sampling, scratch.columns);
   }
-  const at::Tensor grad_columns = scratch.gemms->backward(
+  const at::Tensor grad_columns = scratch.gemms->gradients(
       scratch.w, window, block.images, scratch.columns, grad_output_window, scratch.weight,
       want.columns(), scratch.grad_weight_rows);
   if (want.columns()) {

@@ -29,20 +29,6 @@ void check_tensor(const char* name, const at::Tensor& tensor, int64_t dims,
 
 }  // namespace
 
-void check_same_device(const at::Tensor& input, const at::Tensor& offset, const at::Tensor& weight,
-                       const std::optional<at::Tensor>& mask,
-                       const std::optional<at::Tensor>& bias) {
-  const auto check = [&](const char* name, const at::Tensor& tensor) {
-    TORCH_CHECK_VALUE(tensor.device() == input.device(), "deform_conv2d(): expected ", name,
-                      " to be on the device of input (", input.device(), "), but got ",
-                      tensor.device());
-  };
-  check("offset", offset);
-  check("weight", weight);
-  if (mask.has_value()) check("mask", *mask);
-  if (bias.has_value()) check("bias", *bias);
-}
-
 DeformConv2dGeometry check_deform_conv2d_arguments(
     const at::Tensor& input, const at::Tensor& offset, const at::Tensor& weight,
     const std::optional<at::Tensor>& mask, const std::optional<at::Tensor>& bias,
@@ -63,7 +49,6 @@ DeformConv2dGeometry check_deform_conv2d_arguments(
   if (bias.has_value()) {
     check_tensor("bias", *bias, 1, "(out_channels,)", input);
   }
-  check_same_device(input, offset, weight, mask, bias);
   check_pair("stride", stride, 1);
   check_pair("padding", padding, 0);
   check_pair("dilation", dilation, 1);

@@ -147,11 +147,11 @@ const WindowGemms& bmm_window_gemms() {
   // its stages rather than give whole windows to threads.
   static const WindowGemms gemms{
       .forward_branch = "deform_conv2d.forward.bmm",
-      .backward_branch = "deform_conv2d.backward.bmm",
+      .gradients_branch = "deform_conv2d.backward.bmm",
       .windows_per_thread_pay = false,
       .weight = bmm_weight,
       .forward = bmm_forward,
-      .backward = bmm_backward,
+      .gradients = bmm_backward,
   };
   return gemms;
 }

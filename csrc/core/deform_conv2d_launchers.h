@@ -35,17 +35,17 @@ struct WorkSplit;  // core/deform_conv2d_tiling.h: how a call is cut into blocks
 
 // The GEMMs of a call's windows. The driver runs them without knowing how: by bmm (every
 // device: bmm_window_gemms in core/deform_conv2d_gemms.h), or on the CPU in float32 with one
-// conv group as oneDNN 1x1 convolutions (cpu/onednn_gemms_cpu.cpp). The launcher table's
+// conv group as oneDNN 1x1 convolutions (cpu/deform_conv2d_onednn_gemms_cpu.cpp). The launcher table's
 // `gemms` picks them for a call.
 struct WindowGemms {
-  // Names of the choice in the branch trace, for the forward and the backward.
+  // Names of the choice in the branch trace, for the forward and the gradients.
   const char* forward_branch;
-  const char* backward_branch;
+  const char* gradients_branch;
   // Whether a window's GEMM runs well on one thread inside a parallel region, so that the
   // forward may share a block's windows out among the threads (Note [Whole images per thread],
   // core/deform_conv2d_forward.cpp).
   bool windows_per_thread_pay;
-  // The weight, (C_out, C_in / G, kh, kw), in the layout that `forward` and `backward` take,
+  // The weight, (C_out, C_in / G, kh, kw), in the layout that `forward` and `gradients` take,
   // for blocks of w.step images at most.
   at::Tensor (*weight)(const DeformConv2dLaunchers& launchers, const DeformConv2dGeometry& g,
                        const at::Tensor& weight, const WorkSplit& w);
@@ -54,15 +54,15 @@ struct WindowGemms {
   void (*forward)(const WorkSplit& w, const PixelWindow& window, int64_t images,
                   const at::Tensor& columns, const at::Tensor& weight,
                   const std::optional<at::Tensor>& bias, at::Tensor& output_window);
-  // The backward GEMMs of a window, for grad_output_window (images, G, C_out / G, window).
+  // The gradients' GEMMs of a window, for grad_output_window (images, G, C_out / G, window).
   // Adds the window's share of the weight gradient to grad_weight_rows (weight_rows' order)
   // when that is defined, `columns` then holding the window's columns, and returns the
   // gradient of the window's columns when want_columns_grad, in the columns' layout: a new
   // tensor, or the columns buffer itself, overwritten.
-  at::Tensor (*backward)(const WorkSplit& w, const PixelWindow& window, int64_t images,
-                         at::Tensor& columns, const at::Tensor& grad_output_window,
-                         const at::Tensor& weight, bool want_columns_grad,
-                         at::Tensor& grad_weight_rows);
+  at::Tensor (*gradients)(const WorkSplit& w, const PixelWindow& window, int64_t images,
+                          at::Tensor& columns, const at::Tensor& grad_output_window,
+                          const at::Tensor& weight, bool want_columns_grad,
+                          at::Tensor& grad_weight_rows);
 };
 
 // How the driver runs a forward (core/deform_conv2d_forward.cpp): the device's fused kernel
@@ -118,7 +118,7 @@ struct DeformConv2dLaunchers {
                               int64_t batch, int64_t im2col_step, int64_t windows,
                               const WindowGemms& gemms);
   // The whole forward of a block of `batch` images without columns (Note [Fused forward],
-  // cpu/fused_forward_cpu.cpp): output (batch, C_out, H_out, W_out) = the convolution of the
+  // cpu/deform_conv2d_fused_forward_cpu.cpp): output (batch, C_out, H_out, W_out) = the convolution of the
   // sampled input with the weight, plus bias (undefined: none), the weight as
   // fused_forward_weight lays it out, once for all of a call's blocks. Run where forward_plan
   // says kFused; both null where it never does (CUDA).

@@ -17,12 +17,6 @@ namespace {
 
 constexpr const char* kOp = "ms_deform_attn()";
 
-void check_device(const char* name, const at::Tensor& tensor, const at::Tensor& value) {
-  TORCH_CHECK_VALUE(tensor.device() == value.device(), kOp, ": expected ", name,
-                    " to be on the device of value (", value.device(), "), but got ",
-                    tensor.device());
-}
-
 void check_dtype(const char* name, const at::Tensor& tensor, at::ScalarType expected,
                  const char* what) {
   TORCH_CHECK_TYPE(tensor.scalar_type() == expected, kOp, ": expected ", name, " to have ", what,
@@ -137,20 +131,6 @@ void check_levels_once(const at::Tensor& spatial_shapes, const at::Tensor& level
 
 }  // namespace
 
-void check_ms_deform_attn_devices(const std::optional<at::Tensor>& grad_output,
-                                  const at::Tensor& value, const at::Tensor& spatial_shapes,
-                                  const at::Tensor& level_start_index,
-                                  const at::Tensor& sampling_locations,
-                                  const at::Tensor& attention_weights) {
-  check_device("spatial_shapes", spatial_shapes, value);
-  check_device("level_start_index", level_start_index, value);
-  check_device("sampling_locations", sampling_locations, value);
-  check_device("attention_weights", attention_weights, value);
-  if (grad_output.has_value()) {
-    check_device("grad_output", *grad_output, value);
-  }
-}
-
 MsDeformAttnGeometry check_ms_deform_attn_arguments(
     const std::optional<at::Tensor>& grad_output, const at::Tensor& value,
     const at::Tensor& spatial_shapes, const at::Tensor& level_start_index,
@@ -162,8 +142,6 @@ MsDeformAttnGeometry check_ms_deform_attn_arguments(
   TORCH_CHECK_VALUE(value.dim() == 4, kOp, ": expected value to be a 4-D tensor (batch, "
                     "spatial, heads, channels), but got a ", value.dim(), "-D tensor of shape ",
                     value.sizes());
-  check_ms_deform_attn_devices(grad_output, value, spatial_shapes, level_start_index,
-                               sampling_locations, attention_weights);
   check_dtype("spatial_shapes", spatial_shapes, at::kLong, "an integer dtype");
   check_dtype("level_start_index", level_start_index, at::kLong, "an integer dtype");
   TORCH_CHECK_VALUE(spatial_shapes.dim() == 2 && spatial_shapes.size(1) == 2 &&
@@ -245,7 +223,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ms_deform_attn_backward(
     }
     return {grad_value, grad_locations, grad_weights};
   }
-  launchers.backward(g, grad_output.contiguous(), value.contiguous(), spatial_shapes.contiguous(),
+  launchers.gradients(g, grad_output.contiguous(), value.contiguous(), spatial_shapes.contiguous(),
                      level_start_index.contiguous(), sampling_locations.contiguous(),
                      attention_weights.contiguous(), grad_value, grad_locations, grad_weights);
   return {grad_value, grad_locations, grad_weights};

@@ -26,19 +26,12 @@ struct MsDeformAttnLaunchers {
   // Any of the gradients may be undefined (not asked for), not all. grad_value comes
   // uninitialised: the launcher writes all of it, zero where no sample reaches; the other two
   // are written in full, a value per sample.
-  void (*backward)(const MsDeformAttnGeometry& geometry, const at::Tensor& grad_output,
-                   const at::Tensor& value, const at::Tensor& spatial_shapes,
-                   const at::Tensor& level_start_index, const at::Tensor& sampling_locations,
-                   const at::Tensor& attention_weights, at::Tensor& grad_value,
-                   at::Tensor& grad_sampling_locations, at::Tensor& grad_attention_weights);
+  void (*gradients)(const MsDeformAttnGeometry& geometry, const at::Tensor& grad_output,
+                    const at::Tensor& value, const at::Tensor& spatial_shapes,
+                    const at::Tensor& level_start_index, const at::Tensor& sampling_locations,
+                    const at::Tensor& attention_weights, at::Tensor& grad_value,
+                    at::Tensor& grad_sampling_locations, at::Tensor& grad_attention_weights);
 };
-
-// That every tensor given is on value's device; raises ValueError naming the first that is not.
-void check_ms_deform_attn_devices(const std::optional<at::Tensor>& grad_output,
-                                  const at::Tensor& value, const at::Tensor& spatial_shapes,
-                                  const at::Tensor& level_start_index,
-                                  const at::Tensor& sampling_locations,
-                                  const at::Tensor& attention_weights);
 
 // Checks the operands of ms_deform_attn (and grad_output, when given, of its backward); raises
 // ValueError or TypeError naming the argument. The levels' sizes and starts are read and

@@ -17,7 +17,7 @@ namespace {
 
 constexpr Dcnv3Launchers kCpuDcnv3Launchers{
     .forward = dcnv3_forward_cpu,
-    .backward = dcnv3_gradients_cpu,
+    .gradients = dcnv3_gradients_cpu,
 };
 
 }  // namespace

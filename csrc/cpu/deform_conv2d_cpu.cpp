@@ -3,7 +3,7 @@
 // (core/deform_conv2d.h) runs.
 //
 // Each stage locates its samples a (deform group, tap) row at a time, as arrays over a stretch
-// of pixels (StretchSamples, window_tasks.h), and applies each sample to the consecutive
+// of pixels (StretchSamples, deform_conv2d_window_tasks.h), and applies each sample to the consecutive
 // channels it serves; col2im, which visits the samples in another order, reads plans made once
 // per window. Both the locating and the loops over channels run vectorised, and each stage is
 // compiled once per instruction set (Note [CPU copies], cpu_copies.h), as is this table; the
@@ -27,7 +27,7 @@
 namespace deformconv::DEFORMCONV_CPU_COPY {
 namespace {
 
-// The fused forward where it pays (Note [Fused forward], fused_forward_cpu.cpp). Otherwise a
+// The fused forward where it pays (Note [Fused forward], deform_conv2d_fused_forward_cpu.cpp). Otherwise a
 // forward with the automatic im2col_step runs in one parallel region where it can (Note [Whole
 // images per thread], core/deform_conv2d_forward.cpp): with a batch that gives every thread at
 // least two images, each thread takes whole images, one block of one image at a time; with
@@ -54,7 +54,7 @@ ForwardPlan forward_plan_cpu(const DeformConv2dGeometry& g, at::ScalarType dtype
 }
 
 // oneDNN's backward GEMMs where its AVX-512 kernels outrun ATen's sgemm; elsewhere the GEMMs
-// that allocate nothing (Note [Backward GEMMs in place], onednn_gemms_cpu.cpp).
+// that allocate nothing (Note [Backward GEMMs in place], deform_conv2d_onednn_gemms_cpu.cpp).
 const WindowGemms& window_gemms(const DeformConv2dGeometry& g, at::ScalarType dtype) {
   return window_gemms_cpu(g, dtype, /*onednn_backward=*/kRegisterBytes == 64);
 }

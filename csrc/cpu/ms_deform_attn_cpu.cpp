@@ -327,7 +327,7 @@ void ms_deform_attn_gradients_cpu(const MsDeformAttnGeometry& g, const at::Tenso
 
 constexpr MsDeformAttnLaunchers kCpuMsDeformAttnLaunchers{
     .forward = ms_deform_attn_forward_cpu,
-    .backward = ms_deform_attn_gradients_cpu,
+    .gradients = ms_deform_attn_gradients_cpu,
 };
 
 }  // namespace

@@ -3,7 +3,7 @@
 // The register-blocked micro-kernels of the fused forward: the products of a tap's sampled
 // values with its weights into the pixels' output sums, an 8 x 8 transpose in registers, and
 // the store of a task's sums into the output's channel planes (Note [Fused forward] in
-// fused_forward_cpu.cpp).
+// deform_conv2d_fused_forward_cpu.cpp).
 
 #include <ATen/OpMathType.h>
 

@@ -564,7 +564,7 @@ void dcnv3_gradients_cuda(const Dcnv3Geometry& g, const Dcnv3Fields& f, int64_t 
 const Dcnv3Launchers& dcnv3_cuda_launchers() {
   static const Dcnv3Launchers launchers{
       .forward = dcnv3_forward_cuda,
-      .backward = dcnv3_gradients_cuda,
+      .gradients = dcnv3_gradients_cuda,
   };
   return launchers;
 }

@@ -326,7 +326,7 @@ void ms_deform_attn_gradients_cuda(const MsDeformAttnGeometry& g, const at::Tens
 const MsDeformAttnLaunchers& ms_deform_attn_cuda_launchers() {
   static const MsDeformAttnLaunchers launchers{
       .forward = ms_deform_attn_forward_cuda,
-      .backward = ms_deform_attn_gradients_cuda,
+      .gradients = ms_deform_attn_gradients_cuda,
   };
   return launchers;
 }

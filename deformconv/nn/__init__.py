@@ -1,8 +1,8 @@
 """The modules: mmcv's DCN v1/v2 (deform_conv.py), InternImage's and FlashInternImage's DCNv3
-and DCNv4 (dcn_v3_v4.py), and Deformable DETR's and mmcv's multi-scale deformable attention
+and DCNv4 (dcnv3.py), and Deformable DETR's and mmcv's multi-scale deformable attention
 (ms_deform_attn.py)."""
 
-from .dcn_v3_v4 import DCNv3, DCNv4
+from .dcnv3 import DCNv3, DCNv4
 from .deform_conv import (
     DeformConv2d,
     DeformConv2dPack,

@@ -180,16 +180,16 @@ const WindowGemms& window_gemms_cpu(const DeformConv2dGeometry& g, at::ScalarTyp
   // it (a weight-sized buffer per thread): the forward may then give windows to threads.
   static const WindowGemms convolutions{
       .forward_branch = "deform_conv2d.forward.onednn",
-      .backward_branch = "deform_conv2d.backward.onednn",
+      .gradients_branch = "deform_conv2d.backward.onednn",
       .windows_per_thread_pay = true,
       .weight = weight_1x1,
       .forward = convolution_forward,
-      .backward = convolution_backward,
+      .gradients = convolution_backward,
   };
   static const WindowGemms convolutions_then_mm = [] {
     WindowGemms gemms = convolutions;
-    gemms.backward_branch = "deform_conv2d.backward.mm";
-    gemms.backward = mm_backward;
+    gemms.gradients_branch = "deform_conv2d.backward.mm";
+    gemms.gradients = mm_backward;
     return gemms;
   }();
   if (!gemms_as_convolutions(g, dtype)) {

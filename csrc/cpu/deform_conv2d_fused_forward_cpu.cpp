@@ -27,9 +27,9 @@
 #include "../core/deform_conv2d_launchers.h"
 #include "deform_conv2d_single_copy_cpu.h"
 #include "simd_blocks.h"
-#include "window_tasks.h"
+#include "deform_conv2d_window_tasks.h"
 
-#define DEFORMCONV_CPU_COPY_BODY "fused_forward_cpu.cpp"
+#define DEFORMCONV_CPU_COPY_BODY "deform_conv2d_fused_forward_cpu.cpp"
 #include "cpu_copies.h"
 
 #else  // the body, once per copy

@@ -11,7 +11,7 @@
 #include "../core/deform_conv2d_launchers.h"
 #include "cpu_loops.h"
 
-#define DEFORMCONV_CPU_COPY_BODY "transpose_cpu.cpp"
+#define DEFORMCONV_CPU_COPY_BODY "deform_conv2d_transpose_cpu.cpp"
 #include "cpu_copies.h"
 
 #else  // the body, once per copy

@@ -10,9 +10,9 @@
 #include <vector>
 
 #include "../core/deform_conv2d_launchers.h"
-#include "window_tasks.h"
+#include "deform_conv2d_window_tasks.h"
 
-#define DEFORMCONV_CPU_COPY_BODY "col2im_cpu.cpp"
+#define DEFORMCONV_CPU_COPY_BODY "deform_conv2d_col2im_cpu.cpp"
 #include "cpu_copies.h"
 
 #else  // the body, once per copy
