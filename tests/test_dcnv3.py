@@ -367,6 +367,6 @@ def test_bad_arguments_raise_value_errors(change, pattern):
 def test_wrong_dtype_raises_type_error():
     geometry = GEOMETRIES[1]
     input, offset, mask = random_operands(1, 4, 4, geometry)
-    with pytest.raises(TypeError, match="mask to have the dtype of input"):
+    with pytest.raises(ValueError, match="mask to have the dtype of input"):
         run(deformconv.dcnv3, input, offset, mask.float(), geometry)
 

@@ -111,7 +111,7 @@ def test_gradcheck():
      "offset_mask of shape"),
     (lambda a: a.update(offset_mask=a["offset_mask"][0]), ValueError,
      "offset_mask to be a 4-D tensor"),
-    (lambda a: a.update(offset_mask=a["offset_mask"].float()), TypeError,
+    (lambda a: a.update(offset_mask=a["offset_mask"].float()), ValueError,
      "offset_mask to have the dtype of input"),
     (lambda a: a.update(input=a["input"][..., :-1]), ValueError,
      "input to have group \\* group_channels"),

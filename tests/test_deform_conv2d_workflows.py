@@ -318,7 +318,7 @@ def test_cpu_autocast_runs_dcnv3_and_dcnv4_in_float32(op):
     else:
         operands = [input.bfloat16(), pack_offset_mask(offset, mask, 2, padding_value=0.0)]
     function = getattr(deformconv, op)
-    with pytest.raises(TypeError, match="to have the dtype of input"):
+    with pytest.raises(ValueError, match="to have the dtype of input"):
         function(*operands, *tail)
     leaves = [t.clone().requires_grad_() for t in operands]
     with torch.autocast("cpu", dtype=torch.bfloat16):

@@ -183,7 +183,7 @@ BAD = [
      ValueError, r"expected spatial_shapes\[1\] to be a \(height, width\) of 1"),
     ("spatial_shapes of floats",
      lambda o: (o[0], o[1].double(), o[2], o[3], o[4]),
-     TypeError, "expected spatial_shapes to have an integer dtype"),
+     ValueError, "expected spatial_shapes to have an integer dtype"),
     ("spatial_shapes of 3 columns",
      lambda o: (o[0], torch.zeros(2, 3, dtype=torch.int64), o[2], o[3], o[4]),
      ValueError, r"expected spatial_shapes to be of shape \(levels, 2\)"),
@@ -192,7 +192,7 @@ BAD = [
      ValueError, "expected value to be a 4-D tensor"),
     ("locations of another dtype",
      lambda o: (o[0], o[1], o[2], o[3].float(), o[4]),
-     TypeError, "expected sampling_locations to have the dtype of value"),
+     ValueError, "expected sampling_locations to have the dtype of value"),
     ("locations of another level count",
      lambda o: (o[0], o[1], o[2], o[3][:, :, :, :1], o[4]),
      ValueError, "expected sampling_locations of shape"),
@@ -201,7 +201,7 @@ BAD = [
      ValueError, "expected attention_weights of shape"),
     ("integer value",
      lambda o: (o[0].long(), o[1], o[2], o[3], o[4]),
-     TypeError, "expected value to have a floating point dtype"),
+     ValueError, "expected value to have a floating point dtype"),
 ]
 
 

@@ -4,12 +4,12 @@
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/zeros_like.h>
 #include <c10/core/ScalarType.h>
-#include <c10/util/Exception.h>
 
 #include <cmath>
 #include <cstdint>
 
 #include "../common/output_length.h"
+#include "../infrastructure/argument_checks.h"
 
 namespace deformconv {
 
@@ -26,17 +26,18 @@ const char* op_name(const at::Tensor& mask) {
 void check_nhwc(const char* op, const char* name, const at::Tensor& tensor,
                 const at::Tensor& input, std::array<int64_t, 4> shape, bool any_channels,
                 const char* layout) {
-  TORCH_CHECK_VALUE(tensor.dim() == 4, op, ": expected ", name, " to be a 4-D tensor ", layout,
-                    ", but got a ", tensor.dim(), "-D tensor of shape ", tensor.sizes());
-  TORCH_CHECK_TYPE(tensor.scalar_type() == input.scalar_type(), op, ": expected ", name,
-                   " to have the dtype of input (", input.scalar_type(), "), but got ",
-                   tensor.scalar_type());
+  DEFORMCONV_CHECK_ARGUMENT(tensor.dim() == 4, op, ": expected ", name, " to be a 4-D tensor ",
+                            layout, ", but got a ", tensor.dim(), "-D tensor of shape ",
+                            tensor.sizes());
+  DEFORMCONV_CHECK_ARGUMENT(tensor.scalar_type() == input.scalar_type(), op, ": expected ", name,
+                            " to have the dtype of input (", input.scalar_type(), "), but got ",
+                            tensor.scalar_type());
   if (any_channels) {
     shape[3] = tensor.size(3);
   }
-  TORCH_CHECK_VALUE(tensor.sizes() == c10::IntArrayRef(shape), op, ": expected ", name,
-                    " of shape ", c10::IntArrayRef(shape), " ", layout, ", but got ",
-                    tensor.sizes());
+  DEFORMCONV_CHECK_ARGUMENT(tensor.sizes() == c10::IntArrayRef(shape), op, ": expected ", name,
+                            " of shape ", c10::IntArrayRef(shape), " ", layout, ", but got ",
+                            tensor.sizes());
 }
 
 // Where the launchers find the offsets and mask: DCNv3's separate tensors, or DCNv4's packed
@@ -66,15 +67,17 @@ Dcnv3Geometry check_dcnv3_arguments(const std::optional<at::Tensor>& grad_output
                                     const at::Tensor& input, const at::Tensor& offset,
                                     const at::Tensor& mask, const Dcnv3Arguments& a) {
   const char* op = op_name(mask);
-  TORCH_CHECK_TYPE(at::isFloatingType(input.scalar_type()), op,
-                   ": expected input to have a floating point dtype (float16, bfloat16, "
-                   "float32 or float64), but got ", input.scalar_type());
-  TORCH_CHECK_VALUE(input.dim() == 4, op, ": expected input to be a 4-D tensor (batch, "
-                    "height, width, channels), but got a ", input.dim(),
-                    "-D tensor of shape ", input.sizes());
+  DEFORMCONV_CHECK_ARGUMENT(at::isFloatingType(input.scalar_type()), op,
+                            ": expected input to have a floating point dtype (float16, bfloat16, "
+                            "float32 or float64), but got ",
+                            input.scalar_type());
+  DEFORMCONV_CHECK_ARGUMENT(input.dim() == 4, op,
+                            ": expected input to be a 4-D tensor (batch, "
+                            "height, width, channels), but got a ",
+                            input.dim(), "-D tensor of shape ", input.sizes());
   const auto at_least = [op](const char* name, int64_t value, int64_t minimum) {
-    TORCH_CHECK_VALUE(value >= minimum, op, ": expected ", name, " to be at least ", minimum,
-                      ", but got ", value);
+    DEFORMCONV_CHECK_ARGUMENT(value >= minimum, op, ": expected ", name, " to be at least ",
+                              minimum, ", but got ", value);
   };
   at_least("kernel_h", a.kernel_h, 1);
   at_least("kernel_w", a.kernel_w, 1);
@@ -87,19 +90,19 @@ Dcnv3Geometry check_dcnv3_arguments(const std::optional<at::Tensor>& grad_output
   at_least("group", a.group, 1);
   at_least("group_channels", a.group_channels, 1);
   at_least("im2col_step", a.im2col_step, 0);
-  TORCH_CHECK_VALUE(std::isfinite(a.offset_scale), op,
-                    ": expected offset_scale to be finite, but got ", a.offset_scale);
-  TORCH_CHECK_VALUE(!a.remove_center || a.kernel_h * a.kernel_w > 1, op,
-                    ": remove_center needs a kernel of more than one point, but got ",
-                    a.kernel_h, " x ", a.kernel_w);
-  TORCH_CHECK_VALUE(input.size(3) == a.group * a.group_channels, op,
-                    ": expected input to have group * group_channels = ", a.group, " * ",
-                    a.group_channels, " = ", a.group * a.group_channels,
-                    " channels (its last dimension), but got ", input.size(3));
+  DEFORMCONV_CHECK_ARGUMENT(std::isfinite(a.offset_scale), op,
+                            ": expected offset_scale to be finite, but got ", a.offset_scale);
+  DEFORMCONV_CHECK_ARGUMENT(!a.remove_center || a.kernel_h * a.kernel_w > 1, op,
+                            ": remove_center needs a kernel of more than one point, but got ",
+                            a.kernel_h, " x ", a.kernel_w);
+  DEFORMCONV_CHECK_ARGUMENT(input.size(3) == a.group * a.group_channels, op,
+                            ": expected input to have group * group_channels = ", a.group, " * ",
+                            a.group_channels, " = ", a.group * a.group_channels,
+                            " channels (its last dimension), but got ", input.size(3));
 
-  TORCH_CHECK_VALUE(input.size(1) <= kMaxImageSide && input.size(2) <= kMaxImageSide, op,
-                    ": expected input's height and width to be at most ", kMaxImageSide,
-                    ", but got ", input.size(1), " x ", input.size(2));
+  DEFORMCONV_CHECK_ARGUMENT(input.size(1) <= kMaxImageSide && input.size(2) <= kMaxImageSide, op,
+                            ": expected input's height and width to be at most ", kMaxImageSide,
+                            ", but got ", input.size(1), " x ", input.size(2));
   Dcnv3Geometry g{};
   g.height = input.size(1);
   g.width = input.size(2);
@@ -117,10 +120,11 @@ Dcnv3Geometry check_dcnv3_arguments(const std::optional<at::Tensor>& grad_output
   g.offset_scale = a.offset_scale;
   const int64_t span_h = a.dilation_h * (a.kernel_h - 1) + 1;
   const int64_t span_w = a.dilation_w * (a.kernel_w - 1) + 1;
-  TORCH_CHECK_VALUE(g.height + 2 * a.pad_h >= span_h && g.width + 2 * a.pad_w >= span_w, op,
-                    ": expected the padded input (", g.height + 2 * a.pad_h, " x ",
-                    g.width + 2 * a.pad_w, ") to be at least as large as the dilated kernel (",
-                    span_h, " x ", span_w, "), so that the output is not empty");
+  DEFORMCONV_CHECK_ARGUMENT(g.height + 2 * a.pad_h >= span_h && g.width + 2 * a.pad_w >= span_w, op,
+                            ": expected the padded input (", g.height + 2 * a.pad_h, " x ",
+                            g.width + 2 * a.pad_w,
+                            ") to be at least as large as the dilated kernel (", span_h, " x ",
+                            span_w, "), so that the output is not empty");
   g.out_height = output_length(g.height, a.kernel_h, a.stride_h, a.pad_h, a.dilation_h);
   g.out_width = output_length(g.width, a.kernel_w, a.stride_w, a.pad_w, a.dilation_w);
 
@@ -134,10 +138,10 @@ Dcnv3Geometry check_dcnv3_arguments(const std::optional<at::Tensor>& grad_output
   } else {
     check_nhwc(op, "offset_mask", offset, input, {N, g.out_height, g.out_width, 0}, true,
                "(batch, out_height, out_width, channels)");
-    TORCH_CHECK_VALUE(offset.size(3) >= 3 * points, op,
-                      ": expected offset_mask to have at least group * points * 3 = ", a.group,
-                      " * ", g.points(), " * 3 = ", 3 * points,
-                      " channels (its last dimension), but got ", offset.size(3));
+    DEFORMCONV_CHECK_ARGUMENT(
+        offset.size(3) >= 3 * points, op,
+        ": expected offset_mask to have at least group * points * 3 = ", a.group, " * ", g.points(),
+        " * 3 = ", 3 * points, " channels (its last dimension), but got ", offset.size(3));
   }
   if (grad_output.has_value()) {
     check_nhwc(op, "grad_output", *grad_output, input,

@@ -52,8 +52,8 @@ struct Dcnv3Arguments {
 };
 
 // Checks the operands of dcnv3, or of dcnv4 when mask is undefined (and grad_output, when
-// given, of the backward) without reading tensor data; raises ValueError or TypeError naming
-// the argument. Returns the geometry.
+// given, of the backward) without reading tensor data; raises ValueError naming the argument.
+// Returns the geometry.
 Dcnv3Geometry check_dcnv3_arguments(const std::optional<at::Tensor>& grad_output,
                                     const at::Tensor& input, const at::Tensor& offset,
                                     const at::Tensor& mask, const Dcnv3Arguments& args);

@@ -15,8 +15,8 @@
 
 namespace deformconv {
 
-// Validates every argument of the op and returns its geometry; throws c10::Error (ValueError
-// or TypeError in Python) with a message naming the argument, what was expected and what came.
+// Validates every argument of the op and returns its geometry; throws std::invalid_argument
+// (ValueError in Python) with a message naming the argument, what was expected and what came.
 DeformConv2dGeometry check_deform_conv2d_arguments(
     const at::Tensor& input, const at::Tensor& offset, const at::Tensor& weight,
     const std::optional<at::Tensor>& mask, const std::optional<at::Tensor>& bias,

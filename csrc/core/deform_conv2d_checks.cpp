@@ -4,6 +4,7 @@
 
 #include "../common/bilinear_sampling.cuh"
 #include "../common/output_length.h"
+#include "../infrastructure/argument_checks.h"
 #include "deform_conv2d.h"
 
 namespace deformconv {
@@ -11,20 +12,21 @@ namespace deformconv {
 namespace {
 
 void check_pair(const char* name, c10::IntArrayRef values, int64_t minimum) {
-  TORCH_CHECK_VALUE(values.size() == 2, "deform_conv2d(): expected ", name,
-                    " to have 2 values (height, width), but got ", values.size());
-  TORCH_CHECK_VALUE(values[0] >= minimum && values[1] >= minimum, "deform_conv2d(): expected ",
-                    name, " to be at least ", minimum, ", but got ", values);
+  DEFORMCONV_CHECK_ARGUMENT(values.size() == 2, "deform_conv2d(): expected ", name,
+                            " to have 2 values (height, width), but got ", values.size());
+  DEFORMCONV_CHECK_ARGUMENT(values[0] >= minimum && values[1] >= minimum,
+                            "deform_conv2d(): expected ", name, " to be at least ", minimum,
+                            ", but got ", values);
 }
 
 void check_tensor(const char* name, const at::Tensor& tensor, int64_t dims,
                   const char* layout, const at::Tensor& input) {
-  TORCH_CHECK_VALUE(tensor.dim() == dims, "deform_conv2d(): expected ", name, " to be a ", dims,
-                    "-D tensor ", layout, ", but got a ", tensor.dim(), "-D tensor of shape ",
-                    tensor.sizes());
-  TORCH_CHECK_TYPE(tensor.scalar_type() == input.scalar_type(), "deform_conv2d(): expected ",
-                   name, " to have the dtype of input (", input.scalar_type(), "), but got ",
-                   tensor.scalar_type());
+  DEFORMCONV_CHECK_ARGUMENT(tensor.dim() == dims, "deform_conv2d(): expected ", name, " to be a ",
+                            dims, "-D tensor ", layout, ", but got a ", tensor.dim(),
+                            "-D tensor of shape ", tensor.sizes());
+  DEFORMCONV_CHECK_ARGUMENT(tensor.scalar_type() == input.scalar_type(),
+                            "deform_conv2d(): expected ", name, " to have the dtype of input (",
+                            input.scalar_type(), "), but got ", tensor.scalar_type());
 }
 
 }  // namespace
@@ -34,9 +36,10 @@ DeformConv2dGeometry check_deform_conv2d_arguments(
     const std::optional<at::Tensor>& mask, const std::optional<at::Tensor>& bias,
     c10::IntArrayRef stride, c10::IntArrayRef padding, c10::IntArrayRef dilation,
     int64_t groups, int64_t offset_groups, int64_t im2col_step) {
-  TORCH_CHECK_TYPE(at::isFloatingType(input.scalar_type()),
-                   "deform_conv2d(): expected input to have a floating point dtype "
-                   "(float16, bfloat16, float32 or float64), but got ", input.scalar_type());
+  DEFORMCONV_CHECK_ARGUMENT(at::isFloatingType(input.scalar_type()),
+                            "deform_conv2d(): expected input to have a floating point dtype "
+                            "(float16, bfloat16, float32 or float64), but got ",
+                            input.scalar_type());
   check_tensor("input", input, 4, "(batch, in_channels, height, width)", input);
   check_tensor("offset", offset, 4,
                "(batch, 2 * offset_groups * kernel_h * kernel_w, out_height, out_width)", input);
@@ -52,14 +55,16 @@ DeformConv2dGeometry check_deform_conv2d_arguments(
   check_pair("stride", stride, 1);
   check_pair("padding", padding, 0);
   check_pair("dilation", dilation, 1);
-  TORCH_CHECK_VALUE(groups >= 1, "deform_conv2d(): expected groups to be at least 1, but got ",
-                    groups);
-  TORCH_CHECK_VALUE(offset_groups >= 1,
-                    "deform_conv2d(): expected offset_groups to be at least 1, but got ",
-                    offset_groups);
-  TORCH_CHECK_VALUE(im2col_step >= 0,
-                    "deform_conv2d(): expected im2col_step to be positive, or 0 for automatic, "
-                    "but got ", im2col_step);
+  DEFORMCONV_CHECK_ARGUMENT(groups >= 1,
+                            "deform_conv2d(): expected groups to be at least 1, but got ", groups);
+  DEFORMCONV_CHECK_ARGUMENT(offset_groups >= 1,
+                            "deform_conv2d(): expected offset_groups to be at least 1, but got ",
+                            offset_groups);
+  DEFORMCONV_CHECK_ARGUMENT(
+      im2col_step >= 0,
+      "deform_conv2d(): expected im2col_step to be positive, or 0 for automatic, "
+      "but got ",
+      im2col_step);
 
   DeformConv2dGeometry g{};
   g.in_channels = input.size(1);
@@ -77,56 +82,62 @@ DeformConv2dGeometry check_deform_conv2d_arguments(
   g.groups = groups;
   g.offset_groups = offset_groups;
 
-  TORCH_CHECK_VALUE(g.in_channels > 0 && g.in_height > 0 && g.in_width > 0,
-                    "deform_conv2d(): expected input to have non-zero channels, height and "
-                    "width, but got shape ", input.sizes());
-  TORCH_CHECK_VALUE(g.in_height <= kMaxImageSide && g.in_width <= kMaxImageSide,
-                    "deform_conv2d(): expected input's height and width to be at most ",
-                    kMaxImageSide, ", but got ", g.in_height, " x ", g.in_width);
-  TORCH_CHECK_VALUE(g.kernel_h > 0 && g.kernel_w > 0,
-                    "deform_conv2d(): expected weight to have a non-empty kernel, but got shape ",
-                    weight.sizes());
-  TORCH_CHECK_VALUE(g.in_channels % groups == 0, "deform_conv2d(): expected in_channels (",
-                    g.in_channels, ") to be divisible by groups (", groups, ")");
-  TORCH_CHECK_VALUE(g.out_channels % groups == 0, "deform_conv2d(): expected out_channels (",
-                    g.out_channels, ", weight.size(0)) to be divisible by groups (", groups, ")");
-  TORCH_CHECK_VALUE(weight.size(1) * groups == g.in_channels,
-                    "deform_conv2d(): expected weight to have ", g.in_channels / groups,
-                    " input channels (in_channels / groups = ", g.in_channels, " / ", groups,
-                    "), but got ", weight.size(1));
-  TORCH_CHECK_VALUE(g.in_channels % offset_groups == 0, "deform_conv2d(): expected in_channels (",
-                    g.in_channels, ") to be divisible by offset_groups (", offset_groups, ")");
+  DEFORMCONV_CHECK_ARGUMENT(g.in_channels > 0 && g.in_height > 0 && g.in_width > 0,
+                            "deform_conv2d(): expected input to have non-zero channels, height and "
+                            "width, but got shape ",
+                            input.sizes());
+  DEFORMCONV_CHECK_ARGUMENT(g.in_height <= kMaxImageSide && g.in_width <= kMaxImageSide,
+                            "deform_conv2d(): expected input's height and width to be at most ",
+                            kMaxImageSide, ", but got ", g.in_height, " x ", g.in_width);
+  DEFORMCONV_CHECK_ARGUMENT(
+      g.kernel_h > 0 && g.kernel_w > 0,
+      "deform_conv2d(): expected weight to have a non-empty kernel, but got shape ",
+      weight.sizes());
+  DEFORMCONV_CHECK_ARGUMENT(g.in_channels % groups == 0, "deform_conv2d(): expected in_channels (",
+                            g.in_channels, ") to be divisible by groups (", groups, ")");
+  DEFORMCONV_CHECK_ARGUMENT(g.out_channels % groups == 0,
+                            "deform_conv2d(): expected out_channels (", g.out_channels,
+                            ", weight.size(0)) to be divisible by groups (", groups, ")");
+  DEFORMCONV_CHECK_ARGUMENT(weight.size(1) * groups == g.in_channels,
+                            "deform_conv2d(): expected weight to have ", g.in_channels / groups,
+                            " input channels (in_channels / groups = ", g.in_channels, " / ",
+                            groups, "), but got ", weight.size(1));
+  DEFORMCONV_CHECK_ARGUMENT(g.in_channels % offset_groups == 0,
+                            "deform_conv2d(): expected in_channels (", g.in_channels,
+                            ") to be divisible by offset_groups (", offset_groups, ")");
 
   const int64_t dilated_kernel_h = g.dilation_h * (g.kernel_h - 1) + 1;
   const int64_t dilated_kernel_w = g.dilation_w * (g.kernel_w - 1) + 1;
-  TORCH_CHECK_VALUE(g.in_height + 2 * g.pad_h >= dilated_kernel_h &&
-                        g.in_width + 2 * g.pad_w >= dilated_kernel_w,
-                    "deform_conv2d(): expected the padded input (", g.in_height + 2 * g.pad_h,
-                    " x ", g.in_width + 2 * g.pad_w,
-                    ") to be at least as large as the dilated kernel (", dilated_kernel_h, " x ",
-                    dilated_kernel_w, "), so that the output is not empty");
+  DEFORMCONV_CHECK_ARGUMENT(
+      g.in_height + 2 * g.pad_h >= dilated_kernel_h && g.in_width + 2 * g.pad_w >= dilated_kernel_w,
+      "deform_conv2d(): expected the padded input (", g.in_height + 2 * g.pad_h, " x ",
+      g.in_width + 2 * g.pad_w, ") to be at least as large as the dilated kernel (",
+      dilated_kernel_h, " x ", dilated_kernel_w, "), so that the output is not empty");
   g.out_height = output_length(g.in_height, g.kernel_h, g.stride_h, g.pad_h, g.dilation_h);
   g.out_width = output_length(g.in_width, g.kernel_w, g.stride_w, g.pad_w, g.dilation_w);
 
   const int64_t batch = input.size(0);
   const auto check_field = [&](const char* name, const at::Tensor& field, int64_t channels,
                                const char* formula) {
-    TORCH_CHECK_VALUE(field.size(0) == batch, "deform_conv2d(): expected ", name,
-                      " to have the batch size of input (", batch, "), but got ", field.size(0));
-    TORCH_CHECK_VALUE(field.size(1) == channels, "deform_conv2d(): expected ", name, " to have ",
-                      channels, " channels (", formula, "), but got ", field.size(1));
-    TORCH_CHECK_VALUE(field.size(2) == g.out_height && field.size(3) == g.out_width,
-                      "deform_conv2d(): expected ", name, " to have the output size ",
-                      g.out_height, " x ", g.out_width, ", but got ", field.size(2), " x ",
-                      field.size(3));
+    DEFORMCONV_CHECK_ARGUMENT(field.size(0) == batch, "deform_conv2d(): expected ", name,
+                              " to have the batch size of input (", batch, "), but got ",
+                              field.size(0));
+    DEFORMCONV_CHECK_ARGUMENT(field.size(1) == channels, "deform_conv2d(): expected ", name,
+                              " to have ", channels, " channels (", formula, "), but got ",
+                              field.size(1));
+    DEFORMCONV_CHECK_ARGUMENT(field.size(2) == g.out_height && field.size(3) == g.out_width,
+                              "deform_conv2d(): expected ", name, " to have the output size ",
+                              g.out_height, " x ", g.out_width, ", but got ", field.size(2), " x ",
+                              field.size(3));
   };
   check_field("offset", offset, 2 * offset_groups * g.taps(), "2 * offset_groups * kH * kW");
   if (mask.has_value()) {
     check_field("mask", *mask, offset_groups * g.taps(), "offset_groups * kH * kW");
   }
   if (bias.has_value()) {
-    TORCH_CHECK_VALUE(bias->size(0) == g.out_channels, "deform_conv2d(): expected bias to have ",
-                      g.out_channels, " elements (out_channels), but got ", bias->size(0));
+    DEFORMCONV_CHECK_ARGUMENT(bias->size(0) == g.out_channels,
+                              "deform_conv2d(): expected bias to have ", g.out_channels,
+                              " elements (out_channels), but got ", bias->size(0));
   }
   return g;
 }
@@ -141,15 +152,17 @@ DeformConv2dGeometry check_deform_conv2d_backward_arguments(
                                     dilation, groups, offset_groups, im2col_step);
   const std::vector<int64_t> output_shape = {input.size(0), g.out_channels, g.out_height,
                                              g.out_width};
-  TORCH_CHECK_VALUE(grad_output.sizes() == c10::IntArrayRef(output_shape),
-                    "deform_conv2d_backward(): expected grad_output of shape ",
-                    c10::IntArrayRef(output_shape), ", but got ", grad_output.sizes());
-  TORCH_CHECK_TYPE(grad_output.scalar_type() == input.scalar_type(),
-                   "deform_conv2d_backward(): expected grad_output to have the dtype of input (",
-                   input.scalar_type(), "), but got ", grad_output.scalar_type());
-  TORCH_CHECK_VALUE(grad_output.device() == input.device(),
-                    "deform_conv2d_backward(): expected grad_output to be on the device of "
-                    "input (", input.device(), "), but got ", grad_output.device());
+  DEFORMCONV_CHECK_ARGUMENT(grad_output.sizes() == c10::IntArrayRef(output_shape),
+                            "deform_conv2d_backward(): expected grad_output of shape ",
+                            c10::IntArrayRef(output_shape), ", but got ", grad_output.sizes());
+  DEFORMCONV_CHECK_ARGUMENT(
+      grad_output.scalar_type() == input.scalar_type(),
+      "deform_conv2d_backward(): expected grad_output to have the dtype of input (",
+      input.scalar_type(), "), but got ", grad_output.scalar_type());
+  DEFORMCONV_CHECK_ARGUMENT(grad_output.device() == input.device(),
+                            "deform_conv2d_backward(): expected grad_output to be on the device of "
+                            "input (",
+                            input.device(), "), but got ", grad_output.device());
   return g;
 }
 

@@ -2,7 +2,6 @@
 
 #include <ATen/ops/empty.h>
 #include <c10/core/ScalarType.h>
-#include <c10/util/Exception.h>
 
 #include <array>
 #include <cstddef>
@@ -10,6 +9,7 @@
 #include <vector>
 
 #include "../common/bilinear_sampling.cuh"
+#include "../infrastructure/argument_checks.h"
 
 namespace deformconv {
 
@@ -19,14 +19,14 @@ constexpr const char* kOp = "ms_deform_attn()";
 
 void check_dtype(const char* name, const at::Tensor& tensor, at::ScalarType expected,
                  const char* what) {
-  TORCH_CHECK_TYPE(tensor.scalar_type() == expected, kOp, ": expected ", name, " to have ", what,
-                   " (", expected, "), but got ", tensor.scalar_type());
+  DEFORMCONV_CHECK_ARGUMENT(tensor.scalar_type() == expected, kOp, ": expected ", name, " to have ",
+                            what, " (", expected, "), but got ", tensor.scalar_type());
 }
 
 void check_shape(const char* name, const at::Tensor& tensor, c10::IntArrayRef shape,
                  const char* layout) {
-  TORCH_CHECK_VALUE(tensor.sizes() == shape, kOp, ": expected ", name, " of shape ", shape, " ",
-                    layout, ", but got ", tensor.sizes());
+  DEFORMCONV_CHECK_ARGUMENT(tensor.sizes() == shape, kOp, ": expected ", name, " of shape ", shape,
+                            " ", layout, ", but got ", tensor.sizes());
 }
 
 // The levels' sizes and starts against each other and against value's S rows: each level at
@@ -42,22 +42,24 @@ void check_levels(const at::Tensor& spatial_shapes, const at::Tensor& level_star
   for (int64_t l = 0; l < shapes.size(0); ++l) {
     const int64_t height = shape[2 * l];
     const int64_t width = shape[2 * l + 1];
-    TORCH_CHECK_VALUE(height >= 1 && width >= 1 && height <= kMaxImageSide &&
-                          width <= kMaxImageSide,
-                      kOp, ": expected spatial_shapes[", l, "] to be a (height, width) of 1 to ",
-                      kMaxImageSide, " each, but got (", height, ", ", width, ")");
-    TORCH_CHECK_VALUE(start[l] == end, kOp, ": expected level_start_index[", l, "] to be ", end,
-                      " (the pixels of the levels before it, by spatial_shapes), but got ",
-                      start[l]);
+    DEFORMCONV_CHECK_ARGUMENT(
+        height >= 1 && width >= 1 && height <= kMaxImageSide && width <= kMaxImageSide, kOp,
+        ": expected spatial_shapes[", l, "] to be a (height, width) of 1 to ", kMaxImageSide,
+        " each, but got (", height, ", ", width, ")");
+    DEFORMCONV_CHECK_ARGUMENT(
+        start[l] == end, kOp, ": expected level_start_index[", l, "] to be ", end,
+        " (the pixels of the levels before it, by spatial_shapes), but got ", start[l]);
     // Both sides at most S before the product: no overflow on the way.
-    TORCH_CHECK_VALUE(height <= spatial && width <= spatial && height * width <= spatial - end,
-                      kOp, ": expected value to have as many rows (dimension 1, ", spatial,
-                      ") as spatial_shapes' levels have pixels, but level ", l, " (", height,
-                      " x ", width, ") ends past them");
+    DEFORMCONV_CHECK_ARGUMENT(
+        height <= spatial && width <= spatial && height * width <= spatial - end, kOp,
+        ": expected value to have as many rows (dimension 1, ", spatial,
+        ") as spatial_shapes' levels have pixels, but level ", l, " (", height, " x ", width,
+        ") ends past them");
     end += height * width;
   }
-  TORCH_CHECK_VALUE(end == spatial, kOp, ": expected value to have as many rows (dimension 1, ",
-                    spatial, ") as spatial_shapes' levels have pixels (", end, ")");
+  DEFORMCONV_CHECK_ARGUMENT(end == spatial, kOp,
+                            ": expected value to have as many rows (dimension 1, ", spatial,
+                            ") as spatial_shapes' levels have pixels (", end, ")");
 }
 
 // Levels found valid, remembered for index tensors off the CPU, where reading them is a copy to
@@ -136,33 +138,38 @@ MsDeformAttnGeometry check_ms_deform_attn_arguments(
     const at::Tensor& spatial_shapes, const at::Tensor& level_start_index,
     const at::Tensor& sampling_locations, const at::Tensor& attention_weights,
     int64_t im2col_step) {
-  TORCH_CHECK_TYPE(at::isFloatingType(value.scalar_type()), kOp,
-                   ": expected value to have a floating point dtype (float16, bfloat16, "
-                   "float32 or float64), but got ", value.scalar_type());
-  TORCH_CHECK_VALUE(value.dim() == 4, kOp, ": expected value to be a 4-D tensor (batch, "
-                    "spatial, heads, channels), but got a ", value.dim(), "-D tensor of shape ",
-                    value.sizes());
+  DEFORMCONV_CHECK_ARGUMENT(at::isFloatingType(value.scalar_type()), kOp,
+                            ": expected value to have a floating point dtype (float16, bfloat16, "
+                            "float32 or float64), but got ",
+                            value.scalar_type());
+  DEFORMCONV_CHECK_ARGUMENT(value.dim() == 4, kOp,
+                            ": expected value to be a 4-D tensor (batch, "
+                            "spatial, heads, channels), but got a ",
+                            value.dim(), "-D tensor of shape ", value.sizes());
   check_dtype("spatial_shapes", spatial_shapes, at::kLong, "an integer dtype");
   check_dtype("level_start_index", level_start_index, at::kLong, "an integer dtype");
-  TORCH_CHECK_VALUE(spatial_shapes.dim() == 2 && spatial_shapes.size(1) == 2 &&
-                        spatial_shapes.size(0) >= 1,
-                    kOp, ": expected spatial_shapes to be of shape (levels, 2), at least one "
-                    "level, but got shape ", spatial_shapes.sizes());
+  DEFORMCONV_CHECK_ARGUMENT(
+      spatial_shapes.dim() == 2 && spatial_shapes.size(1) == 2 && spatial_shapes.size(0) >= 1, kOp,
+      ": expected spatial_shapes to be of shape (levels, 2), at least one "
+      "level, but got shape ",
+      spatial_shapes.sizes());
   const int64_t levels = spatial_shapes.size(0);
   check_shape("level_start_index", level_start_index, {levels}, "(levels,)");
   const int64_t N = value.size(0), S = value.size(1), M = value.size(2), D = value.size(3);
   check_dtype("sampling_locations", sampling_locations, value.scalar_type(), "the dtype of value");
   check_dtype("attention_weights", attention_weights, value.scalar_type(), "the dtype of value");
-  TORCH_CHECK_VALUE(sampling_locations.dim() == 6, kOp, ": expected sampling_locations to be "
-                    "a 6-D tensor (batch, queries, heads, levels, points, 2), but got a ",
-                    sampling_locations.dim(), "-D tensor of shape ", sampling_locations.sizes());
+  DEFORMCONV_CHECK_ARGUMENT(sampling_locations.dim() == 6, kOp,
+                            ": expected sampling_locations to be "
+                            "a 6-D tensor (batch, queries, heads, levels, points, 2), but got a ",
+                            sampling_locations.dim(), "-D tensor of shape ",
+                            sampling_locations.sizes());
   const int64_t Lq = sampling_locations.size(1), P = sampling_locations.size(4);
   check_shape("sampling_locations", sampling_locations, {N, Lq, M, levels, P, 2},
               "(batch, queries, heads, levels, points, 2)");
   check_shape("attention_weights", attention_weights, {N, Lq, M, levels, P},
               "(batch, queries, heads, levels, points)");
-  TORCH_CHECK_VALUE(im2col_step >= 0, kOp, ": expected im2col_step to be at least 0, but got ",
-                    im2col_step);
+  DEFORMCONV_CHECK_ARGUMENT(im2col_step >= 0, kOp,
+                            ": expected im2col_step to be at least 0, but got ", im2col_step);
   if (grad_output.has_value()) {
     check_dtype("grad_output", *grad_output, value.scalar_type(), "the dtype of value");
     check_shape("grad_output", *grad_output, {N, Lq, M * D}, "(batch, queries, heads * channels)");

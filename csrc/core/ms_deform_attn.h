@@ -34,10 +34,10 @@ struct MsDeformAttnLaunchers {
 };
 
 // Checks the operands of ms_deform_attn (and grad_output, when given, of its backward); raises
-// ValueError or TypeError naming the argument. The levels' sizes and starts are read and
-// checked against value's S unless the tensors are on the meta device (the fake kernels'
-// case), where only shapes exist; off the CPU, where reading them waits for the device, once
-// for a pair of index tensors as long as neither is modified. Returns the geometry.
+// ValueError naming the argument. The levels' sizes and starts are read and checked against
+// value's S unless the tensors are on the meta device (the fake kernels' case), where only
+// shapes exist; off the CPU, where reading them waits for the device, once for a pair of index
+// tensors as long as neither is modified. Returns the geometry.
 MsDeformAttnGeometry check_ms_deform_attn_arguments(
     const std::optional<at::Tensor>& grad_output, const at::Tensor& value,
     const at::Tensor& spatial_shapes, const at::Tensor& level_start_index,

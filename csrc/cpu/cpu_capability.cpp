@@ -13,6 +13,7 @@
 #include <string_view>
 #include <vector>
 
+#include "../infrastructure/argument_checks.h"
 #include "../infrastructure/branch_trace.h"
 #include "cpu_copy_list.h"
 #include "cpu_launchers.h"
@@ -139,7 +140,7 @@ std::vector<std::string> cpu_capabilities() {
 
 std::string select_cpu_capability(const std::string& capability) {
   const std::string why_not = refusal(capability);
-  TORCH_CHECK_VALUE(why_not.empty(), "_select_cpu_capability(): ", why_not);
+  DEFORMCONV_CHECK_ARGUMENT(why_not.empty(), "_select_cpu_capability(): ", why_not);
   return selected_copy().exchange(held_copy(capability))->name;
 }
 

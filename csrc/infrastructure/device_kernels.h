@@ -17,7 +17,6 @@
 #include <ATen/Context.h>
 #include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
-#include <c10/util/Exception.h>
 #include <torch/library.h>
 
 #include <array>
@@ -26,6 +25,7 @@
 #include <string>
 #include <type_traits>
 
+#include "argument_checks.h"
 #include "op_handles.h"
 
 namespace deformconv {
@@ -87,9 +87,10 @@ struct DeviceKernel<Op, kBackward, Device, driver, launchers, Result(Arguments..
     constexpr size_t kReference = kBackward ? 1 : 0;
     const c10::Device reference = *devices[kReference];
     for (size_t index = 0; index < devices.size(); ++index) {
-      TORCH_CHECK_VALUE(!devices[index].has_value() || *devices[index] == reference, Op::kName,
-                        kSuffix, "(): expected ", kNames[index], " to be on the device of ",
-                        kNames[kReference], " (", reference, "), but got ", *devices[index]);
+      DEFORMCONV_CHECK_ARGUMENT(!devices[index].has_value() || *devices[index] == reference,
+                                Op::kName, kSuffix, "(): expected ", kNames[index],
+                                " to be on the device of ", kNames[kReference], " (", reference,
+                                "), but got ", *devices[index]);
     }
     if constexpr (kBackward && Device::kAtomicFirstGradient) {
       const auto& output_mask = std::get<sizeof...(Arguments) - 1>(std::tie(arguments...));
