@@ -14,16 +14,17 @@
 // points at one channel's value at grid pixel 0, and grid pixel i of that channel lies
 // i * channel_stride further on.
 
-#include <ATen/OpMathType.h>
-#include <c10/macros/Macros.h>
+#include <torch/headeronly/macros/Macros.h>
 
 #include <cmath>
 #include <cstdint>
 #include <type_traits>
 
 #if defined(__CUDACC__)
-#include <ATen/cuda/Atomic.cuh>
+#include <torch/headeronly/cuda/Atomic.h>
 #endif
+
+#include "scalar_types.h"
 
 namespace deformconv {
 
@@ -189,10 +190,10 @@ C10_HOST_DEVICE inline CornerSteps<index_t> corner_steps(int64_t width, int64_t 
 // corner that takes no part cannot turn the sample into NaN. Without branches a CPU loop over
 // consecutive channels vectorises.
 template <typename scalar_t>
-C10_HOST_DEVICE inline at::opmath_type<scalar_t> sample_value_with_plan(
-    const SamplingPlan<at::opmath_type<scalar_t>>& plan, const scalar_t* channel,
+C10_HOST_DEVICE inline opmath_type<scalar_t> sample_value_with_plan(
+    const SamplingPlan<opmath_type<scalar_t>>& plan, const scalar_t* channel,
     int64_t channel_stride) {
-  using opmath_t = at::opmath_type<scalar_t>;
+  using opmath_t = opmath_type<scalar_t>;
   opmath_t value = 0;
   for (int corner = 0; corner < 4; ++corner) {
     const opmath_t read = static_cast<opmath_t>(channel[plan.index[corner] * channel_stride]);
@@ -204,7 +205,7 @@ C10_HOST_DEVICE inline at::opmath_type<scalar_t> sample_value_with_plan(
 // The same, in the tensor's type: one columns entry of DCN v2.
 template <typename scalar_t>
 C10_HOST_DEVICE inline scalar_t sample_with_plan(
-    const SamplingPlan<at::opmath_type<scalar_t>>& plan, const scalar_t* channel,
+    const SamplingPlan<opmath_type<scalar_t>>& plan, const scalar_t* channel,
     int64_t channel_stride) {
   return static_cast<scalar_t>(sample_value_with_plan(plan, channel, channel_stride));
 }
@@ -248,10 +249,10 @@ C10_HOST_DEVICE inline void scatter_add_run(scalar_t* address, const scalar_t* v
 // the sampled values' type, or float where half precision is summed in float32.
 template <typename scalar_t, typename grad_t>
 C10_HOST_DEVICE inline void scatter_corner(
-    const SamplingPlan<at::opmath_type<scalar_t>>& plan, int corner,
+    const SamplingPlan<opmath_type<scalar_t>>& plan, int corner,
     const scalar_t* grad_values, int64_t channels, grad_t* grad_channel,
     int64_t channel_stride) {
-  using opmath_t = at::opmath_type<scalar_t>;
+  using opmath_t = opmath_type<scalar_t>;
   const opmath_t weight = plan.weight[corner];
   grad_t* grad_corner = grad_channel + plan.index[corner] * channel_stride;
   for (int64_t c = 0; c < channels; ++c) {
@@ -330,9 +331,9 @@ C10_HOST_DEVICE inline OffsetMaskGradSums<opmath_t> offset_mask_grad_sums_of_dot
 // does to the sums.
 template <typename scalar_t>
 C10_HOST_DEVICE inline void accumulate_corner_dots(
-    const OffsetMaskGrad<at::opmath_type<scalar_t>>& acc, scalar_t grad_value,
-    const scalar_t* channel, int64_t channel_stride, at::opmath_type<scalar_t> dot[4]) {
-  using opmath_t = at::opmath_type<scalar_t>;
+    const OffsetMaskGrad<opmath_type<scalar_t>>& acc, scalar_t grad_value,
+    const scalar_t* channel, int64_t channel_stride, opmath_type<scalar_t> dot[4]) {
+  using opmath_t = opmath_type<scalar_t>;
   bool inside[4];
   corners_inside(acc.cell, inside);
   const opmath_t grad = static_cast<opmath_t>(grad_value);
@@ -347,10 +348,10 @@ C10_HOST_DEVICE inline void accumulate_corner_dots(
 // samples outside.
 template <typename scalar_t>
 C10_HOST_DEVICE inline void accumulate_offset_mask_grad(
-    const OffsetMaskGrad<at::opmath_type<scalar_t>>& acc, scalar_t grad_value,
+    const OffsetMaskGrad<opmath_type<scalar_t>>& acc, scalar_t grad_value,
     const scalar_t* channel, int64_t channel_stride,
-    OffsetMaskGradSums<at::opmath_type<scalar_t>>& sums) {
-  using opmath_t = at::opmath_type<scalar_t>;
+    OffsetMaskGradSums<opmath_type<scalar_t>>& sums) {
+  using opmath_t = opmath_type<scalar_t>;
   bool inside[4];
   corners_inside(acc.cell, inside);
   opmath_t v[4];

@@ -13,12 +13,12 @@
 // The offsets and the mask are read through strides (Dcnv3Fields), so that DCNv4's packed
 // offset_mask tensor is read in place.
 
-#include <ATen/OpMathType.h>
-#include <c10/macros/Macros.h>
+#include <torch/headeronly/macros/Macros.h>
 
 #include <cstdint>
 #include <type_traits>
 
+#include "scalar_types.h"
 #include "bilinear_sampling.cuh"
 #include "invariant_divisor.h"
 
@@ -190,10 +190,10 @@ C10_HOST_DEVICE inline void dcnv3_group_grads(const Dcnv3Fields& f, int64_t pixe
 // sums carry no factor m yet.
 template <typename scalar_t>
 C10_HOST_DEVICE inline void dcnv3_write_grad(
-    const Dcnv3Geometry& g, int64_t point, at::opmath_type<scalar_t> m,
-    const OffsetMaskGradSums<at::opmath_type<scalar_t>>& sums, scalar_t* group_grad_offset,
+    const Dcnv3Geometry& g, int64_t point, opmath_type<scalar_t> m,
+    const OffsetMaskGradSums<opmath_type<scalar_t>>& sums, scalar_t* group_grad_offset,
     scalar_t* group_grad_mask) {
-  using opmath_t = at::opmath_type<scalar_t>;
+  using opmath_t = opmath_type<scalar_t>;
   if (group_grad_offset != nullptr) {
     const opmath_t factor = static_cast<opmath_t>(g.offset_scale) * m;
     group_grad_offset[2 * point] = static_cast<scalar_t>(factor * sums.x);

@@ -19,12 +19,12 @@
 // neighbouring addresses. Each conv group's columns are one (window pixels, K * C_in / G)
 // matrix, which the GEMMs use as it lies.
 
-#include <ATen/OpMathType.h>
-#include <c10/macros/Macros.h>
+#include <torch/headeronly/macros/Macros.h>
 
 #include <cstdint>
 #include <type_traits>
 
+#include "scalar_types.h"
 #include "bilinear_sampling.cuh"
 #include "deform_conv2d_geometry.h"
 #include "invariant_divisor.h"
@@ -221,8 +221,8 @@ C10_HOST_DEVICE inline scalar_t* channel_of(const DeformConv2dGeometry& g, scala
 // pointer may be null (not asked for).
 template <typename scalar_t>
 C10_HOST_DEVICE inline void finish_offset_mask_grad(
-    const DeformConv2dGeometry& g, const SampleIndex& s, at::opmath_type<scalar_t> m,
-    const OffsetMaskGradSums<at::opmath_type<scalar_t>>& sums, scalar_t* grad_offset,
+    const DeformConv2dGeometry& g, const SampleIndex& s, opmath_type<scalar_t> m,
+    const OffsetMaskGradSums<opmath_type<scalar_t>>& sums, scalar_t* grad_offset,
     scalar_t* grad_mask) {
   if (grad_offset != nullptr) {
     const int64_t y_at = offset_y_index(g, s);

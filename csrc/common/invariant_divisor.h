@@ -10,7 +10,7 @@
 //   floor(n / d) = floor((t + n) / 2^l),  t = floor(m n / 2^32),
 // and for n below 2^31, as here, t + n < 2^32 fits the 32-bit sum.
 
-#include <c10/macros/Macros.h>
+#include <torch/headeronly/macros/Macros.h>
 
 #include <cstdint>
 

@@ -14,7 +14,7 @@
 // level_start[l] of value (N, S, M, D): its pixel i, channel c is
 //   value[n, level_start[l] + i, m, c],  i.e. pixels M * D elements apart.
 
-#include <c10/macros/Macros.h>
+#include <torch/headeronly/macros/Macros.h>
 
 #include <cstdint>
 

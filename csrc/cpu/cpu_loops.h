@@ -4,11 +4,11 @@
 // copy of the kernels (Note [CPU copies], cpu_copies.h); their parallel tasks are
 // infrastructure/parallel_region.h's.
 
-#include <ATen/OpMathType.h>
 
 #include <cstdint>
 #include <type_traits>
 
+#include "../common/scalar_types.h"
 #include "../common/bilinear_sampling.cuh"
 #include "../infrastructure/branch_trace.h"
 #include "../infrastructure/parallel_region.h"
@@ -175,11 +175,11 @@ struct LaneSums {
 // Adds `count` consecutive channels of a sample located by `acc`: their sampled values'
 // gradients at grad[c], their image values from `channel` on (as in sample_with_plan).
 template <typename scalar_t>
-DEFORMCONV_INLINE void add_channels_to_sums(const OffsetMaskGrad<at::opmath_type<scalar_t>>& acc,
+DEFORMCONV_INLINE void add_channels_to_sums(const OffsetMaskGrad<opmath_type<scalar_t>>& acc,
                                             const scalar_t* grad, const scalar_t* channel,
                                             int64_t channel_stride, int64_t count,
-                                            LaneSums<at::opmath_type<scalar_t>>& sums) {
-  using opmath_t = at::opmath_type<scalar_t>;
+                                            LaneSums<opmath_type<scalar_t>>& sums) {
+  using opmath_t = opmath_type<scalar_t>;
   using Lanes = typename LanesOf<opmath_t>::type;
   bool inside[4];
   corners_inside(acc.cell, inside);

@@ -3,7 +3,6 @@
 
 #if !defined(DEFORMCONV_CPU_COPY)  // the head (Note [CPU copies], cpu_copies.h)
 
-#include <ATen/Dispatch.h>
 
 #include <algorithm>
 #include <cmath>
@@ -82,9 +81,9 @@ template <GradientPass kPass, int kVectorBytes, int64_t kGroupChannels, typename
 void dcnv3_gradient_pixels(
     const Dcnv3Geometry& g, const Dcnv3Fields& f, const scalar_t* grad_output,
     const scalar_t* input, const scalar_t* offset, const scalar_t* mask,
-    at::opmath_type<scalar_t>* grad_input, scalar_t* grad_offset, scalar_t* grad_mask,
+    opmath_type<scalar_t>* grad_input, scalar_t* grad_offset, scalar_t* grad_mask,
     TaskRuns& runs, int64_t pixels_per_task) {
-  using opmath_t = at::opmath_type<scalar_t>;
+  using opmath_t = opmath_type<scalar_t>;
   constexpr bool kDots = kPass != GradientPass::kInput;
   constexpr bool kScatter = kPass != GradientPass::kOffsetMask;
   const int64_t P = g.points();
@@ -186,7 +185,7 @@ void dcnv3_gradients_cpu(const Dcnv3Geometry& g, const Dcnv3Fields& f, int64_t b
   const bool want_input = grad_input.defined();
   const bool want_offset_or_mask = grad_offset.defined() || grad_mask.defined();
   DEFORMCONV_DISPATCH(input.scalar_type(), "dcnv3_gradients_cpu", [&] {
-    using opmath_t = at::opmath_type<scalar_t>;
+    using opmath_t = opmath_type<scalar_t>;
     // Note [Input gradient sums in float32]
     at::Tensor sums =
         want_input ? uninitialised_input_gradient_sums<scalar_t>(grad_input) : at::Tensor();

@@ -3,7 +3,6 @@
 
 #if !defined(DEFORMCONV_CPU_COPY)  // the head (Note [CPU copies], cpu_copies.h)
 
-#include <ATen/Dispatch.h>
 
 #include <algorithm>
 #include <cmath>
@@ -84,7 +83,7 @@ void dcnv3_forward_pixels(const Dcnv3Geometry& g, const Dcnv3Fields& f,
                                                    const scalar_t* input, const scalar_t* offset,
                                                    const scalar_t* mask, scalar_t* output,
                                                    TaskRuns& runs) {
-  using opmath_t = at::opmath_type<scalar_t>;
+  using opmath_t = opmath_type<scalar_t>;
   using Lanes = typename LanesOf<opmath_t>::type;
   typedef opmath_t Vector __attribute__((vector_size(kVectorBytes)));
   constexpr int64_t kWidth = kVectorBytes / sizeof(opmath_t);
@@ -154,7 +153,7 @@ void dcnv3_forward_cpu(const Dcnv3Geometry& g, const Dcnv3Fields& f, int64_t bat
     scalar_t* output_data = output.mutable_data_ptr<scalar_t>();
     // Vectors as wide as a register of the copy that runs.
     with_register_bytes<kRegisterBytes>([&](auto register_bytes) {
-      constexpr int64_t kWidth = register_bytes / sizeof(at::opmath_type<scalar_t>);
+      constexpr int64_t kWidth = register_bytes / sizeof(opmath_type<scalar_t>);
       record_channel_loops("dcnv3.cpu.forward", g.group_channels, {2 * kWidth, kWidth, kLanes});
       with_group_channels(g, [&](auto group_channels) {
         parallel_task_runs(batch * g.out_pixels(), [&](TaskRuns& runs) {

@@ -6,7 +6,6 @@
 // prefetched ahead, and the check for non-finite values. The forward (dcnv3_forward_cpu.cpp)
 // and the backward (dcnv3_backward_cpu.cpp) share them.
 
-#include <ATen/OpMathType.h>
 
 #include <algorithm>
 #include <cmath>
@@ -14,6 +13,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "../common/scalar_types.h"
 #include "../common/dcnv3_kernel.cuh"
 #include "../core/dcnv3.h"
 #include "cpu_loops.h"

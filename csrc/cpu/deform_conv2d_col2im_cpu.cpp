@@ -3,7 +3,6 @@
 
 #if !defined(DEFORMCONV_CPU_COPY)  // the head (Note [CPU copies], cpu_copies.h)
 
-#include <ATen/Dispatch.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -27,9 +26,9 @@ struct Col2imTask {
   const DeformConv2dGeometry& g;
   PixelWindow window;
   const std::vector<std::vector<ChannelRun>>& runs;
-  const SamplingPlan<at::opmath_type<scalar_t>>* plans;
+  const SamplingPlan<opmath_type<scalar_t>>* plans;
   const scalar_t* grad_columns;
-  at::opmath_type<scalar_t>* grad_input;  // Note [Input gradient sums in float32]
+  opmath_type<scalar_t>* grad_input;  // Note [Input gradient sums in float32]
   int64_t rows_per_band;
   int64_t bands;
 };
@@ -43,7 +42,7 @@ struct Col2imTask {
 template <typename scalar_t>
 void col2im_tasks(const Col2imTask<scalar_t>& t, int64_t begin,
                                            int64_t end) {
-  using opmath_t = at::opmath_type<scalar_t>;
+  using opmath_t = opmath_type<scalar_t>;
   const DeformConv2dGeometry& g = t.g;
   for (int64_t task = begin; task < end; ++task) {
     const int64_t n = task / t.bands;
@@ -86,9 +85,9 @@ void col2im_cpu(const DeformConv2dGeometry& g, const PixelWindow& window, int64_
     const Col2imTask<scalar_t> t{g,
                                  window,
                                  runs,
-                                 plans_of<at::opmath_type<scalar_t>>(sampling),
+                                 plans_of<opmath_type<scalar_t>>(sampling),
                                  grad_columns.const_data_ptr<scalar_t>(),
-                                 sums.mutable_data_ptr<at::opmath_type<scalar_t>>(),
+                                 sums.mutable_data_ptr<opmath_type<scalar_t>>(),
                                  rows_per_band,
                                  bands};
     parallel_tasks(batch * bands,
@@ -114,11 +113,11 @@ struct OffsetMaskGradTask {
 
 // One sample's sums over the channels of its deform group, run by run.
 template <typename scalar_t>
-DEFORMCONV_INLINE OffsetMaskGradSums<at::opmath_type<scalar_t>> offset_mask_grad_of_sample(
+DEFORMCONV_INLINE OffsetMaskGradSums<opmath_type<scalar_t>> offset_mask_grad_of_sample(
     const DeformConv2dGeometry& g, int64_t n, int64_t entries,
-    const std::vector<ChannelRun>& runs, const OffsetMaskGrad<at::opmath_type<scalar_t>>& acc,
+    const std::vector<ChannelRun>& runs, const OffsetMaskGrad<opmath_type<scalar_t>>& acc,
     const scalar_t* grad_columns, const scalar_t* input) {
-  LaneSums<at::opmath_type<scalar_t>> sums;
+  LaneSums<opmath_type<scalar_t>> sums;
   for (const ChannelRun& run : runs) {
     add_channels_to_sums(acc, grad_columns + run.column_offset + entries,
                          channel_of(g, input, n, run.first), g.in_channels, run.count, sums);
@@ -132,7 +131,7 @@ DEFORMCONV_INLINE OffsetMaskGradSums<at::opmath_type<scalar_t>> offset_mask_grad
 template <typename scalar_t>
 void offset_mask_grad_tasks(const OffsetMaskGradTask<scalar_t>& t,
                                                      int64_t begin, int64_t end) {
-  using opmath_t = at::opmath_type<scalar_t>;
+  using opmath_t = opmath_type<scalar_t>;
   const DeformConv2dGeometry& g = t.g;
   StretchSamples<opmath_t> samples(g, t.stretches.pixels);
   for (int64_t task = begin; task < end; ++task) {

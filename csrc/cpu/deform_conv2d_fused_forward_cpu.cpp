@@ -16,7 +16,6 @@
 
 #if !defined(DEFORMCONV_CPU_COPY)  // the head (Note [CPU copies], cpu_copies.h)
 
-#include <ATen/Dispatch.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -47,7 +46,7 @@ struct FusedForwardTask {
   const scalar_t* offset;
   const scalar_t* mask;
   const scalar_t* input;
-  const at::opmath_type<scalar_t>* weight_panels;
+  const opmath_type<scalar_t>* weight_panels;
   const scalar_t* bias;
   scalar_t* output;
 };
@@ -59,7 +58,7 @@ struct FusedForwardTask {
 // time: Note [Fused forward].
 template <int kVectorBytes, typename scalar_t>
 void fused_forward_tasks(const FusedForwardTask<scalar_t>& t, int64_t begin, int64_t end) {
-  using opmath_t = at::opmath_type<scalar_t>;
+  using opmath_t = opmath_type<scalar_t>;
   const DeformConv2dGeometry& g = t.g;
   const int64_t in_per_offset_group = g.channels_per_offset_group();
   const int64_t in_per_group = g.channels_per_group();
@@ -131,12 +130,12 @@ void fused_forward_tasks(const FusedForwardTask<scalar_t>& t, int64_t begin, int
 at::Tensor fused_forward_weight_cpu(const DeformConv2dGeometry& g, const at::Tensor& weight) {
   const at::Tensor source = weight.contiguous();
   at::Tensor panels = scratch_cpu(
-      {weight.numel()}, weight.options().dtype(at::toOpMathType(weight.scalar_type())));
+      {weight.numel()}, weight.options().dtype(opmath_dtype(weight.scalar_type())));
   const int64_t count = g.channels_per_group();
   const int64_t out_per_group = g.out_channels / g.groups;
   const int64_t taps = g.taps();
   DEFORMCONV_DISPATCH(weight.scalar_type(), "deform_conv2d_fused_forward_weight_cpu", [&] {
-    using opmath_t = at::opmath_type<scalar_t>;
+    using opmath_t = opmath_type<scalar_t>;
     const scalar_t* from = source.const_data_ptr<scalar_t>();
     opmath_t* to = panels.mutable_data_ptr<opmath_t>();
     with_register_bytes<kRegisterBytes>([&](auto register_bytes) {
@@ -179,10 +178,10 @@ void fused_forward_cpu(const DeformConv2dGeometry& g, int64_t batch, const at::T
                                          offset.const_data_ptr<scalar_t>(),
                                          data_or_null<scalar_t>(mask),
                                          input.const_data_ptr<scalar_t>(),
-                                         weight_panels.const_data_ptr<at::opmath_type<scalar_t>>(),
+                                         weight_panels.const_data_ptr<opmath_type<scalar_t>>(),
                                          data_or_null<scalar_t>(bias),
                                          output.mutable_data_ptr<scalar_t>()};
-      constexpr int64_t kWidth = register_bytes / sizeof(at::opmath_type<scalar_t>);
+      constexpr int64_t kWidth = register_bytes / sizeof(opmath_type<scalar_t>);
       record_channel_loops("deform_conv2d.cpu.fused_forward", g.out_channels / g.groups,
                            {2 * kWidth, kWidth});
       parallel_tasks(batch * stretches.per_image, [&](int64_t begin, int64_t end) {
@@ -201,7 +200,7 @@ bool fused_forward_pays_cpu(const DeformConv2dGeometry& g, at::ScalarType dtype)
   }
   constexpr int64_t kCachedWeightBytes = int64_t(4) << 20;
   const int64_t weight_bytes = g.out_channels * g.channels_per_group() * g.taps() *
-      c10::elementSize(at::toOpMathType(dtype));
+      c10::elementSize(opmath_dtype(dtype));
   return weight_bytes <= kCachedWeightBytes;
 }
 

@@ -2,7 +2,6 @@
 
 #if !defined(DEFORMCONV_CPU_COPY)  // the head (Note [CPU copies], cpu_copies.h)
 
-#include <ATen/Dispatch.h>
 
 #include <cstdint>
 #include <vector>
@@ -26,10 +25,10 @@ void make_plans_tasks(const DeformConv2dGeometry& g,
                                                const PixelWindow& window,
                                                const PixelStretches& stretches,
                                                const scalar_t* offset, const scalar_t* mask,
-                                               SamplingPlan<at::opmath_type<scalar_t>>* plans,
+                                               SamplingPlan<opmath_type<scalar_t>>* plans,
                                                int64_t begin, int64_t end) {
   const int64_t plans_per_pixel = g.offset_groups * g.taps();
-  StretchSamples<at::opmath_type<scalar_t>> samples(g, stretches.pixels);
+  StretchSamples<opmath_type<scalar_t>> samples(g, stretches.pixels);
   for (int64_t task = begin; task < end; ++task) {
     const auto [n, first_pixel, pixels] = stretch_of(window, stretches, task);
     auto* task_plans = plans + (n * window.pixels + first_pixel) * plans_per_pixel;
@@ -52,7 +51,7 @@ void make_plans_cpu(const DeformConv2dGeometry& g, const PixelWindow& window, in
   const int64_t plans_per_pixel = g.offset_groups * g.taps();
   const PixelStretches stretches = pixel_stretches(g, window);
   DEFORMCONV_DISPATCH(offset.scalar_type(), "deform_conv2d_plans_cpu", [&] {
-    using Plan = SamplingPlan<at::opmath_type<scalar_t>>;
+    using Plan = SamplingPlan<opmath_type<scalar_t>>;
     TORCH_INTERNAL_ASSERT(plans.numel() >=
                           batch * window.pixels * plans_per_pixel * int64_t(sizeof(Plan)));
     Plan* plan_data = reinterpret_cast<Plan*>(plans.mutable_data_ptr());
@@ -84,7 +83,7 @@ struct Im2colTask {
 template <typename scalar_t>
 void im2col_tasks(const Im2colTask<scalar_t>& t, int64_t begin,
                                            int64_t end) {
-  using opmath_t = at::opmath_type<scalar_t>;
+  using opmath_t = opmath_type<scalar_t>;
   const DeformConv2dGeometry& g = t.g;
   // A row of zeros as long as a grid pixel's channels, so that a run's channels of it are
   // where they are in the image.

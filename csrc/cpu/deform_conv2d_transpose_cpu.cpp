@@ -3,7 +3,6 @@
 
 #if !defined(DEFORMCONV_CPU_COPY)  // the head (Note [CPU copies], cpu_copies.h)
 
-#include <ATen/Dispatch.h>
 
 #include <algorithm>
 #include <cstdint>

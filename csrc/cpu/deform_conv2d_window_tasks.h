@@ -7,12 +7,12 @@
 // layouts, see deform_conv2d_kernel.cuh) and applies each to the consecutive channels it
 // serves.
 
-#include <ATen/OpMathType.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <vector>
 
+#include "../common/scalar_types.h"
 #include "../common/deform_conv2d_kernel.cuh"
 #include "../core/deform_conv2d_launchers.h"
 #include "cpu_loops.h"

@@ -6,13 +6,13 @@
 // locate, and reads the cells and plans back sample by sample; what remains per sample is
 // integer indexing. Grid indices are int32: the drivers check that height and width fit.
 
-#include <ATen/OpMathType.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <type_traits>
 #include <vector>
 
+#include "../common/scalar_types.h"
 #include "../common/bilinear_sampling.cuh"
 #include "cpu_loops.h"
 

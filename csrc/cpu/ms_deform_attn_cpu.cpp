@@ -6,7 +6,6 @@
 
 #if !defined(DEFORMCONV_CPU_COPY)  // the head (Note [CPU copies], cpu_copies.h)
 
-#include <ATen/Dispatch.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -106,10 +105,10 @@ void forward_queries(const MsDeformAttnGeometry& g,
                                               const scalar_t* value, const scalar_t* locations,
                                               const scalar_t* weights, scalar_t* output,
                                               const scalar_t* zeros,
-                                              LevelSamples<at::opmath_type<scalar_t>>& samples,
-                                              at::opmath_type<scalar_t>* sum, int64_t begin,
+                                              LevelSamples<opmath_type<scalar_t>>& samples,
+                                              opmath_type<scalar_t>* sum, int64_t begin,
                                               int64_t end) {
-  using opmath_t = at::opmath_type<scalar_t>;
+  using opmath_t = opmath_type<scalar_t>;
   const int64_t D = g.channels;
   for (int64_t task = begin; task < end; ++task) {
     const int64_t n = task / g.queries, q = task % g.queries;
@@ -150,7 +149,7 @@ void ms_deform_attn_forward_cpu(const MsDeformAttnGeometry& g, const at::Tensor&
                                 const at::Tensor& attention_weights, at::Tensor& output) {
   const std::vector<MsDeformAttnLevel> levels = levels_of(g, spatial_shapes, level_start_index);
   DEFORMCONV_DISPATCH(value.scalar_type(), "ms_deform_attn_forward_cpu", [&] {
-    using opmath_t = at::opmath_type<scalar_t>;
+    using opmath_t = opmath_type<scalar_t>;
     const std::vector<scalar_t> zeros(g.channels, scalar_t(0));
     parallel_task_runs(g.batch * g.queries, [&](TaskRuns& runs) {
       LevelSamples<opmath_t> samples(g, levels.data(), g.heads);
@@ -184,10 +183,10 @@ template <int kVectorBytes, typename scalar_t>
 void backward_heads(
     const MsDeformAttnGeometry& g, const MsDeformAttnLevel* levels, const scalar_t* grad_output,
     const scalar_t* value, const scalar_t* locations, const scalar_t* weights,
-    at::opmath_type<scalar_t>* grad_sums, scalar_t* grad_locations, scalar_t* grad_weights,
-    LevelSamples<at::opmath_type<scalar_t>>& samples, at::opmath_type<scalar_t>* grad,
-    const scalar_t* zeros, at::opmath_type<scalar_t>* unread, int64_t begin, int64_t end) {
-  using opmath_t = at::opmath_type<scalar_t>;
+    opmath_type<scalar_t>* grad_sums, scalar_t* grad_locations, scalar_t* grad_weights,
+    LevelSamples<opmath_type<scalar_t>>& samples, opmath_type<scalar_t>* grad,
+    const scalar_t* zeros, opmath_type<scalar_t>* unread, int64_t begin, int64_t end) {
+  using opmath_t = opmath_type<scalar_t>;
   const int64_t D = g.channels;
   const int64_t stride = g.pixel_stride();
   const int64_t run = backward_queries_per_locate(g);
@@ -286,7 +285,7 @@ void ms_deform_attn_gradients_cpu(const MsDeformAttnGeometry& g, const at::Tenso
   const int64_t D = g.channels;
   const int64_t whole_lanes = (D + kLanes - 1) / kLanes * kLanes;
   DEFORMCONV_DISPATCH(value.scalar_type(), "ms_deform_attn_gradients_cpu", [&] {
-    using opmath_t = at::opmath_type<scalar_t>;
+    using opmath_t = opmath_type<scalar_t>;
     // Note [Input gradient sums in float32]
     at::Tensor sums = grad_value.defined()
                           ? uninitialised_input_gradient_sums<scalar_t>(grad_value)

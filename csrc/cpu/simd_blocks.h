@@ -5,11 +5,11 @@
 // the store of a task's sums into the output's channel planes (Note [Fused forward] in
 // deform_conv2d_fused_forward_cpu.cpp).
 
-#include <ATen/OpMathType.h>
 
 #include <algorithm>
 #include <cstdint>
 
+#include "../common/scalar_types.h"
 #include "cpu_loops.h"
 #include "vector_shuffle.h"
 

@@ -41,11 +41,11 @@ __device__ inline void store_vector(scalar_t* address,
 // sample_value_with_plan). `channels` points at the vector's channels of grid pixel 0, and
 // `corners` holds the image's corner offsets (corner_steps).
 template <typename scalar_t, int kVector, typename index_t>
-__device__ inline void add_sample(const SharedSample<at::opmath_type<scalar_t>>& sample,
+__device__ inline void add_sample(const SharedSample<opmath_type<scalar_t>>& sample,
                                   const scalar_t* channels, index_t pixel_stride,
                                   const CornerSteps<index_t>& corners,
-                                  at::opmath_type<scalar_t>* sum) {
-  using opmath_t = at::opmath_type<scalar_t>;
+                                  opmath_type<scalar_t>* sum) {
+  using opmath_t = opmath_type<scalar_t>;
   const index_t top_left = static_cast<index_t>(sample.top_left) * pixel_stride;
   opmath_t value[kVector] = {};
   for (int corner = 0; corner < 4; ++corner) {

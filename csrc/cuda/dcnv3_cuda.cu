@@ -28,10 +28,7 @@
 // and indexing the input's and output's elements in 32 bits when every dividend and element
 // index of the launch is below 2^31, in int64 otherwise (Dcnv3Divisors, with_divisors).
 
-#include <ATen/Dispatch.h>
 #include <ATen/core/Tensor.h>
-#include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAStream.h>
 
 #include <algorithm>
 #include <cmath>
@@ -71,11 +68,11 @@ __device__ inline int64_t group_start(const Dcnv3Geometry& g, const Dcnv3Item& i
 template <typename scalar_t, typename Divisor>
 __device__ inline int stage_round(const Dcnv3Geometry& g, const Divisor& kernel_h,
                                   const LaneTiling& t, int lane, bool active_item,
-                                  const Dcnv3ItemStart<at::opmath_type<scalar_t>>& start,
+                                  const Dcnv3ItemStart<opmath_type<scalar_t>>& start,
                                   int64_t first_point, const scalar_t* offset,
                                   const scalar_t* mask,
-                                  SharedSample<at::opmath_type<scalar_t>>* samples) {
-  using opmath_t = at::opmath_type<scalar_t>;
+                                  SharedSample<opmath_type<scalar_t>>* samples) {
+  using opmath_t = opmath_type<scalar_t>;
   return stage_item_samples(t, lane, active_item, g.points() - first_point, samples,
                             [&](int point) {
     opmath_t y, x, m;
@@ -88,7 +85,7 @@ template <typename scalar_t, int kVector, typename Divisor>
 __global__ void dcnv3_forward_kernel(Dcnv3Geometry g, Dcnv3Divisors<Divisor> d, Dcnv3Fields f,
                                      LaneTiling t, const scalar_t* input, const scalar_t* offset,
                                      const scalar_t* mask, scalar_t* output) {
-  using opmath_t = at::opmath_type<scalar_t>;
+  using opmath_t = opmath_type<scalar_t>;
   using index_t = typename Dcnv3Divisors<Divisor>::index_type;
   __shared__ SharedSample<opmath_t> staged[kStagedSamples<opmath_t>];
   const int slot = threadIdx.x / t.lanes;
@@ -146,10 +143,10 @@ template <typename scalar_t, int kVector, typename Divisor, typename AddInputGra
 __device__ inline void backward_item(
     const Dcnv3Geometry& g, const Dcnv3Divisors<Divisor>& d, const Dcnv3Fields& f,
     const LaneTiling& t, int lane, bool active_item, int64_t item, const Dcnv3Item& it,
-    SharedSample<at::opmath_type<scalar_t>>* samples, const scalar_t* grad_output,
+    SharedSample<opmath_type<scalar_t>>* samples, const scalar_t* grad_output,
     const scalar_t* input, const scalar_t* offset, const scalar_t* mask, bool input_gradient,
     scalar_t* grad_offset, scalar_t* grad_mask, const AddInputGradient& add_input_gradient) {
-  using opmath_t = at::opmath_type<scalar_t>;
+  using opmath_t = opmath_type<scalar_t>;
   using index_t = typename Dcnv3Divisors<Divisor>::index_type;
   const bool position_grads = grad_offset != nullptr || grad_mask != nullptr;
   const index_t pixel_stride = static_cast<index_t>(g.channels());
@@ -229,9 +226,9 @@ __global__ void dcnv3_backward_kernel(Dcnv3Geometry g, Dcnv3Divisors<Divisor> d,
                                       LaneTiling t, const scalar_t* grad_output,
                                       const scalar_t* input,
                                       const scalar_t* offset, const scalar_t* mask,
-                                      at::opmath_type<scalar_t>* grad_input,
+                                      opmath_type<scalar_t>* grad_input,
                                       scalar_t* grad_offset, scalar_t* grad_mask) {
-  using opmath_t = at::opmath_type<scalar_t>;
+  using opmath_t = opmath_type<scalar_t>;
   using index_t = typename Dcnv3Divisors<Divisor>::index_type;
   __shared__ SharedSample<opmath_t> staged[kStagedSamples<opmath_t>];
   const int slot = threadIdx.x / t.lanes;
@@ -350,9 +347,9 @@ __global__ void dcnv3_backward_banded_kernel(Dcnv3Geometry g, Dcnv3Divisors<Divi
                                              Dcnv3Fields f, LaneTiling t, GradientBands<Divisor> b,
                                              const scalar_t* grad_output, const scalar_t* input,
                                              const scalar_t* offset, const scalar_t* mask,
-                                             at::opmath_type<scalar_t>* grad_input,
+                                             opmath_type<scalar_t>* grad_input,
                                              scalar_t* grad_offset, scalar_t* grad_mask) {
-  using opmath_t = at::opmath_type<scalar_t>;
+  using opmath_t = opmath_type<scalar_t>;
   using index_t = typename Dcnv3Divisors<Divisor>::index_type;
   __shared__ SharedSample<opmath_t> staged[kStagedSamples<opmath_t>];
   __shared__ opmath_t band[kBandBytesPerBlock / sizeof(opmath_t)];
@@ -452,7 +449,7 @@ constexpr int kForwardVector = 16 / sizeof(scalar_t);
 // sums; with 16-byte loads, each lane's 8 channels would be two atomics a sector apart, every
 // 32-byte sector of the run taking two half-sector atomics.
 template <typename scalar_t>
-constexpr int kBackwardVector = 16 / sizeof(at::opmath_type<scalar_t>);
+constexpr int kBackwardVector = 16 / sizeof(opmath_type<scalar_t>);
 
 // Calls launch(divisors) with the launch's Dcnv3Divisors: InvariantDivisor and 32-bit element
 // indices when every dividend (an item, a pixel, a row, a kernel tap) and every index of the
@@ -481,16 +478,16 @@ void dcnv3_forward_cuda(const Dcnv3Geometry& g, const Dcnv3Fields& f, int64_t ba
   DEFORMCONV_DISPATCH(input.scalar_type(), "dcnv3_forward_cuda", [&] {
     with_channel_vectors<kForwardVector<scalar_t>>(
         batch * g.out_pixels() * g.groups, g.group_channels, g.group_channels, g.points(),
-        kStagedSamples<at::opmath_type<scalar_t>>, {&input, &output}, kDcnv3Paths,
+        kStagedSamples<opmath_type<scalar_t>>, {&input, &output}, kDcnv3Paths,
         [&](auto width, auto t) {
       with_divisors(g, batch, t, [&](auto d) {
         auto* kernel = dcnv3_forward_kernel<scalar_t, decltype(width)::value,
                                             typename decltype(d)::divisor_type>;
         DEFORMCONV_LAUNCH(kernel, blocks_of(t), kThreadsPerBlock,
-                          c10::cuda::getCurrentCUDAStream())(
+                          current_cuda_stream())(
             g, d, f, t, input.const_data_ptr<scalar_t>(), offset.const_data_ptr<scalar_t>(),
             mask.const_data_ptr<scalar_t>(), output.mutable_data_ptr<scalar_t>());
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
+        DEFORMCONV_CHECK_LAUNCH();
       });
     });
   });
@@ -509,7 +506,7 @@ void dcnv3_gradients_cuda(const Dcnv3Geometry& g, const Dcnv3Fields& f, int64_t 
     record_branch("dcnv3.cuda.backward.offset_mask_gradients");
   }
   DEFORMCONV_DISPATCH(grad_output.scalar_type(), "dcnv3_backward_cuda", [&] {
-    using opmath_t = at::opmath_type<scalar_t>;
+    using opmath_t = opmath_type<scalar_t>;
     // Note [Input gradient sums in float32]
     at::Tensor sums;
     if (grad_input.defined()) {
@@ -538,19 +535,19 @@ void dcnv3_gradients_cuda(const Dcnv3Geometry& g, const Dcnv3Fields& f, int64_t 
         if (bands) {
           auto* kernel = dcnv3_backward_banded_kernel<scalar_t, kVector, Divisor>;
           DEFORMCONV_LAUNCH(kernel, std::min(kMaxBlocks, bands->tiles), kThreadsPerBlock,
-                            c10::cuda::getCurrentCUDAStream())(
+                            current_cuda_stream())(
               g, d, f, t, GradientBands<Divisor>(*bands), grad_output_data, input_data,
               offset_data, mask_data, sums_data, mutable_data_or_null<scalar_t>(grad_offset),
               mutable_data_or_null<scalar_t>(grad_mask));
         } else {
           auto* kernel = dcnv3_backward_kernel<scalar_t, kVector, Divisor>;
           DEFORMCONV_LAUNCH(kernel, blocks_of(t), kThreadsPerBlock,
-                            c10::cuda::getCurrentCUDAStream())(
+                            current_cuda_stream())(
               g, d, f, t, grad_output_data, input_data, offset_data, mask_data, sums_data,
               mutable_data_or_null<scalar_t>(grad_offset),
               mutable_data_or_null<scalar_t>(grad_mask));
         }
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
+        DEFORMCONV_CHECK_LAUNCH();
       });
     });
     if (grad_input.defined()) {

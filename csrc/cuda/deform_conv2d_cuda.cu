@@ -10,11 +10,8 @@
 // shift) when every dividend of the launch is below 2^31, the one that divides in int64
 // otherwise.
 
-#include <ATen/Dispatch.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
-#include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAStream.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -60,8 +57,8 @@ __device__ inline int stage_taps(const DeformConv2dGeometry& g, const IndexDivis
                                  const LaneTiling& t, int lane, bool active_item,
                                  const SampleIndex& s, int64_t first_tap, const scalar_t* offset,
                                  const scalar_t* mask,
-                                 SharedSample<at::opmath_type<scalar_t>>* samples) {
-  using opmath_t = at::opmath_type<scalar_t>;
+                                 SharedSample<opmath_type<scalar_t>>* samples) {
+  using opmath_t = opmath_type<scalar_t>;
   return stage_item_samples(t, lane, active_item, g.taps() - first_tap, samples, [&](int k) {
     opmath_t y, x, m;
     sample_position(g, sample_of_tap(g, d, s, first_tap + k), offset, mask, y, x, m);
@@ -112,7 +109,7 @@ template <typename scalar_t, int kVector, typename Divisor>
 __global__ void im2col_kernel(DeformConv2dGeometry g, PixelWindow window,
                               IndexDivisors<Divisor> d, LaneTiling t, const scalar_t* input,
                               const scalar_t* offset, const scalar_t* mask, scalar_t* columns) {
-  using opmath_t = at::opmath_type<scalar_t>;
+  using opmath_t = opmath_type<scalar_t>;
   using index_t = typename IndexDivisors<Divisor>::index_type;
   __shared__ SharedSample<opmath_t> staged[kStagedSamples<opmath_t>];
   const int slot = threadIdx.x / t.lanes;
@@ -172,9 +169,9 @@ __global__ void column_gradients_kernel(DeformConv2dGeometry g, PixelWindow wind
                                         IndexDivisors<Divisor> d, LaneTiling t,
                                         const scalar_t* grad_columns, const scalar_t* input,
                                         const scalar_t* offset, const scalar_t* mask,
-                                        at::opmath_type<scalar_t>* grad_input,
+                                        opmath_type<scalar_t>* grad_input,
                                         scalar_t* grad_offset, scalar_t* grad_mask) {
-  using opmath_t = at::opmath_type<scalar_t>;
+  using opmath_t = opmath_type<scalar_t>;
   using index_t = typename IndexDivisors<Divisor>::index_type;
   __shared__ SharedSample<opmath_t> staged[kStagedSamples<opmath_t>];
   const int slot = threadIdx.x / t.lanes;
@@ -271,17 +268,17 @@ void im2col_cuda(const DeformConv2dGeometry& g, const PixelWindow& window, int64
   const at::Tensor& offset = sampling.offset;
   const at::Tensor& mask = sampling.mask;
   DEFORMCONV_DISPATCH(input.scalar_type(), "deform_conv2d_im2col_cuda", [&] {
-    with_item_tiling<16 / sizeof(scalar_t), at::opmath_type<scalar_t>>(
+    with_item_tiling<16 / sizeof(scalar_t), opmath_type<scalar_t>>(
         g, window, batch, {&input, &columns}, kIm2colPaths,
         [&](auto width, auto t, const auto& divisors) {
       using Divisor = typename std::decay_t<decltype(divisors)>::divisor_type;
       auto* kernel = im2col_kernel<scalar_t, decltype(width)::value, Divisor>;
       DEFORMCONV_LAUNCH(kernel, blocks_of(t), kThreadsPerBlock,
-                        c10::cuda::getCurrentCUDAStream())(
+                        current_cuda_stream())(
           g, window, divisors, t, input.const_data_ptr<scalar_t>(),
           offset.const_data_ptr<scalar_t>(), data_or_null<scalar_t>(mask),
           columns.mutable_data_ptr<scalar_t>());
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      DEFORMCONV_CHECK_LAUNCH();
     });
   });
 }
@@ -298,7 +295,7 @@ void column_gradients_cuda(const DeformConv2dGeometry& g, const PixelWindow& win
     record_branch("deform_conv2d.cuda.column_gradients.offset_mask");
   }
   DEFORMCONV_DISPATCH(grad_columns.scalar_type(), "deform_conv2d_column_gradients_cuda", [&] {
-    using opmath_t = at::opmath_type<scalar_t>;
+    using opmath_t = opmath_type<scalar_t>;
     // Note [Input gradient sums in float32]
     at::Tensor sums;
     if (grad_input.defined()) {
@@ -314,13 +311,13 @@ void column_gradients_cuda(const DeformConv2dGeometry& g, const PixelWindow& win
       using Divisor = typename std::decay_t<decltype(divisors)>::divisor_type;
       auto* kernel = column_gradients_kernel<scalar_t, decltype(width)::value, Divisor>;
       DEFORMCONV_LAUNCH(kernel, blocks_of(t), kThreadsPerBlock,
-                        c10::cuda::getCurrentCUDAStream())(
+                        current_cuda_stream())(
           g, window, divisors, t, grad_columns.const_data_ptr<scalar_t>(),
           position_grads ? input.const_data_ptr<scalar_t>() : nullptr,
           sampling.offset.const_data_ptr<scalar_t>(), data_or_null<scalar_t>(sampling.mask),
           sums.defined() ? sums.mutable_data_ptr<opmath_t>() : nullptr,
           mutable_data_or_null<scalar_t>(grad_offset), mutable_data_or_null<scalar_t>(grad_mask));
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      DEFORMCONV_CHECK_LAUNCH();
     });
     if (grad_input.defined()) {
       store_input_gradient_sums(sums, grad_input);

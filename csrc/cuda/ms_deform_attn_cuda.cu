@@ -15,10 +15,7 @@
 // corners' values, summed over the item's lanes by warp shuffles and written by lane 0) in one
 // kernel.
 
-#include <ATen/Dispatch.h>
 #include <ATen/core/Tensor.h>
-#include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAStream.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -68,8 +65,8 @@ __device__ inline int stage_round(const MsDeformAttnGeometry& g, const LaneTilin
                                   bool active_item, int64_t item, const int64_t* shapes,
                                   const int64_t* starts, int64_t first_sample,
                                   const scalar_t* locations, const scalar_t* weights,
-                                  StagedSample<at::opmath_type<scalar_t>>* samples) {
-  using opmath_t = at::opmath_type<scalar_t>;
+                                  StagedSample<opmath_type<scalar_t>>* samples) {
+  using opmath_t = opmath_type<scalar_t>;
   const int64_t first_index = item * g.head_samples() + first_sample;
   return stage_item_samples(t, lane, active_item, g.head_samples() - first_sample, samples,
                             [&](int k) {
@@ -111,7 +108,7 @@ __global__ void ms_deform_attn_forward_kernel(MsDeformAttnGeometry g, LaneTiling
                                               const int64_t* shapes, const int64_t* starts,
                                               const scalar_t* value, const scalar_t* locations,
                                               const scalar_t* weights, scalar_t* output) {
-  using opmath_t = at::opmath_type<scalar_t>;
+  using opmath_t = opmath_type<scalar_t>;
   __shared__ StagedSample<opmath_t> staged[kStagedSamplesPerBlock<opmath_t>];
   const int slot = threadIdx.x / t.lanes;
   const int lane = threadIdx.x % t.lanes;
@@ -168,9 +165,9 @@ template <typename scalar_t, int kVector>
 __global__ void ms_deform_attn_backward_kernel(
     MsDeformAttnGeometry g, LaneTiling t, const int64_t* shapes, const int64_t* starts,
     const scalar_t* grad_output, const scalar_t* value, const scalar_t* locations,
-    const scalar_t* weights, at::opmath_type<scalar_t>* grad_sums, scalar_t* grad_locations,
+    const scalar_t* weights, opmath_type<scalar_t>* grad_sums, scalar_t* grad_locations,
     scalar_t* grad_weights) {
-  using opmath_t = at::opmath_type<scalar_t>;
+  using opmath_t = opmath_type<scalar_t>;
   __shared__ StagedSample<opmath_t> staged[kStagedSamplesPerBlock<opmath_t>];
   const bool position_grads = grad_locations != nullptr || grad_weights != nullptr;
   const int slot = threadIdx.x / t.lanes;
@@ -263,16 +260,16 @@ void ms_deform_attn_forward_cuda(const MsDeformAttnGeometry& g, const at::Tensor
   DEFORMCONV_DISPATCH(value.scalar_type(), "ms_deform_attn_forward_cuda", [&] {
     with_channel_vectors<16 / sizeof(scalar_t)>(
         g.batch * g.queries * g.heads, g.channels, g.channels, g.head_samples(),
-        kStagedSamplesPerBlock<at::opmath_type<scalar_t>>, {&value, &output}, kMsDeformAttnPaths,
+        kStagedSamplesPerBlock<opmath_type<scalar_t>>, {&value, &output}, kMsDeformAttnPaths,
         [&](auto width, auto t) {
           auto* kernel = ms_deform_attn_forward_kernel<scalar_t, decltype(width)::value>;
           DEFORMCONV_LAUNCH(kernel, blocks_of(t), kThreadsPerBlock,
-                            c10::cuda::getCurrentCUDAStream())(
+                            current_cuda_stream())(
               g, t, spatial_shapes.const_data_ptr<int64_t>(),
               level_start_index.const_data_ptr<int64_t>(), value.const_data_ptr<scalar_t>(),
               sampling_locations.const_data_ptr<scalar_t>(),
               attention_weights.const_data_ptr<scalar_t>(), output.mutable_data_ptr<scalar_t>());
-          C10_CUDA_KERNEL_LAUNCH_CHECK();
+          DEFORMCONV_CHECK_LAUNCH();
         });
   });
 }
@@ -291,7 +288,7 @@ void ms_deform_attn_gradients_cuda(const MsDeformAttnGeometry& g, const at::Tens
     record_branch("ms_deform_attn.cuda.backward.location_weight_gradients");
   }
   DEFORMCONV_DISPATCH(value.scalar_type(), "ms_deform_attn_backward_cuda", [&] {
-    using opmath_t = at::opmath_type<scalar_t>;
+    using opmath_t = opmath_type<scalar_t>;
     // Note [Input gradient sums in float32]
     at::Tensor sums;
     if (grad_value.defined()) {
@@ -305,7 +302,7 @@ void ms_deform_attn_gradients_cuda(const MsDeformAttnGeometry& g, const at::Tens
         kMsDeformAttnPaths, [&](auto width, auto t) {
           auto* kernel = ms_deform_attn_backward_kernel<scalar_t, decltype(width)::value>;
           DEFORMCONV_LAUNCH(kernel, blocks_of(t), kThreadsPerBlock,
-                            c10::cuda::getCurrentCUDAStream())(
+                            current_cuda_stream())(
               g, t, spatial_shapes.const_data_ptr<int64_t>(),
               level_start_index.const_data_ptr<int64_t>(), grad_output.const_data_ptr<scalar_t>(),
               value.const_data_ptr<scalar_t>(), sampling_locations.const_data_ptr<scalar_t>(),
@@ -313,7 +310,7 @@ void ms_deform_attn_gradients_cuda(const MsDeformAttnGeometry& g, const at::Tens
               sums.defined() ? sums.mutable_data_ptr<opmath_t>() : nullptr,
               mutable_data_or_null<scalar_t>(grad_sampling_locations),
               mutable_data_or_null<scalar_t>(grad_attention_weights));
-          C10_CUDA_KERNEL_LAUNCH_CHECK();
+          DEFORMCONV_CHECK_LAUNCH();
         });
     if (grad_value.defined()) {
       store_input_gradient_sums(sums, grad_value);

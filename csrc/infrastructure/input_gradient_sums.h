@@ -1,9 +1,10 @@
 #pragma once
 
-#include <ATen/OpMathType.h>
 #include <ATen/core/Tensor.h>
 
 #include <type_traits>
+
+#include "../common/scalar_types.h"
 
 namespace deformconv {
 
@@ -15,19 +16,19 @@ namespace deformconv {
 // round once at the end; float32 and float64 gradients are summed in place.
 template <typename scalar_t>
 at::Tensor input_gradient_sums(const at::Tensor& grad_input) {
-  return std::is_same_v<at::opmath_type<scalar_t>, scalar_t>
+  return std::is_same_v<opmath_type<scalar_t>, scalar_t>
              ? grad_input
-             : grad_input.to(c10::CppTypeToScalarType<at::opmath_type<scalar_t>>::value);
+             : grad_input.to(c10::CppTypeToScalarType<opmath_type<scalar_t>>::value);
 }
 
 // input_gradient_sums for an input gradient that is not initialised: the gradient itself, or
 // an uninitialised float32 tensor of its shape, for the launcher to zero.
 template <typename scalar_t>
 at::Tensor uninitialised_input_gradient_sums(const at::Tensor& grad_input) {
-  return std::is_same_v<at::opmath_type<scalar_t>, scalar_t>
+  return std::is_same_v<opmath_type<scalar_t>, scalar_t>
              ? grad_input
              : grad_input.new_empty(grad_input.sizes(),
-                                    c10::CppTypeToScalarType<at::opmath_type<scalar_t>>::value);
+                                    c10::CppTypeToScalarType<opmath_type<scalar_t>>::value);
 }
 
 inline void store_input_gradient_sums(const at::Tensor& sums, at::Tensor& grad_input) {

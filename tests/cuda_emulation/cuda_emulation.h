@@ -9,8 +9,8 @@
 //     runtime's limits, records its bookkeeping, then runs every block and thread in turn, in
 //     the order the settings ask for, on a grid that the settings may cap (grid-stride loops
 //     must cover any remainder);
-//   - an invalid launch leaves a pending error, as cudaGetLastError would, which the shim of
-//     C10_CUDA_KERNEL_LAUNCH_CHECK raises;
+//   - an invalid launch leaves a pending error, as cudaGetLastError would, which
+//     DEFORMCONV_CHECK_LAUNCH (csrc/cuda/launch.cuh) raises;
 //   - the threads of a block run as coroutines (ucontext) that meet at each __shfl_xor_sync,
 //     where the values of a warp's lanes are exchanged once every lane named in the mask has
 //     arrived, at each __syncwarp likewise (exchanging nothing), and at each __syncthreads,
@@ -102,7 +102,7 @@ inline Bookkeeping& bookkeeping() {
 
 inline thread_local int device_guard_depth = 0;
 
-// The shim of CUDAStream: an id, the current one being settings().current_stream.
+// A CUDA stream: an id, the current one being settings().current_stream.
 class Stream {
  public:
   explicit Stream(int64_t id) : id_(id) {}

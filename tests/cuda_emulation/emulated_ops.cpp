@@ -65,8 +65,8 @@ __global__ void count_threads_kernel(int64_t* count) { ++*count; }
 int64_t probe_launch(int64_t blocks, int64_t threads_per_block) {
   int64_t count = 0;
   DEFORMCONV_LAUNCH(count_threads_kernel, blocks, threads_per_block,
-                    c10::cuda::getCurrentCUDAStream())(&count);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+                    deformconv::current_cuda_stream())(&count);
+  DEFORMCONV_CHECK_LAUNCH();
   return count;
 }
 
@@ -85,10 +85,10 @@ __global__ void shuffle_xor_kernel(int64_t* received, unsigned member_mask, int 
 std::vector<int64_t> probe_shuffle_xor(int64_t threads, int64_t member_mask, int64_t lane_mask,
                                        int64_t width, int64_t exiting_thread) {
   std::vector<int64_t> received(static_cast<size_t>(threads), -1);
-  DEFORMCONV_LAUNCH(shuffle_xor_kernel, 1, threads, c10::cuda::getCurrentCUDAStream())(
+  DEFORMCONV_LAUNCH(shuffle_xor_kernel, 1, threads, deformconv::current_cuda_stream())(
       received.data(), static_cast<unsigned>(member_mask), static_cast<int>(lane_mask),
       static_cast<int>(width), exiting_thread);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  DEFORMCONV_CHECK_LAUNCH();
   return received;
 }
 
@@ -113,9 +113,9 @@ __global__ void barrier_kernel(int64_t* received, int64_t exiting_thread) {
 // launch error. For the tests of the emulator's barriers and shared memory.
 std::vector<int64_t> probe_barrier(int64_t threads, int64_t exiting_thread) {
   std::vector<int64_t> received(static_cast<size_t>(threads), -1);
-  DEFORMCONV_LAUNCH(barrier_kernel, 1, threads, c10::cuda::getCurrentCUDAStream())(
+  DEFORMCONV_LAUNCH(barrier_kernel, 1, threads, deformconv::current_cuda_stream())(
       received.data(), exiting_thread);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  DEFORMCONV_CHECK_LAUNCH();
   return received;
 }
 
@@ -146,9 +146,9 @@ __global__ void warp_barrier_kernel(int64_t* received, int64_t exiting_thread,
 std::vector<int64_t> probe_warp_barrier(int64_t threads, int64_t exiting_thread,
                                         int64_t shuffling_thread) {
   std::vector<int64_t> received(static_cast<size_t>(threads), -1);
-  DEFORMCONV_LAUNCH(warp_barrier_kernel, 1, threads, c10::cuda::getCurrentCUDAStream())(
+  DEFORMCONV_LAUNCH(warp_barrier_kernel, 1, threads, deformconv::current_cuda_stream())(
       received.data(), exiting_thread, shuffling_thread);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  DEFORMCONV_CHECK_LAUNCH();
   return received;
 }
 
