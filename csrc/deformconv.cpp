@@ -27,4 +27,5 @@ TORCH_LIBRARY(deformconv, m) {
   m.def(deformconv::schemas::kCpuCapability);
   m.def(deformconv::schemas::kCpuCapabilities);
   m.def(deformconv::schemas::kSelectCpuCapability);
+  m.def(deformconv::schemas::kCpuCapabilityFallback);
 }

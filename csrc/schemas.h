@@ -103,11 +103,14 @@ inline constexpr const char* kStartBranchTrace = "_start_branch_trace() -> ()";
 inline constexpr const char* kTakeBranchTrace = "_take_branch_trace() -> str[]";
 
 // The copies of the CPU kernels (Note [CPU copies], cpu/cpu_copies.h): the one in use
-// (avx512, avx2 or default); those this build holds that this CPU runs, best first; and, for
-// the tests, the choice of another, returning the one it replaces.
+// (avx512, avx2 or default); those this build holds that this CPU runs, best first; for the
+// tests, the choice of another, returning the one it replaces; and why the copy that
+// DEFORMCONV_CPU_CAPABILITY names does not run (empty where it does, or where it is not set),
+// which the Python package warns of.
 inline constexpr const char* kCpuCapability = "_cpu_capability() -> str";
 inline constexpr const char* kCpuCapabilities = "_cpu_capabilities() -> str[]";
 inline constexpr const char* kSelectCpuCapability =
     "_select_cpu_capability(str capability) -> str";
+inline constexpr const char* kCpuCapabilityFallback = "_cpu_capability_fallback() -> str";
 
 }  // namespace deformconv::schemas

@@ -44,6 +44,20 @@ except ImportError as error:
         "from the repository root. Run from another directory, or install in editable mode "
         "(pip install --no-build-isolation -e .), which builds _C there."
     ) from error
+
+
+def _warn_of_a_cpu_copy_fallback() -> None:
+    # The library cannot warn itself (PyTorch's stable ABI has no warnings): it says why the
+    # copy of its CPU kernels that DEFORMCONV_CPU_CAPABILITY names does not run, if it does not.
+    import warnings
+
+    fallback = torch.ops.deformconv._cpu_capability_fallback()
+    if fallback:
+        warnings.warn(fallback, stacklevel=3)
+
+
+_warn_of_a_cpu_copy_fallback()
+
 from .convert import convert_to_deformable
 from .nn import (
     DCNv3,

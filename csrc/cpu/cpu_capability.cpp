@@ -1,11 +1,11 @@
 // The choice of the copy of the CPU kernels that runs (Note [CPU copies], cpu_copies.h): on
-// first use, the best copy that the CPU runs, or the one DEFORMCONV_CPU_CAPABILITY names. A
-// name that is no copy, a copy this build lacks or one the CPU cannot run is warned about, and
-// the best copy runs instead. The private ops report the choice (python -m deformconv info,
-// the benchmark) and let the tests run each copy in one process.
+// first use, the best copy that the CPU runs, or the one DEFORMCONV_CPU_CAPABILITY names. For a
+// name that is no copy, a copy this build lacks or one the CPU cannot run, the best copy runs
+// instead, and _cpu_capability_fallback says why, which the Python package warns of when it
+// loads (the stable ABI has no warnings). The private ops report the choice (python -m
+// deformconv info, the benchmark) and let the tests run each copy in one process.
 
-#include <c10/util/Exception.h>
-#include <torch/library.h>
+#include <torch/csrc/stable/library.h>
 
 #include <atomic>
 #include <cstdlib>
@@ -96,15 +96,22 @@ std::string held_names() {
 // Why `name` cannot run here, or empty if it can.
 std::string refusal(std::string_view name) {
   if (name != "avx512" && name != "avx2" && name != "default") {
-    return c10::str("expected ", kKnownNames, ", but got '", name, "'");
+    return "expected " + std::string(kKnownNames) + ", but got '" + std::string(name) + "'";
   }
   if (held_copy(name) == nullptr) {
-    return c10::str("this build holds no ", name, " copy (it holds: ", held_names(), ")");
+    return "this build holds no " + std::string(name) + " copy (it holds: " + held_names() + ")";
   }
   if (!runs_here(name)) {
-    return c10::str("this CPU cannot run the ", name, " copy");
+    return "this CPU cannot run the " + std::string(name) + " copy";
   }
   return "";
+}
+
+// Why the copy that DEFORMCONV_CPU_CAPABILITY names does not run, empty where it does or where
+// the variable is not set: read once, with the first choice of a copy.
+std::string& fallback() {
+  static std::string why;
+  return why;
 }
 
 const CpuCopy& requested_or_best_copy() {
@@ -114,8 +121,8 @@ const CpuCopy& requested_or_best_copy() {
   }
   const std::string why_not = refusal(requested);
   if (!why_not.empty()) {
-    TORCH_WARN("DEFORMCONV_CPU_CAPABILITY: ", why_not, "; running the ", best_copy().name,
-               " copy of the CPU kernels instead");
+    fallback() = "DEFORMCONV_CPU_CAPABILITY: " + why_not + "; running the " +
+                 best_copy().name + " copy of the CPU kernels instead";
     return best_copy();
   }
   return *held_copy(requested);
@@ -124,6 +131,11 @@ const CpuCopy& requested_or_best_copy() {
 std::atomic<const CpuCopy*>& selected_copy() {
   static std::atomic<const CpuCopy*> selected{&requested_or_best_copy()};
   return selected;
+}
+
+std::string cpu_capability_fallback() {
+  selected_copy();
+  return fallback();
 }
 
 std::string cpu_capability() { return selected_copy().load()->name; }
@@ -138,7 +150,7 @@ std::vector<std::string> cpu_capabilities() {
   return runnable;
 }
 
-std::string select_cpu_capability(const std::string& capability) {
+std::string select_cpu_capability(std::string capability) {
   const std::string why_not = refusal(capability);
   DEFORMCONV_CHECK_ARGUMENT(why_not.empty(), "_select_cpu_capability(): ", why_not);
   return selected_copy().exchange(held_copy(capability))->name;
@@ -152,10 +164,11 @@ const CpuCopy& cpu_copy() {
   return copy;
 }
 
-TORCH_LIBRARY_IMPL(deformconv, CompositeExplicitAutograd, m) {
-  m.impl("_cpu_capability", TORCH_FN(cpu_capability));
-  m.impl("_cpu_capabilities", TORCH_FN(cpu_capabilities));
-  m.impl("_select_cpu_capability", TORCH_FN(select_cpu_capability));
+STABLE_TORCH_LIBRARY_IMPL(deformconv, CompositeExplicitAutograd, m) {
+  m.impl("_cpu_capability", TORCH_BOX(&cpu_capability));
+  m.impl("_cpu_capabilities", TORCH_BOX(&cpu_capabilities));
+  m.impl("_select_cpu_capability", TORCH_BOX(&select_cpu_capability));
+  m.impl("_cpu_capability_fallback", TORCH_BOX(&cpu_capability_fallback));
 }
 
 }  // namespace deformconv

@@ -1,15 +1,15 @@
 // Registration of the branch trace's ops (Note [Branch trace]), apart from the trace itself so
 // that a test build can link the trace without registering anything (tests/cuda_emulation).
 
-#include <torch/library.h>
+#include <torch/csrc/stable/library.h>
 
 #include "branch_trace.h"
 
 namespace deformconv {
 
-TORCH_LIBRARY_IMPL(deformconv, CompositeExplicitAutograd, m) {
-  m.impl("_start_branch_trace", TORCH_FN(start_branch_trace));
-  m.impl("_take_branch_trace", TORCH_FN(take_branch_trace));
+STABLE_TORCH_LIBRARY_IMPL(deformconv, CompositeExplicitAutograd, m) {
+  m.impl("_start_branch_trace", TORCH_BOX(&start_branch_trace));
+  m.impl("_take_branch_trace", TORCH_BOX(&take_branch_trace));
 }
 
 }  // namespace deformconv
