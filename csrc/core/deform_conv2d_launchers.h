@@ -33,10 +33,10 @@ struct WindowSampling {
 struct DeformConv2dLaunchers;
 struct WorkSplit;  // core/deform_conv2d_tiling.h: how a call is cut into blocks and windows
 
-// The GEMMs of a call's windows. The driver runs them without knowing how: by bmm (every
-// device: bmm_window_gemms in core/deform_conv2d_gemms.h), or on the CPU in float32 with one
-// conv group as oneDNN 1x1 convolutions (cpu/deform_conv2d_onednn_gemms_cpu.cpp). The launcher table's
-// `gemms` picks them for a call.
+// The GEMMs of a call's windows. The driver runs them without knowing how: by bmm (every device:
+// bmm_window_gemms in core/deform_conv2d_gemms.h), or on the CPU in float32 with one conv group as
+// oneDNN 1x1 convolutions (cpu/deform_conv2d_onednn_gemms_cpu.cpp). The launcher table's `gemms`
+// picks them for a call.
 struct WindowGemms {
   // Names of the choice in the branch trace, for the forward and the gradients.
   const char* forward_branch;
@@ -118,10 +118,10 @@ struct DeformConv2dLaunchers {
                               int64_t batch, int64_t im2col_step, int64_t windows,
                               const WindowGemms& gemms);
   // The whole forward of a block of `batch` images without columns (Note [Fused forward],
-  // cpu/deform_conv2d_fused_forward_cpu.cpp): output (batch, C_out, H_out, W_out) = the convolution of the
-  // sampled input with the weight, plus bias (undefined: none), the weight as
-  // fused_forward_weight lays it out, once for all of a call's blocks. Run where forward_plan
-  // says kFused; both null where it never does (CUDA).
+  // cpu/deform_conv2d_fused_forward_cpu.cpp): output (batch, C_out, H_out, W_out) = the convolution
+  // of the sampled input with the weight, plus bias (undefined: none), the weight as
+  // fused_forward_weight lays it out, once for all of a call's blocks. Run where forward_plan says
+  // kFused; both null where it never does (CUDA).
   at::Tensor (*fused_forward_weight)(const DeformConv2dGeometry& geometry,
                                      const at::Tensor& weight);
   void (*fused_forward)(const DeformConv2dGeometry& geometry, int64_t batch,

@@ -218,7 +218,7 @@ void dcnv3_gradients_cpu(const Dcnv3Geometry& g, const Dcnv3Fields& f, int64_t b
         using All = std::integral_constant<GradientPass, GradientPass::kAll>;
         using Input = std::integral_constant<GradientPass, GradientPass::kInput>;
         using OffsetMask = std::integral_constant<GradientPass, GradientPass::kOffsetMask>;
-        if (want_input && want_offset_or_mask && 2 * batch > at::get_num_threads()) {
+        if (want_input && want_offset_or_mask && 2 * batch > thread_count()) {
           record_branch("dcnv3.cpu.backward.one_pass");
           run(All{}, g.out_pixels());
           return;

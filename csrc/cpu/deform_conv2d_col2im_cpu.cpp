@@ -77,7 +77,7 @@ void col2im_cpu(const DeformConv2dGeometry& g, const PixelWindow& window, int64_
   const auto runs = runs_of_offset_groups(g, window);
   // About two bands per thread over the block's images: every task scans all the plans of its
   // image, so many more bands would multiply that cost.
-  const int64_t wanted_bands = (2 * at::get_num_threads() + batch - 1) / batch;
+  const int64_t wanted_bands = (2 * thread_count() + batch - 1) / batch;
   const int64_t rows_per_band = (g.in_height + wanted_bands - 1) / wanted_bands;
   const int64_t bands = (g.in_height + rows_per_band - 1) / rows_per_band;
   DEFORMCONV_DISPATCH(grad_columns.scalar_type(), "deform_conv2d_col2im_cpu", [&] {

@@ -2,19 +2,18 @@
 // policies (window budget, oneDNN GEMMs, the forward's plan), which the device-neutral driver
 // (core/deform_conv2d.h) runs.
 //
-// Each stage locates its samples a (deform group, tap) row at a time, as arrays over a stretch
-// of pixels (StretchSamples, deform_conv2d_window_tasks.h), and applies each sample to the consecutive
-// channels it serves; col2im, which visits the samples in another order, reads plans made once
-// per window. Both the locating and the loops over channels run vectorised, and each stage is
-// compiled once per instruction set (Note [CPU copies], cpu_copies.h), as is this table; the
-// GEMMs and the scratch memory are compiled once (deform_conv2d_single_copy_cpu.h).
+// Each stage locates its samples a (deform group, tap) row at a time, as arrays over a stretch of
+// pixels (StretchSamples, deform_conv2d_window_tasks.h), and applies each sample to the consecutive
+// channels it serves; col2im, which visits the samples in another order, reads plans made once per
+// window. Both the locating and the loops over channels run vectorised, and each stage is compiled
+// once per instruction set (Note [CPU copies], cpu_copies.h), as is this table; the GEMMs and the
+// scratch memory are compiled once (deform_conv2d_single_copy_cpu.h).
 
 #if !defined(DEFORMCONV_CPU_COPY)  // the head (Note [CPU copies], cpu_copies.h)
 
-#include <ATen/Parallel.h>
-
 #include "../common/bilinear_sampling.cuh"
 #include "../core/deform_conv2d_launchers.h"
+#include "../infrastructure/parallel_region.h"
 #include "deform_conv2d_single_copy_cpu.h"
 
 #define DEFORMCONV_CPU_COPY_BODY "deform_conv2d_cpu.cpp"
@@ -27,23 +26,22 @@
 namespace deformconv::DEFORMCONV_CPU_COPY {
 namespace {
 
-// The fused forward where it pays (Note [Fused forward], deform_conv2d_fused_forward_cpu.cpp). Otherwise a
-// forward with the automatic im2col_step runs in one parallel region where it can (Note [Whole
-// images per thread], core/deform_conv2d_forward.cpp): with a batch that gives every thread at
-// least two images, each thread takes whole images, one block of one image at a time; with
-// fewer images and GEMMs that run well on one thread (oneDNN's), a block's windows are shared
-// out instead, if there are at least two per thread (a window's bmm, for grouped convolutions,
-// runs slower on one thread than on all). The ATen and oneDNN calls inside run on the calling
-// thread alone, and oneDNN then reorders the weight for each GEMM (a weight-sized buffer per
-// thread): with a single window per thread, whose shares could not even out anyway, a forward
-// keeps its stages.
+// The fused forward where it pays (Note [Fused forward], deform_conv2d_fused_forward_cpu.cpp).
+// Otherwise a forward with the automatic im2col_step runs in one parallel region where it can (Note
+// [Whole images per thread], core/deform_conv2d_forward.cpp): with a batch that gives every thread
+// at least two images, each thread takes whole images, one block of one image at a time; with fewer
+// images and GEMMs that run well on one thread (oneDNN's), a block's windows are shared out
+// instead, if there are at least two per thread (a window's bmm, for grouped convolutions, runs
+// slower on one thread than on all). The ATen and oneDNN calls inside run on the calling thread
+// alone, and oneDNN then reorders the weight for each GEMM (a weight-sized buffer per thread): with
+// a single window per thread, whose shares could not even out anyway, a forward keeps its stages.
 ForwardPlan forward_plan_cpu(const DeformConv2dGeometry& g, at::ScalarType dtype, int64_t batch,
                              int64_t im2col_step, int64_t windows, const WindowGemms& gemms) {
   if (fused_forward_pays_cpu(g, dtype)) {
     return ForwardPlan::kFused;
   }
-  const int64_t threads = at::get_num_threads();
-  if (im2col_step != 0 || threads == 1 || at::in_parallel_region()) {
+  const int64_t threads = thread_count();
+  if (im2col_step != 0 || threads == 1 || in_parallel_region()) {
     return ForwardPlan::kStages;
   }
   if (batch >= 2 * threads) {

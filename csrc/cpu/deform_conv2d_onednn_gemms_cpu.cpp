@@ -147,7 +147,7 @@ at::Tensor mm_backward(const WorkSplit& w, const PixelWindow& window, int64_t im
   // Each thread's share of the columns, in whole cache lines of float32.
   constexpr int64_t kLineColumns = 16;
   const int64_t lines = (w.rows_per_group + kLineColumns - 1) / kLineColumns;
-  const int64_t shares = std::min<int64_t>(at::get_num_threads(), lines);
+  const int64_t shares = std::min<int64_t>(thread_count(), lines);
   const auto share_start = [&](int64_t share) {
     return std::min(share * lines / shares * kLineColumns, w.rows_per_group);
   };

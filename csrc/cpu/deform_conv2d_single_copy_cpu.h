@@ -1,8 +1,8 @@
 #pragma once
 
-// The parts of DCN v1/v2's CPU launcher table that are compiled once and shared by every copy
-// of the kernels (Note [CPU copies], cpu_copies.h): the scratch memory (scratch_pool.cpp),
-// one pool for the process, and the GEMMs (deform_conv2d_onednn_gemms_cpu.cpp), whose vector code is
+// The parts of DCN v1/v2's CPU launcher table that are compiled once and shared by every copy of
+// the kernels (Note [CPU copies], cpu_copies.h): the scratch memory (scratch_pool.cpp), one pool
+// for the process, and the GEMMs (deform_conv2d_onednn_gemms_cpu.cpp), whose vector code is
 // oneDNN's and ATen's own.
 
 #include <ATen/core/Tensor.h>

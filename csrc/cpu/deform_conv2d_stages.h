@@ -1,6 +1,7 @@
-// The CPU stages of DCN v1/v2, one file per stage (deform_conv2d_im2col_cpu.cpp, deform_conv2d_fused_forward_cpu.cpp,
-// deform_conv2d_col2im_cpu.cpp, deform_conv2d_transpose_cpu.cpp), which deform_conv2d_cpu.cpp gathers into the CPU's
-// launcher table (core/deform_conv2d_launchers.h says what each does) with the parts of
+// The CPU stages of DCN v1/v2, one file per stage (deform_conv2d_im2col_cpu.cpp,
+// deform_conv2d_fused_forward_cpu.cpp, deform_conv2d_col2im_cpu.cpp,
+// deform_conv2d_transpose_cpu.cpp), which deform_conv2d_cpu.cpp gathers into the CPU's launcher
+// table (core/deform_conv2d_launchers.h says what each does) with the parts of
 // deform_conv2d_single_copy_cpu.h.
 //
 // Declarations only, into the namespace of the copy being compiled: each kernel file's body

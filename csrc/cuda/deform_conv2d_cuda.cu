@@ -1,14 +1,13 @@
 // CUDA launchers of DCN v1/v2, on the current stream. im2col gives each (image, pixel, deform
-// group) to a few lanes of a warp, which locate its taps' samples once and gather their channels
-// as vectors (im2col_kernel); the columns gradient goes back through the same items in one
-// kernel (column_gradients_kernel), whose lanes add their vectors to the input gradient with
-// atomics and sum the offset and mask gradients by shuffles. Indices are int64 where they must be: a block's columns
-// buffer passes 2^31 elements at detection resolutions (C_in * K * H_out * W_out * images), and
-// int32 there gives wrong answers silently (torchvision issue 4269). Threads split their flat
+// group) to a few lanes of a warp, which locate its taps' samples once and gather their channels as
+// vectors (im2col_kernel); the columns gradient goes back through the same items in one kernel
+// (column_gradients_kernel), whose lanes add their vectors to the input gradient with atomics and
+// sum the offset and mask gradients by shuffles. Indices are int64 where they must be: a block's
+// columns buffer passes 2^31 elements at detection resolutions (C_in * K * H_out * W_out * images),
+// and int32 there gives wrong answers silently (torchvision issue 4269). Threads split their flat
 // index into image, group, tap, pixel and channel by divisions; each kernel is therefore built
 // twice, and the launcher takes the build that divides by InvariantDivisor (a multiply-high and a
-// shift) when every dividend of the launch is below 2^31, the one that divides in int64
-// otherwise.
+// shift) when every dividend of the launch is below 2^31, the one that divides in int64 otherwise.
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>

@@ -2,9 +2,7 @@
 
 #include "parallel_region.h"
 
-#include <ATen/Parallel.h>
-#include <ATen/TensorIterator.h>
-#include <ATen/ops/empty.h>
+#include <torch/csrc/stable/ops.h>
 
 #include <cstdint>
 #include <thread>
@@ -12,33 +10,35 @@
 #include "branch_trace.h"
 
 namespace deformconv {
+namespace {
 
-void run_on_every_thread(c10::function_ref<void()> body, const char* other_threads_branch) {
-  const int64_t threads = at::get_num_threads();
-  if (threads == 1 || at::in_parallel_region()) {
+thread_local bool inside_region = false;
+
+}  // namespace
+
+int64_t thread_count() { return static_cast<int64_t>(torch::stable::get_num_threads()); }
+
+bool in_parallel_region() { return inside_region; }
+
+void run_on_every_thread(const std::function<void()>& body, const char* other_threads_branch) {
+  const int64_t threads = thread_count();
+  if (threads == 1 || inside_region) {
     body();
     return;
   }
-  // One byte per thread, never read or written: the iterator's elements are only turns, and
-  // at::parallel_for gives each thread a run of ceil(threads / threads) = 1 of them.
-  const at::Tensor turns = at::empty({threads}, at::kByte);
-  at::TensorIterator iterator = at::TensorIteratorConfig()
-                                    .add_output(turns)
-                                    .resize_outputs(false)
-                                    .check_all_same_dtype(false)
-                                    .set_check_mem_overlap(false)
-                                    .build();
   const std::thread::id caller = std::this_thread::get_id();
-  iterator.for_each(
-      [&](char**, const int64_t*, int64_t size_0, int64_t size_1) {
-        if (std::this_thread::get_id() != caller) {
-          record_branch(other_threads_branch);
-        }
-        for (int64_t turn = 0; turn < size_0 * size_1; ++turn) {
-          body();
-        }
-      },
-      /*grain_size=*/1);
+  // A grain of one turn: at::parallel_for gives each thread a run of one turn.
+  torch::stable::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+    if (std::this_thread::get_id() != caller) {
+      record_branch(other_threads_branch);
+    }
+    const bool outer = inside_region;
+    inside_region = true;
+    for (int64_t turn = begin; turn < end; ++turn) {
+      body();
+    }
+    inside_region = outer;
+  });
 }
 
 }  // namespace deformconv

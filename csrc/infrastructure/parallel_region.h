@@ -6,17 +6,15 @@
 // (and otherwise runs on one thread, silently). Those flags differ by compiler and platform
 // (GCC's -fopenmp and libgomp; clang needs LLVM's libomp, which would then sit beside torch's
 // libgomp; Apple clang has none), and torch's build helpers pass none. So this library compiles
-// without them, and enters a parallel region that ATen itself compiled:
-// TensorIteratorBase::for_each over one element per thread, which runs at::parallel_for inside
-// libtorch, with torch's threads and thread count (torch.set_num_threads), whatever its
-// backend. Nested inside a parallel region, or with one thread, the body runs once, inline.
-
-#include <ATen/Parallel.h>
-#include <c10/util/FunctionRef.h>
+// without them, and enters a parallel region that ATen itself compiled: the stable ABI's
+// torch::stable::parallel_for, which runs at::parallel_for inside libtorch, with torch's threads
+// and thread count (torch.set_num_threads), whatever its backend. Nested inside one of this
+// library's regions, or with one thread, the body runs once, inline.
 
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <functional>
 
 namespace deformconv {
 
@@ -25,12 +23,19 @@ namespace deformconv {
 // tests must see split on its own names its own branch.
 inline constexpr const char* kOtherThreadsBranch = "parallel.other_threads";
 
-// Runs body() on each of at::get_num_threads() threads at once (on the calling thread alone
-// where ATen would not start a region), and returns when every call has returned; records
-// other_threads_branch where a thread besides the caller's runs it. The body typically takes
-// work from a shared counter until none is left, so that how many threads run it does not
-// change what is computed.
-void run_on_every_thread(c10::function_ref<void()> body,
+// torch's thread count (torch.set_num_threads).
+int64_t thread_count();
+
+// Whether this thread is running the body of one of this library's parallel regions.
+bool in_parallel_region();
+
+// Runs body() on each of thread_count() threads at once (on the calling thread alone inside a
+// region), and returns when every call has returned; records other_threads_branch where a
+// thread besides the caller's runs it. The body typically takes work from a shared counter
+// until none is left, so that how many threads run it does not change what is computed (inside
+// a region of ATen's that is not this library's, ATen runs the threads' calls one after the
+// other on the calling thread).
+void run_on_every_thread(const std::function<void()>& body,
                          const char* other_threads_branch = kOtherThreadsBranch);
 
 // The runs of tasks that one thread takes in turn, [begin, end) at a time, from a counter that
@@ -65,8 +70,8 @@ template <typename Function>
 void parallel_task_runs(int64_t tasks, const Function& run,
                         const char* other_threads_branch = kOtherThreadsBranch) {
   std::atomic<int64_t> next{0};
-  const int64_t threads = at::get_num_threads();
-  if (threads == 1 || tasks <= 1 || at::in_parallel_region()) {
+  const int64_t threads = thread_count();
+  if (threads == 1 || tasks <= 1 || in_parallel_region()) {
     TaskRuns runs(next, std::max<int64_t>(tasks, 1), tasks);
     run(runs);
     return;
