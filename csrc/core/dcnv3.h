@@ -16,6 +16,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <array>
+#include <cstddef>
 #include <optional>
 #include <tuple>
 
@@ -58,10 +59,10 @@ Dcnv3Geometry check_dcnv3_arguments(const std::optional<at::Tensor>& grad_output
                                     const at::Tensor& input, const at::Tensor& offset,
                                     const at::Tensor& mask, const Dcnv3Arguments& args);
 
-// The drivers, over the schemas' arguments (schemas.h), which each device registers with its
-// launchers (Note [Device kernels], infrastructure/device_kernels.h). DCNv4's take offset_mask
-// where DCNv3's take offset, and no mask; their offset gradient is offset_mask's, zero in its
-// padding. Gradients not selected by output_mask come back undefined.
+// The drivers, over the schemas' arguments (Dcnv3Op, Dcnv4Op), which each device registers
+// with its launchers (Note [Device kernels], infrastructure/device_kernels.h). DCNv4's take
+// offset_mask where DCNv3's take offset, and no mask; their offset gradient is offset_mask's,
+// zero in its padding. Gradients not selected by output_mask come back undefined.
 at::Tensor dcnv3_forward(const Dcnv3Launchers& launchers, const at::Tensor& input,
                          const at::Tensor& offset, const at::Tensor& mask, int64_t kernel_h,
                          int64_t kernel_w, int64_t stride_h, int64_t stride_w, int64_t pad_h,
@@ -89,5 +90,90 @@ std::tuple<at::Tensor, at::Tensor> dcnv4_backward(
     int64_t stride_w, int64_t pad_h, int64_t pad_w, int64_t dilation_h, int64_t dilation_w,
     int64_t group, int64_t group_channels, double offset_scale, int64_t im2col_step,
     bool remove_center, std::array<bool, 2> output_mask);
+
+// The schema of the checks op of dcnv3 (grad_output absent) or dcnv3_backward (present), reading no tensor
+// data; returns the output shape. For the fake kernels. Without a mask, those of dcnv4, the
+// offset tensor being offset_mask.
+inline constexpr const char* kDcnv3ChecksSchema =
+    "_check_dcnv3_arguments(Tensor? grad_output, Tensor input, Tensor offset, Tensor? mask, "
+    "int kernel_h, int kernel_w, int stride_h, int stride_w, int pad_h, int pad_w, "
+    "int dilation_h, int dilation_w, int group, int group_channels, float offset_scale, "
+    "int im2col_step, bool remove_center) -> int[]";
+
+// The op's description (infrastructure/op_handles.h says what each member gives).
+struct Dcnv3Op {
+  // DCNv3 (InternImage), arguments in the original DCNv3Function's order; channels-last shapes:
+  // input (N, H, W, group * group_channels); offset (N, H_out, W_out, group * P * 2), x before y
+  // for each point; mask (N, H_out, W_out, group * P), P = kernel_h * kernel_w - remove_center.
+  // im2col_step is accepted for the originals' signature and changes nothing.
+  static constexpr const char* kSchema =
+      "dcnv3(Tensor input, Tensor offset, Tensor mask, int kernel_h, int kernel_w, int stride_h, "
+      "int stride_w, int pad_h, int pad_w, int dilation_h, int dilation_w, int group, "
+      "int group_channels, float offset_scale, int im2col_step, bool remove_center) -> Tensor";
+  // Gradients of (input, offset, mask); output_mask selects which are computed.
+  static constexpr const char* kBackwardSchema =
+      "dcnv3_backward(Tensor grad_output, Tensor input, Tensor offset, Tensor mask, int kernel_h, "
+      "int kernel_w, int stride_h, int stride_w, int pad_h, int pad_w, int dilation_h, "
+      "int dilation_w, int group, int group_channels, float offset_scale, int im2col_step, "
+      "bool remove_center, bool[3] output_mask) -> (Tensor, Tensor, Tensor)";
+  static constexpr const char* kName = "dcnv3";
+  using Signature = at::Tensor(const at::Tensor& input, const at::Tensor& offset,
+                               const at::Tensor& mask, int64_t kernel_h, int64_t kernel_w,
+                               int64_t stride_h, int64_t stride_w, int64_t pad_h, int64_t pad_w,
+                               int64_t dilation_h, int64_t dilation_w, int64_t group,
+                               int64_t group_channels, double offset_scale, int64_t im2col_step,
+                               bool remove_center);
+  static constexpr std::array<const char*, 16> kArgumentNames = {
+      "input", "offset", "mask", "kernel_h", "kernel_w", "stride_h", "stride_w", "pad_h", "pad_w",
+      "dilation_h", "dilation_w", "group", "group_channels", "offset_scale", "im2col_step",
+      "remove_center"};
+  using BackwardSignature = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
+      const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& offset,
+      const at::Tensor& mask, int64_t kernel_h, int64_t kernel_w, int64_t stride_h,
+      int64_t stride_w, int64_t pad_h, int64_t pad_w, int64_t dilation_h, int64_t dilation_w,
+      int64_t group, int64_t group_channels, double offset_scale, int64_t im2col_step,
+      bool remove_center, std::array<bool, 3> output_mask);
+  static constexpr std::array<size_t, 3> kGradientArguments = {0, 1, 2};
+  static constexpr std::array<size_t, 16> kBackwardArguments = {0, 1, 2,  3,  4,  5,  6,  7,
+                                                                8, 9, 10, 11, 12, 13, 14, 15};
+};
+
+// The op's description (infrastructure/op_handles.h says what each member gives).
+struct Dcnv4Op {
+  // DCNv4 (FlashInternImage), in the original DCNv4Function's order: dcnv3 with offsets and mask
+  // packed in one tensor, offset_mask (N, H_out, W_out, C_pad), C_pad >= group * P * 3; group g
+  // owns channels [3 P g, 3 P (g + 1)): the (x, y) pairs of its P points, then their P mask
+  // values. Channels from group * P * 3 on are padding, never read.
+  static constexpr const char* kSchema =
+      "dcnv4(Tensor input, Tensor offset_mask, int kernel_h, int kernel_w, int stride_h, "
+      "int stride_w, int pad_h, int pad_w, int dilation_h, int dilation_w, int group, "
+      "int group_channels, float offset_scale, int im2col_step, bool remove_center) -> Tensor";
+  // Gradients of (input, offset_mask), zero in offset_mask's padding; output_mask selects which
+  // are computed.
+  static constexpr const char* kBackwardSchema =
+      "dcnv4_backward(Tensor grad_output, Tensor input, Tensor offset_mask, int kernel_h, "
+      "int kernel_w, int stride_h, int stride_w, int pad_h, int pad_w, int dilation_h, "
+      "int dilation_w, int group, int group_channels, float offset_scale, int im2col_step, "
+      "bool remove_center, bool[2] output_mask) -> (Tensor, Tensor)";
+  static constexpr const char* kName = "dcnv4";
+  using Signature = at::Tensor(const at::Tensor& input, const at::Tensor& offset_mask,
+                               int64_t kernel_h, int64_t kernel_w, int64_t stride_h,
+                               int64_t stride_w, int64_t pad_h, int64_t pad_w, int64_t dilation_h,
+                               int64_t dilation_w, int64_t group, int64_t group_channels,
+                               double offset_scale, int64_t im2col_step, bool remove_center);
+  static constexpr std::array<const char*, 15> kArgumentNames = {
+      "input", "offset_mask", "kernel_h", "kernel_w", "stride_h", "stride_w", "pad_h", "pad_w",
+      "dilation_h", "dilation_w", "group", "group_channels", "offset_scale", "im2col_step",
+      "remove_center"};
+  using BackwardSignature = std::tuple<at::Tensor, at::Tensor>(
+      const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& offset_mask,
+      int64_t kernel_h, int64_t kernel_w, int64_t stride_h, int64_t stride_w, int64_t pad_h,
+      int64_t pad_w, int64_t dilation_h, int64_t dilation_w, int64_t group,
+      int64_t group_channels, double offset_scale, int64_t im2col_step, bool remove_center,
+      std::array<bool, 2> output_mask);
+  static constexpr std::array<size_t, 2> kGradientArguments = {0, 1};
+  static constexpr std::array<size_t, 15> kBackwardArguments = {0, 1, 2,  3,  4,  5,  6, 7,
+                                                                8, 9, 10, 11, 12, 13, 14};
+};
 
 }  // namespace deformconv

@@ -8,6 +8,7 @@
 #include <c10/util/ArrayRef.h>
 
 #include <array>
+#include <cstddef>
 #include <optional>
 #include <tuple>
 
@@ -44,5 +45,47 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> deform_co
     const std::optional<at::Tensor>& mask, c10::IntArrayRef stride, c10::IntArrayRef padding,
     c10::IntArrayRef dilation, int64_t groups, int64_t offset_groups, int64_t im2col_step,
     std::array<bool, 5> output_mask);
+
+// The op's description (infrastructure/op_handles.h says what each member gives).
+struct DeformConv2dOp {
+  // DCN v1 without a mask, v2 with one. Shapes: input (N, C_in, H, W); offset
+  // (N, 2 * offset_groups * kH * kW, H_out, W_out), y before x for each tap; weight
+  // (C_out, C_in / groups, kH, kW); mask (N, offset_groups * kH * kW, H_out, W_out);
+  // bias (C_out). im2col_step: images per im2col block, 0 for automatic.
+  static constexpr const char* kSchema =
+      "deform_conv2d(Tensor input, Tensor offset, Tensor weight, Tensor? mask, Tensor? bias, "
+      "SymInt[2] stride, SymInt[2] padding, SymInt[2] dilation, int groups, int offset_groups, "
+      "int im2col_step) -> Tensor";
+  // Gradients of (input, offset, weight, mask, bias); output_mask selects which are computed,
+  // the others are returned undefined (None in Python).
+  static constexpr const char* kBackwardSchema =
+      "deform_conv2d_backward(Tensor grad_output, Tensor input, Tensor offset, Tensor weight, "
+      "Tensor? mask, SymInt[2] stride, SymInt[2] padding, SymInt[2] dilation, int groups, "
+      "int offset_groups, int im2col_step, bool[5] output_mask) "
+      "-> (Tensor, Tensor, Tensor, Tensor, Tensor)";
+  // The checks of deform_conv2d (grad_output absent) or of deform_conv2d_backward (present),
+  // reading no tensor data; returns the output shape. For the fake kernels.
+  static constexpr const char* kChecksSchema =
+      "_check_deform_conv2d_arguments(Tensor? grad_output, Tensor input, Tensor offset, "
+      "Tensor weight, Tensor? mask, Tensor? bias, SymInt[2] stride, SymInt[2] padding, "
+      "SymInt[2] dilation, int groups, int offset_groups, int im2col_step) -> int[]";
+  static constexpr const char* kName = "deform_conv2d";
+  using Signature = at::Tensor(const at::Tensor& input, const at::Tensor& offset,
+                               const at::Tensor& weight, const std::optional<at::Tensor>& mask,
+                               const std::optional<at::Tensor>& bias, c10::IntArrayRef stride,
+                               c10::IntArrayRef padding, c10::IntArrayRef dilation,
+                               int64_t groups, int64_t offset_groups, int64_t im2col_step);
+  static constexpr std::array<const char*, 11> kArgumentNames = {
+      "input", "offset", "weight", "mask", "bias", "stride", "padding", "dilation", "groups",
+      "offset_groups", "im2col_step"};
+  using BackwardSignature = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
+      const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& offset,
+      const at::Tensor& weight, const std::optional<at::Tensor>& mask, c10::IntArrayRef stride,
+      c10::IntArrayRef padding, c10::IntArrayRef dilation, int64_t groups, int64_t offset_groups,
+      int64_t im2col_step, std::array<bool, 5> output_mask);
+  static constexpr std::array<size_t, 5> kGradientArguments = {0, 1, 2, 3, 4};
+  // All but bias, whose gradient needs only grad_output.
+  static constexpr std::array<size_t, 10> kBackwardArguments = {0, 1, 2, 3, 5, 6, 7, 8, 9, 10};
+};
 
 }  // namespace deformconv

@@ -8,6 +8,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <array>
+#include <cstddef>
 #include <optional>
 #include <tuple>
 
@@ -57,5 +58,46 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ms_deform_attn_backward(
     const at::Tensor& value, const at::Tensor& spatial_shapes,
     const at::Tensor& level_start_index, const at::Tensor& sampling_locations,
     const at::Tensor& attention_weights, int64_t im2col_step, std::array<bool, 3> output_mask);
+
+// The op's description (infrastructure/op_handles.h says what each member gives).
+struct MsDeformAttnOp {
+  // Multi-scale deformable attention (Deformable DETR), in the original MSDeformAttnFunction's
+  // order: value (N, S, M, D), the levels' pixels stacked along S; spatial_shapes (L, 2) int64,
+  // each level's (H, W); level_start_index (L,) int64, where each level starts in S;
+  // sampling_locations (N, Lq, M, L, P, 2), normalised (x, y); attention_weights (N, Lq, M, L, P),
+  // used as given. Output (N, Lq, M * D). im2col_step is accepted for the originals' signature
+  // and changes nothing.
+  static constexpr const char* kSchema =
+      "ms_deform_attn(Tensor value, Tensor spatial_shapes, Tensor level_start_index, "
+      "Tensor sampling_locations, Tensor attention_weights, int im2col_step) -> Tensor";
+  // Gradients of (value, sampling_locations, attention_weights); output_mask selects which are
+  // computed.
+  static constexpr const char* kBackwardSchema =
+      "ms_deform_attn_backward(Tensor grad_output, Tensor value, Tensor spatial_shapes, "
+      "Tensor level_start_index, Tensor sampling_locations, Tensor attention_weights, "
+      "int im2col_step, bool[3] output_mask) -> (Tensor, Tensor, Tensor)";
+  // The checks of ms_deform_attn (grad_output absent) or its backward (present) that read no
+  // floating-point data: on meta tensors, the shapes only; on others, spatial_shapes and
+  // level_start_index too. Returns the output shape. For the fake kernels.
+  static constexpr const char* kChecksSchema =
+      "_check_ms_deform_attn_arguments(Tensor? grad_output, Tensor value, Tensor spatial_shapes, "
+      "Tensor level_start_index, Tensor sampling_locations, Tensor attention_weights, "
+      "int im2col_step) -> int[]";
+  static constexpr const char* kName = "ms_deform_attn";
+  using Signature = at::Tensor(const at::Tensor& value, const at::Tensor& spatial_shapes,
+                               const at::Tensor& level_start_index,
+                               const at::Tensor& sampling_locations,
+                               const at::Tensor& attention_weights, int64_t im2col_step);
+  static constexpr std::array<const char*, 6> kArgumentNames = {
+      "value", "spatial_shapes", "level_start_index", "sampling_locations", "attention_weights",
+      "im2col_step"};
+  using BackwardSignature = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
+      const at::Tensor& grad_output, const at::Tensor& value, const at::Tensor& spatial_shapes,
+      const at::Tensor& level_start_index, const at::Tensor& sampling_locations,
+      const at::Tensor& attention_weights, int64_t im2col_step, std::array<bool, 3> output_mask);
+  // spatial_shapes and level_start_index are integer tensors, without gradients.
+  static constexpr std::array<size_t, 3> kGradientArguments = {0, 3, 4};
+  static constexpr std::array<size_t, 6> kBackwardArguments = {0, 1, 2, 3, 4, 5};
+};
 
 }  // namespace deformconv

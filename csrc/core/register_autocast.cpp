@@ -7,6 +7,9 @@
 #include <torch/library.h>
 
 #include "../infrastructure/op_handles.h"
+#include "dcnv3.h"
+#include "deform_conv2d.h"
+#include "ms_deform_attn.h"
 
 namespace deformconv {
 namespace {

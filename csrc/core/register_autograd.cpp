@@ -6,6 +6,9 @@
 
 #include "../infrastructure/op_autograd.h"
 #include "../infrastructure/op_handles.h"
+#include "dcnv3.h"
+#include "deform_conv2d.h"
+#include "ms_deform_attn.h"
 
 namespace deformconv {
 namespace {

@@ -164,6 +164,17 @@ const CpuCopy& cpu_copy() {
   return copy;
 }
 
+// The copy in use (avx512, avx2 or default); those this build holds that this CPU runs, best
+// first; for the tests, the choice of another, returning the one it replaces; and why the copy
+// that DEFORMCONV_CPU_CAPABILITY names does not run (empty where it does, or where it is not
+// set), which the Python package warns of.
+STABLE_TORCH_LIBRARY_FRAGMENT(deformconv, m) {
+  m.def("_cpu_capability() -> str");
+  m.def("_cpu_capabilities() -> str[]");
+  m.def("_select_cpu_capability(str capability) -> str");
+  m.def("_cpu_capability_fallback() -> str");
+}
+
 STABLE_TORCH_LIBRARY_IMPL(deformconv, CompositeExplicitAutograd, m) {
   m.impl("_cpu_capability", TORCH_BOX(&cpu_capability));
   m.impl("_cpu_capabilities", TORCH_BOX(&cpu_capabilities));

@@ -1,7 +1,8 @@
 #pragma once
 
 // The CPU's launcher tables, a set per copy of the kernels (Note [CPU copies], cpu_copies.h),
-// which cpu/register_cpu.cpp hands to the device-neutral drivers, and the copy in use.
+// which each op's CPU table file registers with its device-neutral drivers, and the copy in
+// use.
 
 #include "../core/dcnv3.h"
 #include "../core/deform_conv2d_launchers.h"

@@ -3,10 +3,31 @@
 
 #if !defined(DEFORMCONV_CPU_COPY)  // the head (Note [CPU copies], cpu_copies.h)
 
+#include <torch/library.h>
+
 #include "../core/dcnv3.h"
+#include "../infrastructure/device_kernels.h"
+#include "cpu_launchers.h"
 
 #define DEFORMCONV_CPU_COPY_BODY "dcnv3_cpu.cpp"
 #include "cpu_copies.h"
+
+// The kernels at the CPU key: the drivers with the launchers of the copy in use.
+namespace deformconv {
+namespace {
+
+const Dcnv3Launchers& dcnv3_cpu_launchers_in_use() { return cpu_copy().dcnv3(); }
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(deformconv, CPU, m) {
+  register_device_kernels<Dcnv3Op, CpuDevice, dcnv3_forward, dcnv3_backward,
+                          dcnv3_cpu_launchers_in_use>(m);
+  register_device_kernels<Dcnv4Op, CpuDevice, dcnv4_forward, dcnv4_backward,
+                          dcnv3_cpu_launchers_in_use>(m);
+}
+
+}  // namespace deformconv
 
 #else  // the body, once per copy
 

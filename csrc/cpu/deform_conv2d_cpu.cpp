@@ -11,13 +11,35 @@
 
 #if !defined(DEFORMCONV_CPU_COPY)  // the head (Note [CPU copies], cpu_copies.h)
 
+#include <torch/library.h>
+
 #include "../common/bilinear_sampling.cuh"
+#include "../core/deform_conv2d.h"
 #include "../core/deform_conv2d_launchers.h"
+#include "../infrastructure/device_kernels.h"
 #include "../infrastructure/parallel_region.h"
+#include "cpu_launchers.h"
 #include "deform_conv2d_single_copy_cpu.h"
 
 #define DEFORMCONV_CPU_COPY_BODY "deform_conv2d_cpu.cpp"
 #include "cpu_copies.h"
+
+// The kernels at the CPU key: the drivers with the launchers of the copy in use.
+namespace deformconv {
+namespace {
+
+const DeformConv2dLaunchers& deform_conv2d_cpu_launchers_in_use() {
+  return cpu_copy().deform_conv2d();
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(deformconv, CPU, m) {
+  register_device_kernels<DeformConv2dOp, CpuDevice, deform_conv2d_forward, deform_conv2d_backward,
+                          deform_conv2d_cpu_launchers_in_use>(m);
+}
+
+}  // namespace deformconv
 
 #else  // the body, once per copy
 

@@ -6,6 +6,7 @@
 
 #if !defined(DEFORMCONV_CPU_COPY)  // the head (Note [CPU copies], cpu_copies.h)
 
+#include <torch/library.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -13,16 +14,35 @@
 
 #include "../common/bilinear_sampling.cuh"
 #include "../core/ms_deform_attn.h"
+#include "../infrastructure/device_kernels.h"
 #include "../infrastructure/dtype_dispatch.h"
 #include "../infrastructure/input_gradient_sums.h"
 #include "../infrastructure/optional_data.h"
 #include "../infrastructure/parallel_region.h"
+#include "cpu_launchers.h"
 #include "cpu_loops.h"
 #include "located_samples.h"
 #include "sample_gradients.h"
 
 #define DEFORMCONV_CPU_COPY_BODY "ms_deform_attn_cpu.cpp"
 #include "cpu_copies.h"
+
+// The kernels at the CPU key: the drivers with the launchers of the copy in use.
+namespace deformconv {
+namespace {
+
+const MsDeformAttnLaunchers& ms_deform_attn_cpu_launchers_in_use() {
+  return cpu_copy().ms_deform_attn();
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(deformconv, CPU, m) {
+  register_device_kernels<MsDeformAttnOp, CpuDevice, ms_deform_attn_forward,
+                          ms_deform_attn_backward, ms_deform_attn_cpu_launchers_in_use>(m);
+}
+
+}  // namespace deformconv
 
 #else  // the body, once per copy
 

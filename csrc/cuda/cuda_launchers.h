@@ -1,6 +1,6 @@
 #pragma once
 
-// The CUDA launcher tables, which cuda/register_cuda.cpp hands to the device-neutral drivers
+// The CUDA launcher tables, which each op's CUDA file registers with its device-neutral drivers
 // (Note [Device kernels]) and the test suite's emulation build runs on the CPU.
 
 #include "../core/dcnv3.h"

@@ -29,6 +29,7 @@
 // index of the launch is below 2^31, in int64 otherwise (Dcnv3Divisors, with_divisors).
 
 #include <ATen/core/Tensor.h>
+#include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
@@ -40,11 +41,14 @@
 #include <type_traits>
 
 #include "../common/dcnv3_kernel.cuh"
+#include "../core/dcnv3.h"
 #include "../infrastructure/branch_trace.h"
+#include "../infrastructure/device_kernels.h"
 #include "../infrastructure/dtype_dispatch.h"
 #include "../infrastructure/input_gradient_sums.h"
 #include "../infrastructure/optional_data.h"
 #include "channel_vectors.cuh"
+#include "cuda_device.h"
 #include "cuda_launchers.h"
 #include "launch.cuh"
 
@@ -565,5 +569,14 @@ const Dcnv3Launchers& dcnv3_cuda_launchers() {
   };
   return launchers;
 }
+
+// The kernels at the CUDA key: the drivers with these launchers. The test suite's emulation
+// build, which compiles this file as C++, registers them under its own namespace.
+#if !defined(DEFORMCONV_CUDA_EMULATION)
+TORCH_LIBRARY_IMPL(deformconv, CUDA, m) {
+  register_device_kernels<Dcnv3Op, CudaDevice, dcnv3_forward, dcnv3_backward, dcnv3_cuda_launchers>(m);
+  register_device_kernels<Dcnv4Op, CudaDevice, dcnv4_forward, dcnv4_backward, dcnv3_cuda_launchers>(m);
+}
+#endif
 
 }  // namespace deformconv

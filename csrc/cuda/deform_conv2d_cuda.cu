@@ -11,6 +11,7 @@
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <torch/library.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -18,9 +19,12 @@
 #include <type_traits>
 
 #include "../common/deform_conv2d_kernel.cuh"
+#include "../core/deform_conv2d.h"
 #include "../core/deform_conv2d_gemms.h"
 #include "../infrastructure/branch_trace.h"
+#include "../infrastructure/device_kernels.h"
 #include "channel_vectors.cuh"
+#include "cuda_device.h"
 #include "cuda_launchers.h"
 #include "launch.cuh"
 
@@ -363,5 +367,13 @@ const DeformConv2dLaunchers& deform_conv2d_cuda_launchers() {
   };
   return launchers;
 }
+
+// The kernels at the CUDA key: the drivers with these launchers. The test suite's emulation
+// build, which compiles this file as C++, registers them under its own namespace.
+#if !defined(DEFORMCONV_CUDA_EMULATION)
+TORCH_LIBRARY_IMPL(deformconv, CUDA, m) {
+  register_device_kernels<DeformConv2dOp, CudaDevice, deform_conv2d_forward, deform_conv2d_backward, deform_conv2d_cuda_launchers>(m);
+}
+#endif
 
 }  // namespace deformconv

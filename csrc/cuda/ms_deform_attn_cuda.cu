@@ -16,6 +16,7 @@
 // kernel.
 
 #include <ATen/core/Tensor.h>
+#include <torch/library.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -24,11 +25,14 @@
 
 #include "../common/bilinear_sampling.cuh"
 #include "../common/ms_deform_attn_kernel.cuh"
+#include "../core/ms_deform_attn.h"
 #include "../infrastructure/branch_trace.h"
+#include "../infrastructure/device_kernels.h"
 #include "../infrastructure/dtype_dispatch.h"
 #include "../infrastructure/input_gradient_sums.h"
 #include "../infrastructure/optional_data.h"
 #include "channel_vectors.cuh"
+#include "cuda_device.h"
 #include "cuda_launchers.h"
 #include "launch.cuh"
 
@@ -327,5 +331,13 @@ const MsDeformAttnLaunchers& ms_deform_attn_cuda_launchers() {
   };
   return launchers;
 }
+
+// The kernels at the CUDA key: the drivers with these launchers. The test suite's emulation
+// build, which compiles this file as C++, registers them under its own namespace.
+#if !defined(DEFORMCONV_CUDA_EMULATION)
+TORCH_LIBRARY_IMPL(deformconv, CUDA, m) {
+  register_device_kernels<MsDeformAttnOp, CudaDevice, ms_deform_attn_forward, ms_deform_attn_backward, ms_deform_attn_cuda_launchers>(m);
+}
+#endif
 
 }  // namespace deformconv

@@ -1,6 +1,6 @@
 // The CUDA kernels of the ops, run on the CPU: csrc/cuda/*.cu themselves, compiled
-// as C++ in this translation unit, registered as register_cuda.cpp registers them (Note [Device
-// kernels]), with the driver beside it (see tests/emulated_cuda.py for the build). They are
+// as C++ in this translation unit, registered as each of them registers its kernels (Note
+// [Device kernels]), with the driver beside it (see tests/emulated_cuda.py for the build). They are
 // declared again as torch.ops.deformconv_emulated.* at the CPU key, with the CUDA launchers,
 // whose window budget the tests may shrink; plus ops to set the emulator and read its
 // bookkeeping and its branch trace (Note [Branch trace]).
@@ -11,10 +11,12 @@
 #include "../../csrc/cuda/dcnv3_cuda.cu"
 #include "../../csrc/cuda/deform_conv2d_cuda.cu"
 #include "../../csrc/cuda/ms_deform_attn_cuda.cu"
-#include "../../csrc/core/device_registration.h"
+#include "../../csrc/core/dcnv3.h"
+#include "../../csrc/core/deform_conv2d.h"
+#include "../../csrc/core/ms_deform_attn.h"
 #include "../../csrc/cuda/cuda_device.h"
 #include "../../csrc/infrastructure/branch_trace.h"
-#include "../../csrc/schemas.h"
+#include "../../csrc/infrastructure/device_kernels.h"
 
 namespace deformconv {
 namespace {
@@ -155,19 +157,19 @@ std::vector<int64_t> probe_warp_barrier(int64_t threads, int64_t exiting_thread,
 }  // namespace
 
 TORCH_LIBRARY(deformconv_emulated, m) {
-  m.def(schemas::kDeformConv2d);
-  m.def(schemas::kDeformConv2dBackward);
-  m.def(schemas::kDcnv3);
-  m.def(schemas::kDcnv3Backward);
-  m.def(schemas::kDcnv4);
-  m.def(schemas::kDcnv4Backward);
-  m.def(schemas::kMsDeformAttn);
-  m.def(schemas::kMsDeformAttnBackward);
+  m.def(DeformConv2dOp::kSchema);
+  m.def(DeformConv2dOp::kBackwardSchema);
+  m.def(Dcnv3Op::kSchema);
+  m.def(Dcnv3Op::kBackwardSchema);
+  m.def(Dcnv4Op::kSchema);
+  m.def(Dcnv4Op::kBackwardSchema);
+  m.def(MsDeformAttnOp::kSchema);
+  m.def(MsDeformAttnOp::kBackwardSchema);
   m.def("configure(int block_order, int thread_order, int grid_cap, int seed, "
         "int current_stream, int columns_tile_bytes, bool wide_indices) -> ()");
   m.def("take_bookkeeping() -> int[]");
-  m.def(schemas::kStartBranchTrace);
-  m.def(schemas::kTakeBranchTrace);
+  m.def(kStartBranchTraceSchema);
+  m.def(kTakeBranchTraceSchema);
   m.def("probe_launch(int blocks, int threads_per_block) -> int");
   m.def("probe_shuffle_xor(int threads, int member_mask, int lane_mask, int width, "
         "int exiting_thread) -> int[]");
@@ -177,8 +179,14 @@ TORCH_LIBRARY(deformconv_emulated, m) {
 }
 
 TORCH_LIBRARY_IMPL(deformconv_emulated, CPU, m) {
-  register_ops_on_device<CudaDevice, emulated_launchers, dcnv3_cuda_launchers,
-                         ms_deform_attn_cuda_launchers>(m);
+  register_device_kernels<DeformConv2dOp, CudaDevice, deform_conv2d_forward,
+                          deform_conv2d_backward, emulated_launchers>(m);
+  register_device_kernels<Dcnv3Op, CudaDevice, dcnv3_forward, dcnv3_backward,
+                          dcnv3_cuda_launchers>(m);
+  register_device_kernels<Dcnv4Op, CudaDevice, dcnv4_forward, dcnv4_backward,
+                          dcnv3_cuda_launchers>(m);
+  register_device_kernels<MsDeformAttnOp, CudaDevice, ms_deform_attn_forward,
+                          ms_deform_attn_backward, ms_deform_attn_cuda_launchers>(m);
 }
 
 TORCH_LIBRARY_IMPL(deformconv_emulated, CompositeExplicitAutograd, m) {

@@ -1,0 +1,42 @@
+// ms_deform_attn's schemas and its checks op. Each device registers the kernels in its
+// launchers' file (Note [Device kernels], infrastructure/device_kernels.h); the Python package
+// the Autograd, Autocast and fake kernels (deformconv/ops/).
+
+#include <torch/library.h>
+
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+#include "ms_deform_attn.h"
+
+namespace deformconv {
+namespace {
+
+// The argument checks of ms_deform_attn as an op of their own, for the fake kernels
+// (deform_conv2d_registration.cpp says why): on meta tensors, the shapes only
+// (check_ms_deform_attn_arguments). Returns the output shape.
+std::vector<int64_t> check_ms_deform_attn_arguments_op(
+    const std::optional<at::Tensor>& grad_output, const at::Tensor& value,
+    const at::Tensor& spatial_shapes, const at::Tensor& level_start_index,
+    const at::Tensor& sampling_locations, const at::Tensor& attention_weights,
+    int64_t im2col_step) {
+  const MsDeformAttnGeometry g =
+      check_ms_deform_attn_arguments(grad_output, value, spatial_shapes, level_start_index,
+                                     sampling_locations, attention_weights, im2col_step);
+  return {g.batch, g.queries, g.heads * g.channels};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(deformconv, m) {
+  m.def(MsDeformAttnOp::kSchema);
+  m.def(MsDeformAttnOp::kBackwardSchema);
+  m.def(MsDeformAttnOp::kChecksSchema);
+}
+
+TORCH_LIBRARY_IMPL(deformconv, CompositeExplicitAutograd, m) {
+  m.impl("_check_ms_deform_attn_arguments", TORCH_FN(check_ms_deform_attn_arguments_op));
+}
+
+}  // namespace deformconv
