@@ -1,6 +1,7 @@
 """The ops' autograd, registered from Python (deformconv/ops/_autograd.py): for every op and
 every subset of its differentiable operands, the backward op is called once, with the
-output_mask of exactly the gradients that autograd asks for, and those gradients arrive."""
+output_mask of exactly the gradients that autograd asks for, and those gradients arrive; and
+the backward alerts PyTorch's deterministic mode where it adds its first gradient atomically."""
 
 import itertools
 
@@ -8,6 +9,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import deformconv.ops._autograd
 import dcnv3_reference
 import deform_conv2d_cases
 import ms_deform_attn_reference
@@ -105,3 +107,32 @@ def test_no_graph_is_recorded_where_nothing_needs_a_gradient():
         assert call(operands).grad_fn is None
     operands["input"].requires_grad_(False)
     assert call(operands).grad_fn is None
+
+
+@pytest.mark.parametrize("op", list(CASES))
+def test_the_atomic_backward_alerts_deterministic_mode_when_its_first_gradient_is_asked(
+        op, monkeypatch):
+    # The CUDA backward adds its first gradient with atomics; the CPU stands in for it here, the
+    # set of such devices patched, so that the alert runs without a GPU (the CUDA tests run it
+    # on the real device).
+    monkeypatch.setattr(deformconv.ops._autograd, "_ATOMIC_FIRST_GRADIENT_DEVICES",
+                        frozenset({"cpu"}))
+    first, second = GRADIENTS[op][:2]
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        operands, call = CASES[op]()
+        operands[first].requires_grad_()
+        output = call(operands)
+        with pytest.raises(RuntimeError,
+                           match=rf"{op}_backward_cpu \({first} gradient\) does not have a "
+                                 "deterministic implementation"):
+            output.backward(torch.ones_like(output))
+        # Without the first gradient, nothing is added atomically: no alert.
+        operands, call = CASES[op]()
+        operands[second].requires_grad_()
+        output = call(operands)
+        output.backward(torch.ones_like(output))
+        assert operands[second].grad is not None
+    finally:
+        torch.use_deterministic_algorithms(previous)

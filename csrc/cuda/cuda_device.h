@@ -1,8 +1,7 @@
 #pragma once
 
 // The CUDA device of Note [Device kernels] (infrastructure/device_kernels.h): the ops' kernels
-// hold the CUDA guard of their tensors' device, and the backward ops add their first gradient
-// with atomic adds. The test suite's emulation build (tests/cuda_emulation) registers with it
+// hold the CUDA guard of their tensors' device. The test suite's emulation build (tests/cuda_emulation) registers with it
 // too, over its own CUDAGuard, which counts the launches made outside one.
 
 #include <c10/cuda/CUDAGuard.h>
@@ -11,7 +10,6 @@ namespace deformconv {
 
 struct CudaDevice {
   using Guard = c10::cuda::CUDAGuard;
-  static constexpr bool kAtomicFirstGradient = true;
 };
 
 }  // namespace deformconv

@@ -9,12 +9,10 @@
 // Each kernel first checks that every tensor is on the device of the op's first tensor (the
 // backward op's: of its first argument after grad_output), naming the one that is not, before
 // any memory is touched; then holds Device::Guard for that device while the driver runs (the
-// CUDA guard: without it, work on a second GPU runs on the first). Where
-// Device::kAtomicFirstGradient, the backward adds its first gradient (the input's or the
-// value's) with atomic adds, whose order varies from run to run, and says so to PyTorch's
-// deterministic mode.
+// CUDA guard: without it, work on a second GPU runs on the first). The deterministic-mode alert
+// of the backward on a device that adds with atomics is raised by the autograd kernels that
+// call it (deformconv/ops/_autograd.py; in the LibTorch build, op_autograd.h).
 
-#include <ATen/Context.h>
 #include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
 #include <torch/library.h>
@@ -30,12 +28,11 @@
 
 namespace deformconv {
 
-// The CPU's: no guard, no atomics.
+// The CPU's: no guard.
 struct CpuDevice {
   struct Guard {
     explicit Guard(c10::Device /*device*/) {}
   };
-  static constexpr bool kAtomicFirstGradient = false;
 };
 
 namespace device_kernels_detail {
@@ -91,15 +88,6 @@ struct DeviceKernel<Op, kBackward, Device, driver, launchers, Result(Arguments..
                                 Op::kName, kSuffix, "(): expected ", kNames[index],
                                 " to be on the device of ", kNames[kReference], " (", reference,
                                 "), but got ", *devices[index]);
-    }
-    if constexpr (kBackward && Device::kAtomicFirstGradient) {
-      const auto& output_mask = std::get<sizeof...(Arguments) - 1>(std::tie(arguments...));
-      // The message is built only where deterministic mode is on, the one case that reads it.
-      if (output_mask[0] && at::globalContext().deterministicAlgorithms()) {
-        at::globalContext().alertNotDeterministic(c10::str(
-            Op::kName, kSuffix, "_", c10::DeviceTypeName(reference.type(), /*lower_case=*/true),
-            " (", Op::kArgumentNames[Op::kGradientArguments[0]], " gradient)"));
-      }
     }
     const typename Device::Guard device_guard(reference);
     return driver(launchers(), arguments...);

@@ -9,6 +9,7 @@
 // backward op's kernel records it in the graph only to refuse a second derivative
 // (refuse_double_backward), and runs it directly when no graph is being recorded.
 
+#include <ATen/Context.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/autograd.h>
@@ -104,6 +105,15 @@ class ForwardFunction<Op, at::Tensor(Arguments...)>
     for (size_t slot = 0; slot < kGradients; ++slot) {
       const auto& input = graph_input[Op::kGradientArguments[slot]];
       output_mask.push_back(input.has_value() && ctx->needs_input_grad(*input));
+    }
+    // On CUDA the backward adds its first gradient (the input's or the value's) with atomic
+    // adds, whose order varies from run to run: it says so to PyTorch's deterministic mode, as
+    // the Python package's autograd does (deformconv/ops/_autograd.py).
+    if (output_mask[0] && grad_outputs[0].is_cuda() &&
+        at::globalContext().deterministicAlgorithms()) {
+      at::globalContext().alertNotDeterministic(
+          c10::str(Op::kName, "_backward_cuda (", Op::kArgumentNames[Op::kGradientArguments[0]],
+                   " gradient)"));
     }
     torch::jit::Stack stack;
     stack.reserve(2 + Op::kBackwardArguments.size());

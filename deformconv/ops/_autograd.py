@@ -16,8 +16,14 @@ the whole. The kernel below does what that one does, for schemas without default
 from typing import Sequence
 
 import torch
+import torch._prims_common
 
 _LIBRARY = torch.library.Library("deformconv", "IMPL")
+
+# The devices whose backward kernels add the first gradient (the input's, or the value's) with
+# atomic adds, whose order varies from run to run: there the backward says so to PyTorch's
+# deterministic mode, as PyTorch's own nondeterministic kernels do.
+_ATOMIC_FIRST_GRADIENT_DEVICES = frozenset({"cuda"})
 
 
 def _below_autograd(op: torch._ops.OpOverload, keyset, arguments):
@@ -44,6 +50,7 @@ def register_gradients_and_autocast(op: str, gradient_arguments: Sequence[int],
     tensor_places = [place for place in backward_arguments
                      if str(schema.arguments[place].type) in ("Tensor", "Optional[Tensor]")]
     other_places = [place for place in backward_arguments if place not in tensor_places]
+    first_gradient = schema.arguments[gradient_arguments[0]].name
 
     def forward(ctx, keyset, *inputs):
         output = _below_autograd(forward_op, keyset, inputs)
@@ -57,6 +64,10 @@ def register_gradients_and_autocast(op: str, gradient_arguments: Sequence[int],
         # The keyset comes first among the Function's inputs. needs_input_grad is False for an
         # absent tensor and for integer tensors.
         output_mask = [ctx.needs_input_grad[1 + place] for place in gradient_arguments]
+        device = grad_output.device.type
+        if output_mask[0] and device in _ATOMIC_FIRST_GRADIENT_DEVICES:
+            torch._prims_common.alert_not_deterministic(
+                f"{op}_backward_{device} ({first_gradient} gradient)")
         call = (grad_output, *(saved[place] for place in backward_arguments), output_mask)
         if torch.is_grad_enabled():
             # create_graph=True: through the backward op's autograd, which records the
