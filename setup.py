@@ -245,9 +245,11 @@ def extension(cpp_extension, with_cuda: bool):
         cxx_flags = ["-O1"] + compile_flags() + sanitize
         link_flags += sanitize
     if with_cuda:
+        # USE_CUDA, as in PyTorch's own build: the C shim declares its CUDA functions (the
+        # current stream, csrc/cuda/launch.cuh) only where it is defined.
         return cpp_extension.CUDAExtension(
             "deformconv._C", listed_sources("library", "python", "cuda"),
-            extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3"]},
+            extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3", "-DUSE_CUDA"]},
             extra_link_args=link_flags,
         )
     return cpp_extension.CppExtension(

@@ -32,8 +32,6 @@ def load():
         # The emulator's ops, and csrc/sources.txt's sources of the emulation build.
         sources=[str(EMULATION / "emulated_ops.cpp")]
         + [str(ROOT / path) for path in load_setup_py().listed_sources("emulation")],
-        # Ahead of torch's own headers: the shims of c10/cuda.
-        extra_include_paths=[str(EMULATION / "include")],
         extra_cflags=["-O1" if sanitize else "-O2", "-DDEFORMCONV_CUDA_EMULATION",
                       "-include", str(EMULATION / "cuda_emulation.h")] + extra,
         # A copy: cpp_extension appends to the list it is given, and the changed flags of a

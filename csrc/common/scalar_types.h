@@ -27,6 +27,14 @@ struct OpMath<c10::BFloat16> {
 template <typename scalar_t>
 using opmath_type = typename OpMath<scalar_t>::type;
 
+// Whether the ops take `dtype`: the four dtypes above (no float8: the kernels compute in the
+// dtype they read).
+inline bool is_op_dtype(torch::headeronly::ScalarType dtype) {
+  using torch::headeronly::ScalarType;
+  return dtype == ScalarType::Half || dtype == ScalarType::BFloat16 || dtype == ScalarType::Float ||
+         dtype == ScalarType::Double;
+}
+
 // The dtype of opmath_type for these four dtypes.
 inline torch::headeronly::ScalarType opmath_dtype(torch::headeronly::ScalarType dtype) {
   using torch::headeronly::ScalarType;

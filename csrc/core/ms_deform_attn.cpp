@@ -1,7 +1,7 @@
 #include "ms_deform_attn.h"
 
-#include <ATen/ops/empty.h>
-#include <c10/core/ScalarType.h>
+#include <torch/csrc/stable/ops.h>
+#include <torch/headeronly/core/ScalarType.h>
 
 #include <array>
 #include <cstddef>
@@ -9,7 +9,9 @@
 #include <vector>
 
 #include "../common/bilinear_sampling.cuh"
+#include "../common/scalar_types.h"
 #include "../infrastructure/argument_checks.h"
+#include "../infrastructure/tensor_text.h"
 
 namespace deformconv {
 
@@ -17,25 +19,35 @@ namespace {
 
 constexpr const char* kOp = "ms_deform_attn()";
 
-void check_dtype(const char* name, const at::Tensor& tensor, at::ScalarType expected,
-                 const char* what) {
+using torch::headeronly::ScalarType;
+
+void check_dtype(const char* name, const Tensor& tensor, ScalarType expected, const char* what) {
   DEFORMCONV_CHECK_ARGUMENT(tensor.scalar_type() == expected, kOp, ": expected ", name, " to have ",
                             what, " (", expected, "), but got ", tensor.scalar_type());
 }
 
-void check_shape(const char* name, const at::Tensor& tensor, c10::IntArrayRef shape,
-                 const char* layout) {
-  DEFORMCONV_CHECK_ARGUMENT(tensor.sizes() == shape, kOp, ": expected ", name, " of shape ", shape,
-                            " ", layout, ", but got ", tensor.sizes());
+void check_shape(const char* name, const Tensor& tensor,
+                 torch::headeronly::IntHeaderOnlyArrayRef shape, const char* layout) {
+  DEFORMCONV_CHECK_ARGUMENT(tensor.sizes() == shape, kOp, ": expected ", name, " of shape ",
+                            shape_text(shape), " ", layout, ", but got ",
+                            shape_text(tensor.sizes()));
+}
+
+// Tensors as the launchers read them (contiguous), without a call when they are already.
+Tensor as_contiguous(const Tensor& tensor) {
+  return tensor.is_contiguous() ? tensor : torch::stable::contiguous(tensor);
 }
 
 // The levels' sizes and starts against each other and against value's S rows: each level at
 // least one pixel, starting where the one before it ends, the last ending at S. Reads the two
 // small index tensors (from the GPU too: a synchronisation).
-void check_levels(const at::Tensor& spatial_shapes, const at::Tensor& level_start_index,
-                  int64_t spatial) {
-  const at::Tensor shapes = spatial_shapes.to(at::kCPU).contiguous();
-  const at::Tensor starts = level_start_index.to(at::kCPU).contiguous();
+void check_levels(const Tensor& spatial_shapes, const Tensor& level_start_index, int64_t spatial) {
+  const torch::stable::Device cpu(torch::headeronly::DeviceType::CPU);
+  const auto on_the_cpu = [&](const Tensor& tensor) {
+    return as_contiguous(tensor.is_cpu() ? tensor : torch::stable::to(tensor, cpu));
+  };
+  const Tensor shapes = on_the_cpu(spatial_shapes);
+  const Tensor starts = on_the_cpu(level_start_index);
   const int64_t* shape = shapes.const_data_ptr<int64_t>();
   const int64_t* start = starts.const_data_ptr<int64_t>();
   int64_t end = 0;
@@ -66,9 +78,10 @@ void check_levels(const at::Tensor& spatial_shapes, const at::Tensor& level_star
 // the host that waits for the device: a synchronisation per call, which stalls the queue of
 // kernels and which a CUDA graph capture refuses. The same two tensors, unmodified since (their
 // version counters), against the same S, need no second look: a model passes one pair to all
-// its layers, forward and backward. Held weakly, so that a tensor freed and another allocated at
-// its address cannot match. Per thread (autograd runs the backward on its own), a few entries
-// replaced in turn. Inference tensors keep no version counter and are read every time.
+// its layers, forward and backward. "The same" is the same memory, viewed alike: each entry
+// holds its tensors, so that no other tensor can be allocated where they lie while it is
+// remembered. Per thread (autograd runs the backward on its own), a few entries replaced in
+// turn. Inference tensors keep no version counter and are read every time.
 #ifdef DEFORMCONV_CUDA_EMULATION
 // The emulated CUDA ops (tests/cuda_emulation) run the CUDA launchers on CPU tensors.
 constexpr bool kCpuTensorsStandForDeviceTensors = true;
@@ -76,51 +89,69 @@ constexpr bool kCpuTensorsStandForDeviceTensors = true;
 constexpr bool kCpuTensorsStandForDeviceTensors = false;
 #endif
 
+// A tensor's version counter, or nothing for an inference tensor, which has none: through the
+// ops aten::is_inference and aten::_version, the stable ABI having no accessor of either.
+std::optional<int64_t> version_of(const Tensor& tensor) {
+  const auto call = [&](const char* op) {
+    std::array<StableIValue, 1> stack{torch::stable::detail::from(tensor)};
+    STABLE_TORCH_ERROR_CODE_CHECK(torch_call_dispatcher(op, "", stack.data(), TORCH_ABI_VERSION));
+    return stack[0];
+  };
+  if (torch::stable::detail::to<bool>(call("aten::is_inference"))) {
+    return std::nullopt;
+  }
+  return torch::stable::detail::to<int64_t>(call("aten::_version"));
+}
+
 class CheckedLevels {
  public:
-  bool contains(const at::Tensor& shapes, const at::Tensor& starts, int64_t spatial) const {
+  bool contains(const Tensor& shapes, const Tensor& starts, int64_t spatial) const {
     for (const Entry& entry : entries_) {
-      if (entry.spatial == spatial && same(entry.shapes, entry.shapes_version, shapes) &&
-          same(entry.starts, entry.starts_version, starts)) {
+      if (entry.spatial == spatial && same_memory(entry.shapes, shapes) &&
+          same_memory(entry.starts, starts) && version_of(shapes) == entry.shapes_version &&
+          version_of(starts) == entry.starts_version) {
         return true;
       }
     }
     return false;
   }
 
-  void add(const at::Tensor& shapes, const at::Tensor& starts, int64_t spatial) {
-    entries_[next_] = {Weak(shapes.getIntrusivePtr()), Weak(starts.getIntrusivePtr()),
-                       shapes._version(), starts._version(), spatial};
+  void add(const Tensor& shapes, const Tensor& starts, int64_t spatial) {
+    const std::optional<int64_t> shapes_version = version_of(shapes);
+    const std::optional<int64_t> starts_version = version_of(starts);
+    if (!shapes_version.has_value() || !starts_version.has_value()) {
+      return;  // an inference tensor
+    }
+    entries_[next_] = {shapes, starts, *shapes_version, *starts_version, spatial};
     next_ = (next_ + 1) % entries_.size();
   }
 
-  static bool rememberable(const at::Tensor& shapes, const at::Tensor& starts) {
-    return (!shapes.is_cpu() || kCpuTensorsStandForDeviceTensors) && !shapes.is_inference() &&
-           !starts.is_inference();
+  static bool rememberable(const Tensor& shapes) {
+    return !shapes.is_cpu() || kCpuTensorsStandForDeviceTensors;
   }
 
  private:
-  using Weak = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>;
   struct Entry {
-    Weak shapes{c10::intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>()};
-    Weak starts{c10::intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>()};
+    std::optional<Tensor> shapes;
+    std::optional<Tensor> starts;
     int64_t shapes_version = 0;
     int64_t starts_version = 0;
     int64_t spatial = -1;
   };
 
-  static bool same(const Weak& held, int64_t version, const at::Tensor& tensor) {
-    const auto alive = held.lock();
-    return alive.get() == tensor.unsafeGetTensorImpl() && tensor._version() == version;
+  static bool same_memory(const std::optional<Tensor>& held, const Tensor& tensor) {
+    return held.has_value() && held->const_data_ptr() == tensor.const_data_ptr() &&
+           held->device() == tensor.device() && held->sizes() == tensor.sizes() &&
+           held->strides() == tensor.strides();
   }
 
   std::array<Entry, 4> entries_;
   std::size_t next_ = 0;
 };
 
-void check_levels_once(const at::Tensor& spatial_shapes, const at::Tensor& level_start_index,
+void check_levels_once(const Tensor& spatial_shapes, const Tensor& level_start_index,
                        int64_t spatial) {
-  if (!CheckedLevels::rememberable(spatial_shapes, level_start_index)) {
+  if (!CheckedLevels::rememberable(spatial_shapes)) {
     check_levels(spatial_shapes, level_start_index, spatial);
     return;
   }
@@ -134,25 +165,24 @@ void check_levels_once(const at::Tensor& spatial_shapes, const at::Tensor& level
 }  // namespace
 
 MsDeformAttnGeometry check_ms_deform_attn_arguments(
-    const std::optional<at::Tensor>& grad_output, const at::Tensor& value,
-    const at::Tensor& spatial_shapes, const at::Tensor& level_start_index,
-    const at::Tensor& sampling_locations, const at::Tensor& attention_weights,
-    int64_t im2col_step) {
-  DEFORMCONV_CHECK_ARGUMENT(at::isFloatingType(value.scalar_type()), kOp,
+    const std::optional<Tensor>& grad_output, const Tensor& value, const Tensor& spatial_shapes,
+    const Tensor& level_start_index, const Tensor& sampling_locations,
+    const Tensor& attention_weights, int64_t im2col_step) {
+  DEFORMCONV_CHECK_ARGUMENT(is_op_dtype(value.scalar_type()), kOp,
                             ": expected value to have a floating point dtype (float16, bfloat16, "
                             "float32 or float64), but got ",
                             value.scalar_type());
   DEFORMCONV_CHECK_ARGUMENT(value.dim() == 4, kOp,
                             ": expected value to be a 4-D tensor (batch, "
                             "spatial, heads, channels), but got a ",
-                            value.dim(), "-D tensor of shape ", value.sizes());
-  check_dtype("spatial_shapes", spatial_shapes, at::kLong, "an integer dtype");
-  check_dtype("level_start_index", level_start_index, at::kLong, "an integer dtype");
+                            value.dim(), "-D tensor of shape ", shape_text(value.sizes()));
+  check_dtype("spatial_shapes", spatial_shapes, ScalarType::Long, "an integer dtype");
+  check_dtype("level_start_index", level_start_index, ScalarType::Long, "an integer dtype");
   DEFORMCONV_CHECK_ARGUMENT(
       spatial_shapes.dim() == 2 && spatial_shapes.size(1) == 2 && spatial_shapes.size(0) >= 1, kOp,
       ": expected spatial_shapes to be of shape (levels, 2), at least one "
       "level, but got shape ",
-      spatial_shapes.sizes());
+      shape_text(spatial_shapes.sizes()));
   const int64_t levels = spatial_shapes.size(0);
   check_shape("level_start_index", level_start_index, {levels}, "(levels,)");
   const int64_t N = value.size(0), S = value.size(1), M = value.size(2), D = value.size(3);
@@ -162,7 +192,7 @@ MsDeformAttnGeometry check_ms_deform_attn_arguments(
                             ": expected sampling_locations to be "
                             "a 6-D tensor (batch, queries, heads, levels, points, 2), but got a ",
                             sampling_locations.dim(), "-D tensor of shape ",
-                            sampling_locations.sizes());
+                            shape_text(sampling_locations.sizes()));
   const int64_t Lq = sampling_locations.size(1), P = sampling_locations.size(4);
   check_shape("sampling_locations", sampling_locations, {N, Lq, M, levels, P, 2},
               "(batch, queries, heads, levels, points, 2)");
@@ -174,65 +204,70 @@ MsDeformAttnGeometry check_ms_deform_attn_arguments(
     check_dtype("grad_output", *grad_output, value.scalar_type(), "the dtype of value");
     check_shape("grad_output", *grad_output, {N, Lq, M * D}, "(batch, queries, heads * channels)");
   }
-  if (!spatial_shapes.is_meta() && !level_start_index.is_meta()) {
+  const auto is_meta = [](const Tensor& tensor) {
+    return tensor.device().type() == torch::headeronly::DeviceType::Meta;
+  };
+  if (!is_meta(spatial_shapes) && !is_meta(level_start_index)) {
     check_levels_once(spatial_shapes, level_start_index, S);
   }
   return {N, S, M, D, Lq, levels, P};
 }
 
-at::Tensor ms_deform_attn_forward(const MsDeformAttnLaunchers& launchers,
-                                  const at::Tensor& value, const at::Tensor& spatial_shapes,
-                                  const at::Tensor& level_start_index,
-                                  const at::Tensor& sampling_locations,
-                                  const at::Tensor& attention_weights, int64_t im2col_step) {
+Tensor ms_deform_attn_forward(const MsDeformAttnLaunchers& launchers, const Tensor& value,
+                              const Tensor& spatial_shapes, const Tensor& level_start_index,
+                              const Tensor& sampling_locations, const Tensor& attention_weights,
+                              int64_t im2col_step) {
   const MsDeformAttnGeometry g =
       check_ms_deform_attn_arguments(std::nullopt, value, spatial_shapes, level_start_index,
                                      sampling_locations, attention_weights, im2col_step);
-  at::Tensor output = at::empty({g.batch, g.queries, g.heads * g.channels}, value.options());
+  Tensor output = torch::stable::new_empty(value, {g.batch, g.queries, g.heads * g.channels});
   if (output.numel() == 0) {
     return output;
   }
   if (g.points == 0) {
     // No samples: every query's sum is empty.
-    return output.zero_();
+    return torch::stable::zero_(output);
   }
-  launchers.forward(g, value.contiguous(), spatial_shapes.contiguous(),
-                    level_start_index.contiguous(), sampling_locations.contiguous(),
-                    attention_weights.contiguous(), output);
+  launchers.forward(g, as_contiguous(value), as_contiguous(spatial_shapes),
+                    as_contiguous(level_start_index), as_contiguous(sampling_locations),
+                    as_contiguous(attention_weights), output);
   return output;
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> ms_deform_attn_backward(
-    const MsDeformAttnLaunchers& launchers, const at::Tensor& grad_output,
-    const at::Tensor& value, const at::Tensor& spatial_shapes,
-    const at::Tensor& level_start_index, const at::Tensor& sampling_locations,
-    const at::Tensor& attention_weights, int64_t im2col_step, std::array<bool, 3> output_mask) {
+std::tuple<Tensor, Tensor, Tensor> ms_deform_attn_backward(
+    const MsDeformAttnLaunchers& launchers, const Tensor& grad_output, const Tensor& value,
+    const Tensor& spatial_shapes, const Tensor& level_start_index, const Tensor& sampling_locations,
+    const Tensor& attention_weights, int64_t im2col_step, const std::vector<bool>& output_mask) {
+  DEFORMCONV_CHECK_ARGUMENT(output_mask.size() == 3, "ms_deform_attn_backward(): expected ",
+                            "output_mask to have 3 entries, but got ", output_mask.size());
   const MsDeformAttnGeometry g = check_ms_deform_attn_arguments(
       grad_output, value, spatial_shapes, level_start_index, sampling_locations,
       attention_weights, im2col_step);
-  const auto [want_value, want_locations, want_weights] = output_mask;
-  // Contiguous whatever the operands' strides: the launchers index them so.
-  const auto gradient_like = [](bool wanted, const at::Tensor& operand) {
-    return wanted ? at::empty(operand.sizes(), operand.options()) : at::Tensor();
+  const bool want_value = output_mask[0], want_locations = output_mask[1],
+             want_weights = output_mask[2];
+  // Contiguous whatever the operands' strides (new_empty's): the launchers index them so.
+  const auto gradient_like = [](bool wanted, const Tensor& operand) {
+    return wanted ? torch::stable::new_empty(operand, operand.sizes()) : Tensor();
   };
-  at::Tensor grad_value = gradient_like(want_value, value);
-  at::Tensor grad_locations = gradient_like(want_locations, sampling_locations);
-  at::Tensor grad_weights = gradient_like(want_weights, attention_weights);
+  Tensor grad_value = gradient_like(want_value, value);
+  Tensor grad_locations = gradient_like(want_locations, sampling_locations);
+  Tensor grad_weights = gradient_like(want_weights, attention_weights);
   if (!(want_value || want_locations || want_weights)) {
     return {grad_value, grad_locations, grad_weights};
   }
   if (grad_output.numel() == 0 || g.points == 0) {
     // No sample, or none that carries a gradient (no channels): every gradient is 0.
-    for (at::Tensor* grad : {&grad_value, &grad_locations, &grad_weights}) {
+    for (Tensor* grad : {&grad_value, &grad_locations, &grad_weights}) {
       if (grad->defined()) {
-        grad->zero_();
+        torch::stable::zero_(*grad);
       }
     }
     return {grad_value, grad_locations, grad_weights};
   }
-  launchers.gradients(g, grad_output.contiguous(), value.contiguous(), spatial_shapes.contiguous(),
-                     level_start_index.contiguous(), sampling_locations.contiguous(),
-                     attention_weights.contiguous(), grad_value, grad_locations, grad_weights);
+  launchers.gradients(g, as_contiguous(grad_output), as_contiguous(value),
+                      as_contiguous(spatial_shapes), as_contiguous(level_start_index),
+                      as_contiguous(sampling_locations), as_contiguous(attention_weights),
+                      grad_value, grad_locations, grad_weights);
   return {grad_value, grad_locations, grad_weights};
 }
 

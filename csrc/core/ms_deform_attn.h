@@ -5,33 +5,37 @@
 // has no columns: memory beyond the outputs is the float32 value-gradient sums of half
 // precision only, and im2col_step (kept for the originals' signature) changes nothing.
 
-#include <ATen/core/Tensor.h>
+#include <torch/csrc/stable/tensor.h>
 
 #include <array>
 #include <cstddef>
+#include <cstdint>
 #include <optional>
 #include <tuple>
+#include <vector>
 
 #include "../common/ms_deform_attn_kernel.cuh"
 
 namespace deformconv {
 
+using torch::stable::Tensor;
+
 // Every tensor is contiguous and on the launchers' device; spatial_shapes and
 // level_start_index are int64 and checked consistent with value (each level inside its rows).
 // The output and the gradients are never empty here: the driver answers those cases itself.
 struct MsDeformAttnLaunchers {
-  void (*forward)(const MsDeformAttnGeometry& geometry, const at::Tensor& value,
-                  const at::Tensor& spatial_shapes, const at::Tensor& level_start_index,
-                  const at::Tensor& sampling_locations, const at::Tensor& attention_weights,
-                  at::Tensor& output);
+  void (*forward)(const MsDeformAttnGeometry& geometry, const Tensor& value,
+                  const Tensor& spatial_shapes, const Tensor& level_start_index,
+                  const Tensor& sampling_locations, const Tensor& attention_weights,
+                  Tensor& output);
   // Any of the gradients may be undefined (not asked for), not all. grad_value comes
   // uninitialised: the launcher writes all of it, zero where no sample reaches; the other two
   // are written in full, a value per sample.
-  void (*gradients)(const MsDeformAttnGeometry& geometry, const at::Tensor& grad_output,
-                    const at::Tensor& value, const at::Tensor& spatial_shapes,
-                    const at::Tensor& level_start_index, const at::Tensor& sampling_locations,
-                    const at::Tensor& attention_weights, at::Tensor& grad_value,
-                    at::Tensor& grad_sampling_locations, at::Tensor& grad_attention_weights);
+  void (*gradients)(const MsDeformAttnGeometry& geometry, const Tensor& grad_output,
+                    const Tensor& value, const Tensor& spatial_shapes,
+                    const Tensor& level_start_index, const Tensor& sampling_locations,
+                    const Tensor& attention_weights, Tensor& grad_value,
+                    Tensor& grad_sampling_locations, Tensor& grad_attention_weights);
 };
 
 // Checks the operands of ms_deform_attn (and grad_output, when given, of its backward); raises
@@ -40,24 +44,21 @@ struct MsDeformAttnLaunchers {
 // shapes exist; off the CPU, where reading them waits for the device, once for a pair of index
 // tensors as long as neither is modified. Returns the geometry.
 MsDeformAttnGeometry check_ms_deform_attn_arguments(
-    const std::optional<at::Tensor>& grad_output, const at::Tensor& value,
-    const at::Tensor& spatial_shapes, const at::Tensor& level_start_index,
-    const at::Tensor& sampling_locations, const at::Tensor& attention_weights,
-    int64_t im2col_step);
+    const std::optional<Tensor>& grad_output, const Tensor& value, const Tensor& spatial_shapes,
+    const Tensor& level_start_index, const Tensor& sampling_locations,
+    const Tensor& attention_weights, int64_t im2col_step);
 
-at::Tensor ms_deform_attn_forward(const MsDeformAttnLaunchers& launchers,
-                                  const at::Tensor& value, const at::Tensor& spatial_shapes,
-                                  const at::Tensor& level_start_index,
-                                  const at::Tensor& sampling_locations,
-                                  const at::Tensor& attention_weights, int64_t im2col_step);
+Tensor ms_deform_attn_forward(const MsDeformAttnLaunchers& launchers, const Tensor& value,
+                              const Tensor& spatial_shapes, const Tensor& level_start_index,
+                              const Tensor& sampling_locations, const Tensor& attention_weights,
+                              int64_t im2col_step);
 
 // Gradients of (value, sampling_locations, attention_weights), those not selected by
 // output_mask undefined.
-std::tuple<at::Tensor, at::Tensor, at::Tensor> ms_deform_attn_backward(
-    const MsDeformAttnLaunchers& launchers, const at::Tensor& grad_output,
-    const at::Tensor& value, const at::Tensor& spatial_shapes,
-    const at::Tensor& level_start_index, const at::Tensor& sampling_locations,
-    const at::Tensor& attention_weights, int64_t im2col_step, std::array<bool, 3> output_mask);
+std::tuple<Tensor, Tensor, Tensor> ms_deform_attn_backward(
+    const MsDeformAttnLaunchers& launchers, const Tensor& grad_output, const Tensor& value,
+    const Tensor& spatial_shapes, const Tensor& level_start_index, const Tensor& sampling_locations,
+    const Tensor& attention_weights, int64_t im2col_step, const std::vector<bool>& output_mask);
 
 // The op's description (infrastructure/op_handles.h says what each member gives).
 struct MsDeformAttnOp {
@@ -84,17 +85,16 @@ struct MsDeformAttnOp {
       "Tensor level_start_index, Tensor sampling_locations, Tensor attention_weights, "
       "int im2col_step) -> int[]";
   static constexpr const char* kName = "ms_deform_attn";
-  using Signature = at::Tensor(const at::Tensor& value, const at::Tensor& spatial_shapes,
-                               const at::Tensor& level_start_index,
-                               const at::Tensor& sampling_locations,
-                               const at::Tensor& attention_weights, int64_t im2col_step);
+  using Signature = Tensor(const Tensor& value, const Tensor& spatial_shapes,
+                           const Tensor& level_start_index, const Tensor& sampling_locations,
+                           const Tensor& attention_weights, int64_t im2col_step);
   static constexpr std::array<const char*, 6> kArgumentNames = {
       "value", "spatial_shapes", "level_start_index", "sampling_locations", "attention_weights",
       "im2col_step"};
-  using BackwardSignature = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
-      const at::Tensor& grad_output, const at::Tensor& value, const at::Tensor& spatial_shapes,
-      const at::Tensor& level_start_index, const at::Tensor& sampling_locations,
-      const at::Tensor& attention_weights, int64_t im2col_step, std::array<bool, 3> output_mask);
+  using BackwardSignature = std::tuple<Tensor, Tensor, Tensor>(
+      const Tensor& grad_output, const Tensor& value, const Tensor& spatial_shapes,
+      const Tensor& level_start_index, const Tensor& sampling_locations,
+      const Tensor& attention_weights, int64_t im2col_step, const std::vector<bool>& output_mask);
   // spatial_shapes and level_start_index are integer tensors, without gradients.
   static constexpr std::array<size_t, 3> kGradientArguments = {0, 3, 4};
   static constexpr std::array<size_t, 6> kBackwardArguments = {0, 1, 2, 3, 4, 5};

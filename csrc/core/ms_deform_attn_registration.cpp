@@ -2,7 +2,7 @@
 // launchers' file (Note [Device kernels], infrastructure/device_kernels.h); the Python package
 // the Autograd, Autocast and fake kernels (deformconv/ops/).
 
-#include <torch/library.h>
+#include <torch/csrc/stable/library.h>
 
 #include <cstdint>
 #include <optional>
@@ -17,10 +17,9 @@ namespace {
 // (deform_conv2d_registration.cpp says why): on meta tensors, the shapes only
 // (check_ms_deform_attn_arguments). Returns the output shape.
 std::vector<int64_t> check_ms_deform_attn_arguments_op(
-    const std::optional<at::Tensor>& grad_output, const at::Tensor& value,
-    const at::Tensor& spatial_shapes, const at::Tensor& level_start_index,
-    const at::Tensor& sampling_locations, const at::Tensor& attention_weights,
-    int64_t im2col_step) {
+    const std::optional<Tensor>& grad_output, const Tensor& value, const Tensor& spatial_shapes,
+    const Tensor& level_start_index, const Tensor& sampling_locations,
+    const Tensor& attention_weights, int64_t im2col_step) {
   const MsDeformAttnGeometry g =
       check_ms_deform_attn_arguments(grad_output, value, spatial_shapes, level_start_index,
                                      sampling_locations, attention_weights, im2col_step);
@@ -29,14 +28,14 @@ std::vector<int64_t> check_ms_deform_attn_arguments_op(
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(deformconv, m) {
+STABLE_TORCH_LIBRARY_FRAGMENT(deformconv, m) {
   m.def(MsDeformAttnOp::kSchema);
   m.def(MsDeformAttnOp::kBackwardSchema);
   m.def(MsDeformAttnOp::kChecksSchema);
 }
 
-TORCH_LIBRARY_IMPL(deformconv, CompositeExplicitAutograd, m) {
-  m.impl("_check_ms_deform_attn_arguments", TORCH_FN(check_ms_deform_attn_arguments_op));
+STABLE_TORCH_LIBRARY_IMPL(deformconv, CompositeExplicitAutograd, m) {
+  m.impl("_check_ms_deform_attn_arguments", TORCH_BOX(&check_ms_deform_attn_arguments_op));
 }
 
 }  // namespace deformconv

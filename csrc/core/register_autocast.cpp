@@ -17,7 +17,7 @@ namespace {
 // The autocast kernel of the op that Op describes (op_handles.h): the op below autocast, every
 // tensor operand cast to float32 (other arguments pass unchanged).
 template <c10::DispatchKey autocast_key, c10::DeviceType device_type, typename Op,
-          typename Signature = typename Op::Signature>
+          typename Signature = LibtorchSignature<Op>>
 struct InFloat32;
 
 template <c10::DispatchKey autocast_key, c10::DeviceType device_type, typename Op,

@@ -6,7 +6,7 @@
 #include <torch/library.h>
 
 #include "../core/dcnv3.h"
-#include "../infrastructure/device_kernels.h"
+#include "../infrastructure/libtorch_device_kernels.h"
 #include "cpu_launchers.h"
 
 #define DEFORMCONV_CPU_COPY_BODY "dcnv3_cpu.cpp"

@@ -16,7 +16,7 @@
 #include "../common/bilinear_sampling.cuh"
 #include "../core/deform_conv2d.h"
 #include "../core/deform_conv2d_launchers.h"
-#include "../infrastructure/device_kernels.h"
+#include "../infrastructure/libtorch_device_kernels.h"
 #include "../infrastructure/parallel_region.h"
 #include "cpu_launchers.h"
 #include "deform_conv2d_single_copy_cpu.h"

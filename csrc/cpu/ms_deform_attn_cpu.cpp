@@ -6,7 +6,7 @@
 
 #if !defined(DEFORMCONV_CPU_COPY)  // the head (Note [CPU copies], cpu_copies.h)
 
-#include <torch/library.h>
+#include <torch/csrc/stable/library.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -37,7 +37,7 @@ const MsDeformAttnLaunchers& ms_deform_attn_cpu_launchers_in_use() {
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(deformconv, CPU, m) {
+STABLE_TORCH_LIBRARY_IMPL(deformconv, CPU, m) {
   register_device_kernels<MsDeformAttnOp, CpuDevice, ms_deform_attn_forward,
                           ms_deform_attn_backward, ms_deform_attn_cpu_launchers_in_use>(m);
 }
@@ -50,8 +50,8 @@ namespace deformconv::DEFORMCONV_CPU_COPY {
 namespace {
 
 std::vector<MsDeformAttnLevel> levels_of(const MsDeformAttnGeometry& g,
-                                         const at::Tensor& spatial_shapes,
-                                         const at::Tensor& level_start_index) {
+                                         const Tensor& spatial_shapes,
+                                         const Tensor& level_start_index) {
   const int64_t* shape = spatial_shapes.const_data_ptr<int64_t>();
   const int64_t* start = level_start_index.const_data_ptr<int64_t>();
   std::vector<MsDeformAttnLevel> levels(g.levels);
@@ -162,11 +162,10 @@ void forward_queries(const MsDeformAttnGeometry& g,
   }
 }
 
-void ms_deform_attn_forward_cpu(const MsDeformAttnGeometry& g, const at::Tensor& value,
-                                const at::Tensor& spatial_shapes,
-                                const at::Tensor& level_start_index,
-                                const at::Tensor& sampling_locations,
-                                const at::Tensor& attention_weights, at::Tensor& output) {
+void ms_deform_attn_forward_cpu(const MsDeformAttnGeometry& g, const Tensor& value,
+                                const Tensor& spatial_shapes, const Tensor& level_start_index,
+                                const Tensor& sampling_locations, const Tensor& attention_weights,
+                                Tensor& output) {
   const std::vector<MsDeformAttnLevel> levels = levels_of(g, spatial_shapes, level_start_index);
   DEFORMCONV_DISPATCH(value.scalar_type(), "ms_deform_attn_forward_cpu", [&] {
     using opmath_t = opmath_type<scalar_t>;
@@ -194,7 +193,7 @@ inline int64_t backward_queries_per_locate(const MsDeformAttnGeometry& g) {
 
 // The gradients of the samples of heads [begin, end), numbered n * M + m, the samples of a run
 // of queries located at once (`samples`, whose groups are the queries of the run). grad_sums (the
-// value gradient's sums, at::opmath_type) and grad_locations, grad_weights are null where not
+// value gradient's sums, opmath_type) and grad_locations, grad_weights are null where not
 // asked for. `grad` is a buffer of D rounded up to whole lanes, its tail zero; `zeros` is a row
 // of D zeros, the corner rows of the dot products for corners outside the level; `unread` a row
 // of D that is never read, which takes the scatter of corners of weight 0, so that 0 times an
@@ -294,22 +293,19 @@ void backward_heads(
   }
 }
 
-void ms_deform_attn_gradients_cpu(const MsDeformAttnGeometry& g, const at::Tensor& grad_output,
-                                  const at::Tensor& value, const at::Tensor& spatial_shapes,
-                                  const at::Tensor& level_start_index,
-                                  const at::Tensor& sampling_locations,
-                                  const at::Tensor& attention_weights, at::Tensor& grad_value,
-                                  at::Tensor& grad_sampling_locations,
-                                  at::Tensor& grad_attention_weights) {
+void ms_deform_attn_gradients_cpu(const MsDeformAttnGeometry& g, const Tensor& grad_output,
+                                  const Tensor& value, const Tensor& spatial_shapes,
+                                  const Tensor& level_start_index, const Tensor& sampling_locations,
+                                  const Tensor& attention_weights, Tensor& grad_value,
+                                  Tensor& grad_sampling_locations, Tensor& grad_attention_weights) {
   const std::vector<MsDeformAttnLevel> levels = levels_of(g, spatial_shapes, level_start_index);
   const int64_t D = g.channels;
   const int64_t whole_lanes = (D + kLanes - 1) / kLanes * kLanes;
   DEFORMCONV_DISPATCH(value.scalar_type(), "ms_deform_attn_gradients_cpu", [&] {
     using opmath_t = opmath_type<scalar_t>;
     // Note [Input gradient sums in float32]
-    at::Tensor sums = grad_value.defined()
-                          ? uninitialised_input_gradient_sums<scalar_t>(grad_value)
-                          : at::Tensor();
+    Tensor sums =
+        grad_value.defined() ? uninitialised_input_gradient_sums<scalar_t>(grad_value) : Tensor();
     const std::vector<scalar_t> zeros(D, scalar_t(0));
     // The scatter's vectors as wide as a register of the copy that runs.
     with_register_bytes<kRegisterBytes>([&](auto register_bytes) {

@@ -6,7 +6,7 @@
 // few lanes with their samples staged in rounds, the choice of the vectors' width from the
 // channels and the tensors' alignment, and sums over an item's lanes.
 
-#include <ATen/core/Tensor.h>
+#include <torch/headeronly/util/Exception.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -63,8 +63,10 @@ __device__ inline void add_sample(const SharedSample<opmath_type<scalar_t>>& sam
   }
 }
 
-// Whether `tensor` starts where vectors of `vector_width` of its elements may be loaded.
-inline bool aligned_for_vectors(const at::Tensor& tensor, int vector_width) {
+// Whether `tensor` (a torch::stable::Tensor, or an at::Tensor in the launchers still on
+// libtorch's C++ ABI) starts where vectors of `vector_width` of its elements may be loaded.
+template <typename Tensor>
+bool aligned_for_vectors(const Tensor& tensor, int vector_width) {
   return reinterpret_cast<uintptr_t>(tensor.const_data_ptr()) %
              (vector_width * tensor.element_size()) == 0;
 }
@@ -97,7 +99,7 @@ inline LaneTiling lane_tiling(int64_t items, int64_t channels, int vector_width,
   t.items_per_block = kThreadsPerBlock / t.lanes;
   // As few rounds as fit, of samples as even in number as can be.
   const int64_t most = staged_samples / t.items_per_block;
-  TORCH_INTERNAL_ASSERT(most >= 1, "lane_tiling: no room for a sample of each item");
+  STD_TORCH_CHECK(most >= 1, "lane_tiling: no room for a sample of each item");
   const int64_t rounds = std::max<int64_t>(1, (samples + most - 1) / most);
   t.samples_per_round = static_cast<int>(std::max<int64_t>(1, (samples + rounds - 1) / rounds));
   return t;
@@ -120,13 +122,13 @@ struct LanePathNames {
 // recording the paths taken under `names`. `run` is the length of the runs of consecutive
 // channels in which a kernel addresses its tensors, `channels` itself where an item's channels
 // lie side by side everywhere: a vector must not straddle two runs.
-template <int kWide, typename Launch>
+template <int kWide, typename Tensor, typename Launch>
 void with_channel_vectors(int64_t items, int64_t channels, int64_t run, int64_t samples,
-                          int64_t staged_samples, std::initializer_list<const at::Tensor*> tensors,
+                          int64_t staged_samples, std::initializer_list<const Tensor*> tensors,
                           const LanePathNames& names, Launch&& launch) {
   const bool wide = channels % kWide == 0 && run % kWide == 0 &&
-      std::all_of(tensors.begin(), tensors.end(),
-                  [](const at::Tensor* t) { return aligned_for_vectors(*t, kWide); });
+                    std::all_of(tensors.begin(), tensors.end(),
+                                [](const Tensor* t) { return aligned_for_vectors(*t, kWide); });
   const LaneTiling t = lane_tiling(items, channels, wide ? kWide : 1, samples, staged_samples);
   record_branch(wide ? names.vectors : names.one_at_a_time);
   if (t.passes > 1) {

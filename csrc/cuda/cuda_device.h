@@ -1,15 +1,24 @@
 #pragma once
 
 // The CUDA device of Note [Device kernels] (infrastructure/device_kernels.h): the ops' kernels
-// hold the CUDA guard of their tensors' device. The test suite's emulation build (tests/cuda_emulation) registers with it
-// too, over its own CUDAGuard, which counts the launches made outside one.
+// hold a guard of their tensors' device, the stable ABI's (whose accelerator is CUDA where the
+// kernels run). The test suite's emulation build (tests/cuda_emulation) registers with it too,
+// over the emulator's guard, which counts the launches made outside one.
 
-#include <c10/cuda/CUDAGuard.h>
+#if defined(DEFORMCONV_CUDA_EMULATION)
+// cuda_emulation::DeviceGuard comes with the emulator, which that build includes first.
+#else
+#include <torch/csrc/stable/accelerator.h>
+#endif
 
 namespace deformconv {
 
 struct CudaDevice {
-  using Guard = c10::cuda::CUDAGuard;
+#if defined(DEFORMCONV_CUDA_EMULATION)
+  using Guard = ::cuda_emulation::DeviceGuard;
+#else
+  using Guard = torch::stable::accelerator::DeviceGuard;
+#endif
 };
 
 }  // namespace deformconv

@@ -22,7 +22,7 @@
 #include "../core/deform_conv2d.h"
 #include "../core/deform_conv2d_gemms.h"
 #include "../infrastructure/branch_trace.h"
-#include "../infrastructure/device_kernels.h"
+#include "../infrastructure/libtorch_device_kernels.h"
 #include "channel_vectors.cuh"
 #include "cuda_device.h"
 #include "cuda_launchers.h"

@@ -23,10 +23,9 @@
 #define DEFORMCONV_CHECK_LAUNCH() ::deformconv::check_launch(::cuda_emulation::take_launch_error())
 #else
 #include <cuda_runtime.h>
-// The C shim declares its CUDA functions where USE_CUDA is defined, as in PyTorch's own build.
-#ifndef USE_CUDA
-#define USE_CUDA
-#endif
+// The C shim declares its CUDA functions where USE_CUDA is defined, which the builds define for
+// the .cu sources, as PyTorch's own build does: every torch header that a source includes before
+// this one has already read the shim.
 #include <torch/csrc/inductor/aoti_torch/c/shim.h>
 
 #define DEFORMCONV_LAUNCH(kernel, blocks, threads_per_block, stream) \

@@ -15,8 +15,8 @@
 // corners' values, summed over the item's lanes by warp shuffles and written by lane 0) in one
 // kernel.
 
-#include <ATen/core/Tensor.h>
-#include <torch/library.h>
+#include <torch/csrc/stable/library.h>
+#include <torch/csrc/stable/ops.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -163,7 +163,7 @@ __global__ void ms_deform_attn_forward_kernel(MsDeformAttnGeometry g, LaneTiling
   }
 }
 
-// grad_sums (the value gradient's sums, at::opmath_type), grad_locations and grad_weights are
+// grad_sums (the value gradient's sums, opmath_type), grad_locations and grad_weights are
 // null where not asked for.
 template <typename scalar_t, int kVector>
 __global__ void ms_deform_attn_backward_kernel(
@@ -256,11 +256,10 @@ __global__ void ms_deform_attn_backward_kernel(
   }
 }
 
-void ms_deform_attn_forward_cuda(const MsDeformAttnGeometry& g, const at::Tensor& value,
-                                 const at::Tensor& spatial_shapes,
-                                 const at::Tensor& level_start_index,
-                                 const at::Tensor& sampling_locations,
-                                 const at::Tensor& attention_weights, at::Tensor& output) {
+void ms_deform_attn_forward_cuda(const MsDeformAttnGeometry& g, const Tensor& value,
+                                 const Tensor& spatial_shapes, const Tensor& level_start_index,
+                                 const Tensor& sampling_locations, const Tensor& attention_weights,
+                                 Tensor& output) {
   DEFORMCONV_DISPATCH(value.scalar_type(), "ms_deform_attn_forward_cuda", [&] {
     with_channel_vectors<16 / sizeof(scalar_t)>(
         g.batch * g.queries * g.heads, g.channels, g.channels, g.head_samples(),
@@ -278,13 +277,13 @@ void ms_deform_attn_forward_cuda(const MsDeformAttnGeometry& g, const at::Tensor
   });
 }
 
-void ms_deform_attn_gradients_cuda(const MsDeformAttnGeometry& g, const at::Tensor& grad_output,
-                                   const at::Tensor& value, const at::Tensor& spatial_shapes,
-                                   const at::Tensor& level_start_index,
-                                   const at::Tensor& sampling_locations,
-                                   const at::Tensor& attention_weights, at::Tensor& grad_value,
-                                   at::Tensor& grad_sampling_locations,
-                                   at::Tensor& grad_attention_weights) {
+void ms_deform_attn_gradients_cuda(const MsDeformAttnGeometry& g, const Tensor& grad_output,
+                                   const Tensor& value, const Tensor& spatial_shapes,
+                                   const Tensor& level_start_index,
+                                   const Tensor& sampling_locations,
+                                   const Tensor& attention_weights, Tensor& grad_value,
+                                   Tensor& grad_sampling_locations,
+                                   Tensor& grad_attention_weights) {
   if (grad_value.defined()) {
     record_branch("ms_deform_attn.cuda.backward.value_gradient");
   }
@@ -294,12 +293,13 @@ void ms_deform_attn_gradients_cuda(const MsDeformAttnGeometry& g, const at::Tens
   DEFORMCONV_DISPATCH(value.scalar_type(), "ms_deform_attn_backward_cuda", [&] {
     using opmath_t = opmath_type<scalar_t>;
     // Note [Input gradient sums in float32]
-    at::Tensor sums;
+    Tensor sums;
     if (grad_value.defined()) {
-      sums = uninitialised_input_gradient_sums<scalar_t>(grad_value).zero_();
+      sums = uninitialised_input_gradient_sums<scalar_t>(grad_value);
+      torch::stable::zero_(sums);
     }
     // The sums too: vectors of them are added in one atomic (scatter_add_run).
-    const at::Tensor& sums_or_value = sums.defined() ? sums : value;
+    const Tensor& sums_or_value = sums.defined() ? sums : value;
     with_channel_vectors<16 / sizeof(opmath_t)>(
         g.batch * g.queries * g.heads, g.channels, g.channels, g.head_samples(),
         kStagedSamplesPerBlock<opmath_t>, {&grad_output, &value, &sums_or_value},
@@ -335,8 +335,9 @@ const MsDeformAttnLaunchers& ms_deform_attn_cuda_launchers() {
 // The kernels at the CUDA key: the drivers with these launchers. The test suite's emulation
 // build, which compiles this file as C++, registers them under its own namespace.
 #if !defined(DEFORMCONV_CUDA_EMULATION)
-TORCH_LIBRARY_IMPL(deformconv, CUDA, m) {
-  register_device_kernels<MsDeformAttnOp, CudaDevice, ms_deform_attn_forward, ms_deform_attn_backward, ms_deform_attn_cuda_launchers>(m);
+STABLE_TORCH_LIBRARY_IMPL(deformconv, CUDA, m) {
+  register_device_kernels<MsDeformAttnOp, CudaDevice, ms_deform_attn_forward,
+                          ms_deform_attn_backward, ms_deform_attn_cuda_launchers>(m);
 }
 #endif
 

@@ -3,35 +3,38 @@
 // Note [Device kernels]
 // An op's kernel at a device's dispatch key is its device-neutral driver (core/) with the
 // device's table of launchers, one pattern for every op and device:
-// register_device_kernels<Op, Device, forward, backward, launchers>(m) registers the op and
-// its backward op, where Op is the op's description (op_handles.h), forward and backward its
-// drivers, over the schemas' arguments after the launcher table, and launchers() the table.
-// Each kernel first checks that every tensor is on the device of the op's first tensor (the
-// backward op's: of its first argument after grad_output), naming the one that is not, before
-// any memory is touched; then holds Device::Guard for that device while the driver runs (the
-// CUDA guard: without it, work on a second GPU runs on the first). The deterministic-mode alert
-// of the backward on a device that adds with atomics is raised by the autograd kernels that
-// call it (deformconv/ops/_autograd.py; in the LibTorch build, op_autograd.h).
+// register_device_kernels<Op, Device, forward, backward, launchers>(m), in a
+// STABLE_TORCH_LIBRARY_IMPL block, registers the op and its backward op, where Op is the op's
+// description (op_handles.h), forward and backward its drivers, over the schemas' arguments after
+// the launcher table, and launchers() the table. Each kernel first checks that every tensor is on
+// the device of the op's first tensor (the backward op's: of its first argument after grad_output),
+// naming the one that is not, before any memory is touched; then holds Device::Guard for that
+// device while the driver runs (the CUDA guard: without it, work on a second GPU runs on the
+// first). The deterministic-mode alert of the backward on a device that adds with atomics is raised
+// by the autograd kernels that call it (deformconv/ops/_autograd.py; in the LibTorch build,
+// op_autograd.h).
 
-#include <ATen/core/Tensor.h>
-#include <c10/core/Device.h>
-#include <torch/library.h>
+#include <torch/csrc/stable/device.h>
+#include <torch/csrc/stable/library.h>
+#include <torch/csrc/stable/tensor.h>
 
 #include <array>
 #include <cstddef>
+#include <cstdint>
 #include <optional>
 #include <string>
 #include <type_traits>
+#include <utility>
 
 #include "argument_checks.h"
-#include "op_handles.h"
+#include "tensor_text.h"
 
 namespace deformconv {
 
 // The CPU's: no guard.
 struct CpuDevice {
   struct Guard {
-    explicit Guard(c10::Device /*device*/) {}
+    explicit Guard(int32_t /*device_index*/) {}
   };
 };
 
@@ -50,12 +53,36 @@ constexpr auto backward_argument_names() {
   return names;
 }
 
+// The schemas' tensor arguments, Tensor and Tensor?, as the kernels take them: PyTorch's stable
+// ABI's torch::stable::Tensor, or at::Tensor for the kernels still registered through libtorch's
+// C++ ABI (libtorch_device_kernels.h).
+template <typename Argument, typename = void>
+constexpr bool is_tensor = false;
+
 template <typename Argument>
-std::optional<c10::Device> device_of(const Argument& argument) {
-  if constexpr (is_tensor_argument<Argument>) {
-    return argument.device();
-  } else if constexpr (is_optional_tensor_argument<Argument>) {
-    return argument.has_value() ? std::optional<c10::Device>(argument->device()) : std::nullopt;
+constexpr bool is_tensor<Argument, std::void_t<decltype(std::declval<const Argument&>().device()),
+                                               decltype(std::declval<const Argument&>().sizes())>> =
+    true;
+
+template <typename Argument>
+constexpr bool is_optional_tensor = false;
+
+template <typename Tensor>
+constexpr bool is_optional_tensor<std::optional<Tensor>> = is_tensor<Tensor>;
+
+template <typename Tensor>
+torch::stable::Device device_of_tensor(const Tensor& tensor) {
+  const auto device = tensor.device();
+  return torch::stable::Device(device.type(), device.index());
+}
+
+template <typename Argument>
+std::optional<torch::stable::Device> device_of_argument(const Argument& argument) {
+  using Decayed = std::decay_t<Argument>;
+  if constexpr (is_tensor<Decayed>) {
+    return device_of_tensor(argument);
+  } else if constexpr (is_optional_tensor<Decayed>) {
+    return argument.has_value() ? std::optional(device_of_tensor(*argument)) : std::nullopt;
   } else {
     return std::nullopt;
   }
@@ -79,17 +106,17 @@ struct DeviceKernel<Op, kBackward, Device, driver, launchers, Result(Arguments..
     static_assert(kNames.size() == sizeof...(Arguments));
     // The op's name in messages, in two pieces, so that no string is built unless one is.
     constexpr const char* kSuffix = kBackward ? "_backward" : "";
-    const std::array<std::optional<c10::Device>, sizeof...(Arguments)> devices = {
-        device_of(arguments)...};
+    const std::array<std::optional<torch::stable::Device>, sizeof...(Arguments)> devices = {
+        device_of_argument(arguments)...};
     constexpr size_t kReference = kBackward ? 1 : 0;
-    const c10::Device reference = *devices[kReference];
+    const torch::stable::Device reference = *devices[kReference];
     for (size_t index = 0; index < devices.size(); ++index) {
-      DEFORMCONV_CHECK_ARGUMENT(!devices[index].has_value() || *devices[index] == reference,
-                                Op::kName, kSuffix, "(): expected ", kNames[index],
-                                " to be on the device of ", kNames[kReference], " (", reference,
-                                "), but got ", *devices[index]);
+      DEFORMCONV_CHECK_ARGUMENT(
+          !devices[index].has_value() || *devices[index] == reference, Op::kName, kSuffix,
+          "(): expected ", kNames[index], " to be on the device of ", kNames[kReference], " (",
+          device_text(reference), "), but got ", device_text(*devices[index]));
     }
-    const typename Device::Guard device_guard(reference);
+    const typename Device::Guard device_guard(reference.index());
     return driver(launchers(), arguments...);
   }
 };
@@ -97,14 +124,13 @@ struct DeviceKernel<Op, kBackward, Device, driver, launchers, Result(Arguments..
 }  // namespace device_kernels_detail
 
 template <typename Op, typename Device, auto forward, auto backward, auto launchers>
-void register_device_kernels(torch::Library& m) {
+void register_device_kernels(torch::stable::detail::StableLibrary& m) {
   using device_kernels_detail::DeviceKernel;
-  m.impl(Op::kName,
-         TORCH_FN((DeviceKernel<Op, false, Device, forward, launchers,
-                                typename Op::Signature>::call)));
-  m.impl((std::string(Op::kName) + "_backward").c_str(),
-         TORCH_FN((DeviceKernel<Op, true, Device, backward, launchers,
-                                typename Op::BackwardSignature>::call)));
+  using ForwardKernel = DeviceKernel<Op, false, Device, forward, launchers, typename Op::Signature>;
+  using BackwardKernel =
+      DeviceKernel<Op, true, Device, backward, launchers, typename Op::BackwardSignature>;
+  m.impl(Op::kName, TORCH_BOX(&ForwardKernel::call));
+  m.impl((std::string(Op::kName) + "_backward").c_str(), TORCH_BOX(&BackwardKernel::call));
 }
 
 }  // namespace deformconv

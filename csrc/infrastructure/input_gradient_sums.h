@@ -1,6 +1,8 @@
 #pragma once
 
-#include <ATen/core/Tensor.h>
+#include <torch/csrc/stable/ops.h>
+#include <torch/csrc/stable/tensor.h>
+#include <torch/headeronly/core/ScalarType.h>
 
 #include <type_traits>
 
@@ -12,28 +14,45 @@ namespace deformconv {
 // col2im adds many terms into each input gradient element (every sample whose bilinear cell
 // touches it). In float16 or bfloat16 each add would round the running sum to 11 or 8 bits, and
 // on the GPU an atomic add on a 16-bit value is a compare-and-swap loop, slow where many samples
-// hit one pixel. So the launchers sum such gradients in a float32 copy (at::opmath_type) and
-// round once at the end; float32 and float64 gradients are summed in place.
-template <typename scalar_t>
-at::Tensor input_gradient_sums(const at::Tensor& grad_input) {
-  return std::is_same_v<opmath_type<scalar_t>, scalar_t>
-             ? grad_input
-             : grad_input.to(c10::CppTypeToScalarType<opmath_type<scalar_t>>::value);
+// hit one pixel. So the launchers sum such gradients in a float32 copy (opmath_type) and round
+// once at the end; float32 and float64 gradients are summed in place. For torch::stable::Tensor,
+// and for at::Tensor in the launchers still on libtorch's C++ ABI.
+template <typename scalar_t, typename Tensor>
+Tensor input_gradient_sums(const Tensor& grad_input) {
+  constexpr auto kSumType = c10::CppTypeToScalarType<opmath_type<scalar_t>>::value;
+  if constexpr (std::is_same_v<opmath_type<scalar_t>, scalar_t>) {
+    return grad_input;
+  } else if constexpr (std::is_same_v<Tensor, torch::stable::Tensor>) {
+    return torch::stable::to(grad_input, kSumType);
+  } else {
+    return grad_input.to(kSumType);
+  }
 }
 
 // input_gradient_sums for an input gradient that is not initialised: the gradient itself, or
 // an uninitialised float32 tensor of its shape, for the launcher to zero.
-template <typename scalar_t>
-at::Tensor uninitialised_input_gradient_sums(const at::Tensor& grad_input) {
-  return std::is_same_v<opmath_type<scalar_t>, scalar_t>
-             ? grad_input
-             : grad_input.new_empty(grad_input.sizes(),
-                                    c10::CppTypeToScalarType<opmath_type<scalar_t>>::value);
+template <typename scalar_t, typename Tensor>
+Tensor uninitialised_input_gradient_sums(const Tensor& grad_input) {
+  constexpr auto kSumType = c10::CppTypeToScalarType<opmath_type<scalar_t>>::value;
+  if constexpr (std::is_same_v<opmath_type<scalar_t>, scalar_t>) {
+    return grad_input;
+  } else if constexpr (std::is_same_v<Tensor, torch::stable::Tensor>) {
+    return torch::stable::new_empty(grad_input, grad_input.sizes(), kSumType);
+  } else {
+    return grad_input.new_empty(grad_input.sizes(), kSumType);
+  }
 }
 
-inline void store_input_gradient_sums(const at::Tensor& sums, at::Tensor& grad_input) {
-  if (!sums.is_same(grad_input)) {
-    grad_input.copy_(sums);
+// The sums into the gradient, unless they are the gradient itself (the same memory: a tensor of
+// its own would have been allocated apart).
+template <typename Tensor>
+void store_input_gradient_sums(const Tensor& sums, Tensor& grad_input) {
+  if (sums.const_data_ptr() != grad_input.const_data_ptr()) {
+    if constexpr (std::is_same_v<Tensor, torch::stable::Tensor>) {
+      torch::stable::copy_(grad_input, sums);
+    } else {
+      grad_input.copy_(sums);
+    }
   }
 }
 

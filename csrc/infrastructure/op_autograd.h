@@ -61,7 +61,7 @@ void save_argument(AutogradContext* ctx, variable_list& tensors, size_t index,
 }
 
 // The forward op as an autograd Function over its schema's arguments.
-template <typename Op, typename Signature = typename Op::Signature>
+template <typename Op, typename Signature = LibtorchSignature<Op>>
 class ForwardFunction;
 
 template <typename Op, typename... Arguments>
@@ -135,7 +135,7 @@ class ForwardFunction<Op, at::Tensor(Arguments...)>
 };
 
 // The backward op as an autograd Function whose own backward refuses.
-template <typename Op, typename Signature = typename Op::BackwardSignature>
+template <typename Op, typename Signature = LibtorchBackwardSignature<Op>>
 class BackwardFunction;
 
 template <typename Op, typename Gradients, typename... Arguments>
@@ -166,7 +166,7 @@ class BackwardFunction<Op, Gradients(Arguments...)>
   }
 };
 
-template <typename Op, typename Signature = typename Op::BackwardSignature>
+template <typename Op, typename Signature = LibtorchBackwardSignature<Op>>
 struct BackwardKernel;
 
 template <typename Op, typename Gradients, typename... Arguments>
@@ -188,7 +188,7 @@ struct BackwardKernel<Op, Gradients(Arguments...)> {
 
 template <typename Op>
 struct OpAutograd {
-  template <typename Signature = typename Op::Signature>
+  template <typename Signature = LibtorchSignature<Op>>
   struct Forward;
 
   template <typename... Arguments>

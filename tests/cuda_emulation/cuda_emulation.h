@@ -102,6 +102,16 @@ inline Bookkeeping& bookkeeping() {
 
 inline thread_local int device_guard_depth = 0;
 
+// The ops' device guard (csrc/cuda/cuda_device.h): it only counts how deep launches sit in
+// guards.
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int32_t /*device_index*/) { ++device_guard_depth; }
+  ~DeviceGuard() { --device_guard_depth; }
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+};
+
 // A CUDA stream: an id, the current one being settings().current_stream.
 class Stream {
  public:

@@ -5,18 +5,19 @@
 // whose window budget the tests may shrink; plus ops to set the emulator and read its
 // bookkeeping and its branch trace (Note [Branch trace]).
 
+#include <torch/csrc/stable/library.h>
 #include <torch/library.h>
 
 #define DEFORMCONV_NARROW_INDEX_LIMIT (::cuda_emulation::settings().narrow_index_limit)
-#include "../../csrc/cuda/dcnv3_cuda.cu"
-#include "../../csrc/cuda/deform_conv2d_cuda.cu"
-#include "../../csrc/cuda/ms_deform_attn_cuda.cu"
 #include "../../csrc/core/dcnv3.h"
 #include "../../csrc/core/deform_conv2d.h"
 #include "../../csrc/core/ms_deform_attn.h"
 #include "../../csrc/cuda/cuda_device.h"
+#include "../../csrc/cuda/dcnv3_cuda.cu"
+#include "../../csrc/cuda/deform_conv2d_cuda.cu"
+#include "../../csrc/cuda/ms_deform_attn_cuda.cu"
 #include "../../csrc/infrastructure/branch_trace.h"
-#include "../../csrc/infrastructure/device_kernels.h"
+#include "../../csrc/infrastructure/libtorch_device_kernels.h"
 
 namespace deformconv {
 namespace {
@@ -185,6 +186,9 @@ TORCH_LIBRARY_IMPL(deformconv_emulated, CPU, m) {
                           dcnv3_cuda_launchers>(m);
   register_device_kernels<Dcnv4Op, CudaDevice, dcnv4_forward, dcnv4_backward,
                           dcnv3_cuda_launchers>(m);
+}
+
+STABLE_TORCH_LIBRARY_IMPL(deformconv_emulated, CPU, m) {
   register_device_kernels<MsDeformAttnOp, CudaDevice, ms_deform_attn_forward,
                           ms_deform_attn_backward, ms_deform_attn_cuda_launchers>(m);
 }
