@@ -103,6 +103,34 @@ def test_backward_op_checks_grad_output():
                                                     [True] * 5)
 
 
+def backward_calls_with_mask(mask):
+    """Each stable-ABI backward op called with `mask` as its output_mask, on valid operands."""
+    value, shapes, starts = torch.randn(1, 4, 2, 4), torch.tensor([[2, 2]]), torch.tensor([0])
+    locations, weights = torch.rand(1, 3, 2, 1, 2, 2), torch.rand(1, 3, 2, 1, 2)
+    geometry = [3, 3, 1, 1, 1, 1, 1, 1, 2, 4, 1.0, 64, False]
+    x = torch.randn(1, 5, 5, 8)
+    return {
+        "ms_deform_attn_backward": lambda: torch.ops.deformconv.ms_deform_attn_backward(
+            torch.randn(1, 3, 8), value, shapes, starts, locations, weights, 64, mask),
+        "dcnv3_backward": lambda: torch.ops.deformconv.dcnv3_backward(
+            torch.randn(1, 5, 5, 8), x, torch.randn(1, 5, 5, 36), torch.rand(1, 5, 5, 18),
+            *geometry, mask),
+        "dcnv4_backward": lambda: torch.ops.deformconv.dcnv4_backward(
+            torch.randn(1, 5, 5, 8), x, torch.randn(1, 5, 5, 54), *geometry, mask),
+    }
+
+
+@pytest.mark.parametrize("op", ["ms_deform_attn_backward", "dcnv3_backward", "dcnv4_backward"])
+def test_backward_ops_check_the_length_of_output_mask(op):
+    # The schema's bool[N] reaches the kernel as a list of any length.
+    gradients = {"ms_deform_attn_backward": 3, "dcnv3_backward": 3, "dcnv4_backward": 2}[op]
+    assert len(backward_calls_with_mask([True] * gradients)[op]()) == gradients
+    for wrong in (gradients - 1, gradients + 1):
+        with pytest.raises(ValueError, match=rf"{op}\(\): expected output_mask to have "
+                                             rf"{gradients} entries, but got {wrong}"):
+            backward_calls_with_mask([True] * wrong)[op]()
+
+
 def test_functional_rejects_bad_geometry_values():
     x, o, w = torch.randn(1, 2, 5, 5), torch.randn(1, 18, 3, 3), torch.randn(2, 2, 3, 3)
     with pytest.raises(ValueError, match=r"expected stride to be an int or a pair of ints"):

@@ -1,15 +1,15 @@
 #include "dcnv3.h"
 
-#include <ATen/ops/empty.h>
-#include <ATen/ops/empty_like.h>
-#include <ATen/ops/zeros_like.h>
-#include <c10/core/ScalarType.h>
+#include <torch/csrc/stable/ops.h>
 
 #include <cmath>
 #include <cstdint>
+#include <vector>
 
 #include "../common/output_length.h"
+#include "../common/scalar_types.h"
 #include "../infrastructure/argument_checks.h"
+#include "../infrastructure/tensor_text.h"
 
 namespace deformconv {
 
@@ -17,33 +17,29 @@ namespace {
 
 // The op in messages: dcnv3, or dcnv4 without a mask (Note [DCNv4 is DCNv3 without a mask
 // tensor]).
-const char* op_name(const at::Tensor& mask) {
-  return mask.defined() ? "dcnv3()" : "dcnv4()";
-}
+const char* op_name(const Tensor& mask) { return mask.defined() ? "dcnv3()" : "dcnv4()"; }
 
 // A 4-D channels-last tensor of input's dtype whose first three sizes and, when `channels` is
 // set, last size are those of `shape`; `layout` names the dimensions for the message.
-void check_nhwc(const char* op, const char* name, const at::Tensor& tensor,
-                const at::Tensor& input, std::array<int64_t, 4> shape, bool any_channels,
-                const char* layout) {
+void check_nhwc(const char* op, const char* name, const Tensor& tensor, const Tensor& input,
+                std::array<int64_t, 4> shape, bool any_channels, const char* layout) {
   DEFORMCONV_CHECK_ARGUMENT(tensor.dim() == 4, op, ": expected ", name, " to be a 4-D tensor ",
                             layout, ", but got a ", tensor.dim(), "-D tensor of shape ",
-                            tensor.sizes());
+                            shape_text(tensor.sizes()));
   DEFORMCONV_CHECK_ARGUMENT(tensor.scalar_type() == input.scalar_type(), op, ": expected ", name,
                             " to have the dtype of input (", input.scalar_type(), "), but got ",
                             tensor.scalar_type());
   if (any_channels) {
     shape[3] = tensor.size(3);
   }
-  DEFORMCONV_CHECK_ARGUMENT(tensor.sizes() == c10::IntArrayRef(shape), op, ": expected ", name,
-                            " of shape ", c10::IntArrayRef(shape), " ", layout, ", but got ",
-                            tensor.sizes());
+  DEFORMCONV_CHECK_ARGUMENT(tensor.sizes() == torch::headeronly::IntHeaderOnlyArrayRef(shape), op,
+                            ": expected ", name, " of shape ", shape_text(shape), " ", layout,
+                            ", but got ", shape_text(tensor.sizes()));
 }
 
 // Where the launchers find the offsets and mask: DCNv3's separate tensors, or DCNv4's packed
 // offset_mask (channels per pixel C_pad, 3 P per group).
-Dcnv3Fields dcnv3_fields(const Dcnv3Geometry& g, const at::Tensor& offset,
-                         const at::Tensor& mask) {
+Dcnv3Fields dcnv3_fields(const Dcnv3Geometry& g, const Tensor& offset, const Tensor& mask) {
   const int64_t P = g.points();
   if (mask.defined()) {
     return {2 * g.groups * P, 2 * P, g.groups * P, P};
@@ -54,27 +50,27 @@ Dcnv3Fields dcnv3_fields(const Dcnv3Geometry& g, const at::Tensor& offset,
 // What the launchers index as the mask (or, given gradients, as its gradient): DCNv3's own
 // tensor, or DCNv4's offset_mask from its first group's mask values on, indexed through
 // dcnv3_fields' strides.
-at::Tensor mask_slots(const Dcnv3Geometry& g, const at::Tensor& offset, const at::Tensor& mask) {
+Tensor mask_slots(const Dcnv3Geometry& g, Tensor offset, const Tensor& mask) {
   if (mask.defined()) {
     return mask;
   }
-  return offset.narrow(3, 2 * g.points(), offset.size(3) - 2 * g.points());
+  return torch::stable::narrow(offset, 3, 2 * g.points(), offset.size(3) - 2 * g.points());
 }
 
 }  // namespace
 
-Dcnv3Geometry check_dcnv3_arguments(const std::optional<at::Tensor>& grad_output,
-                                    const at::Tensor& input, const at::Tensor& offset,
-                                    const at::Tensor& mask, const Dcnv3Arguments& a) {
+Dcnv3Geometry check_dcnv3_arguments(const std::optional<Tensor>& grad_output, const Tensor& input,
+                                    const Tensor& offset, const Tensor& mask,
+                                    const Dcnv3Arguments& a) {
   const char* op = op_name(mask);
-  DEFORMCONV_CHECK_ARGUMENT(at::isFloatingType(input.scalar_type()), op,
+  DEFORMCONV_CHECK_ARGUMENT(is_op_dtype(input.scalar_type()), op,
                             ": expected input to have a floating point dtype (float16, bfloat16, "
                             "float32 or float64), but got ",
                             input.scalar_type());
   DEFORMCONV_CHECK_ARGUMENT(input.dim() == 4, op,
                             ": expected input to be a 4-D tensor (batch, "
                             "height, width, channels), but got a ",
-                            input.dim(), "-D tensor of shape ", input.sizes());
+                            input.dim(), "-D tensor of shape ", shape_text(input.sizes()));
   const auto at_least = [op](const char* name, int64_t value, int64_t minimum) {
     DEFORMCONV_CHECK_ARGUMENT(value >= minimum, op, ": expected ", name, " to be at least ",
                               minimum, ", but got ", value);
@@ -154,51 +150,51 @@ Dcnv3Geometry check_dcnv3_arguments(const std::optional<at::Tensor>& grad_output
 namespace {
 
 // The drivers over the gathered arguments, mask undefined for DCNv4.
-at::Tensor forward(const Dcnv3Launchers& launchers, const at::Tensor& input_arg,
-                   const at::Tensor& offset_arg, const at::Tensor& mask_arg,
-                   const Dcnv3Arguments& args) {
+Tensor forward(const Dcnv3Launchers& launchers, const Tensor& input_arg, const Tensor& offset_arg,
+               const Tensor& mask_arg, const Dcnv3Arguments& args) {
   const Dcnv3Geometry g =
       check_dcnv3_arguments(std::nullopt, input_arg, offset_arg, mask_arg, args);
   const int64_t batch = input_arg.size(0);
-  at::Tensor output =
-      at::empty({batch, g.out_height, g.out_width, g.channels()}, input_arg.options());
+  Tensor output =
+      torch::stable::new_empty(input_arg, {batch, g.out_height, g.out_width, g.channels()});
   if (input_arg.numel() == 0) {
     // Nothing to sample (no image pixels, padded to an output): every sample is 0.
-    output.zero_();
+    torch::stable::zero_(output);
   } else if (output.numel() > 0) {
-    const at::Tensor offset = offset_arg.contiguous();
-    const at::Tensor mask = mask_arg.defined() ? mask_arg.contiguous() : at::Tensor();
-    launchers.forward(g, dcnv3_fields(g, offset, mask), batch, input_arg.contiguous(), offset,
+    const Tensor offset = as_contiguous(offset_arg);
+    const Tensor mask = mask_arg.defined() ? as_contiguous(mask_arg) : Tensor();
+    launchers.forward(g, dcnv3_fields(g, offset, mask), batch, as_contiguous(input_arg), offset,
                       mask_slots(g, offset, mask), output);
   }
   return output;
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> backward(
-    const Dcnv3Launchers& launchers, const at::Tensor& grad_output_arg,
-    const at::Tensor& input_arg, const at::Tensor& offset_arg, const at::Tensor& mask_arg,
-    const Dcnv3Arguments& args, std::array<bool, 3> output_mask) {
+std::tuple<Tensor, Tensor, Tensor> backward(const Dcnv3Launchers& launchers,
+                                            const Tensor& grad_output_arg, const Tensor& input_arg,
+                                            const Tensor& offset_arg, const Tensor& mask_arg,
+                                            const Dcnv3Arguments& args,
+                                            const std::array<bool, 3>& output_mask) {
   const Dcnv3Geometry g =
       check_dcnv3_arguments(grad_output_arg, input_arg, offset_arg, mask_arg, args);
   const bool packed = !mask_arg.defined();
   const auto [want_input, want_offset, want_own_mask] = output_mask;
   const bool want_mask = packed ? want_offset : want_own_mask;
   const int64_t batch = input_arg.size(0);
-  const at::Tensor grad_output = grad_output_arg.contiguous();
-  const at::Tensor input = input_arg.contiguous();
-  const at::Tensor offset = offset_arg.contiguous();
-  const at::Tensor mask = packed ? at::Tensor() : mask_arg.contiguous();
+  const Tensor grad_output = as_contiguous(grad_output_arg);
+  const Tensor input = as_contiguous(input_arg);
+  const Tensor offset = as_contiguous(offset_arg);
+  const Tensor mask = packed ? Tensor() : as_contiguous(mask_arg);
   const Dcnv3Fields fields = dcnv3_fields(g, offset, mask);
   // The launchers zero the input gradient (Dcnv3Launchers::backward). Every sample writes its
   // own offset and mask gradients, so they need no zeroing, except where no sample writes:
   // DCNv4's padding, and everything when nothing is sampled.
-  at::Tensor grad_input = want_input ? at::empty_like(input) : at::Tensor();
-  at::Tensor grad_offset = want_offset ? at::empty_like(offset) : at::Tensor();
-  at::Tensor grad_mask = packed || !want_mask ? at::Tensor() : at::empty_like(mask);
+  Tensor grad_input = want_input ? torch::stable::empty_like(input) : Tensor();
+  Tensor grad_offset = want_offset ? torch::stable::empty_like(offset) : Tensor();
+  Tensor grad_mask = packed || !want_mask ? Tensor() : torch::stable::empty_like(mask);
   if (grad_output.numel() == 0 || input.numel() == 0) {
-    for (at::Tensor* grad : {&grad_input, &grad_offset, &grad_mask}) {
+    for (Tensor* grad : {&grad_input, &grad_offset, &grad_mask}) {
       if (grad->defined()) {
-        grad->zero_();
+        torch::stable::zero_(*grad);
       }
     }
     return {grad_input, grad_offset, grad_mask};
@@ -208,10 +204,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward(
   }
   if (packed && want_offset) {
     const int64_t used = 3 * g.groups * g.points();
-    grad_offset.narrow(3, used, offset.size(3) - used).zero_();
+    Tensor padding = torch::stable::narrow(grad_offset, 3, used, offset.size(3) - used);
+    torch::stable::zero_(padding);
   }
-  at::Tensor grad_mask_slots =
-      packed && want_mask ? mask_slots(g, grad_offset, mask) : grad_mask;
+  Tensor grad_mask_slots = packed && want_mask ? mask_slots(g, grad_offset, mask) : grad_mask;
   launchers.gradients(g, fields, batch, grad_output, input, offset, mask_slots(g, offset, mask),
                      grad_input, grad_offset, grad_mask_slots);
   return {grad_input, grad_offset, grad_mask};
@@ -219,51 +215,51 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward(
 
 }  // namespace
 
-at::Tensor dcnv3_forward(const Dcnv3Launchers& launchers, const at::Tensor& input,
-                         const at::Tensor& offset, const at::Tensor& mask, int64_t kernel_h,
-                         int64_t kernel_w, int64_t stride_h, int64_t stride_w, int64_t pad_h,
-                         int64_t pad_w, int64_t dilation_h, int64_t dilation_w, int64_t group,
-                         int64_t group_channels, double offset_scale, int64_t im2col_step,
-                         bool remove_center) {
+Tensor dcnv3_forward(const Dcnv3Launchers& launchers, const Tensor& input, const Tensor& offset,
+                     const Tensor& mask, int64_t kernel_h, int64_t kernel_w, int64_t stride_h,
+                     int64_t stride_w, int64_t pad_h, int64_t pad_w, int64_t dilation_h,
+                     int64_t dilation_w, int64_t group, int64_t group_channels, double offset_scale,
+                     int64_t im2col_step, bool remove_center) {
   return forward(launchers, input, offset, mask,
                  {kernel_h, kernel_w, stride_h, stride_w, pad_h, pad_w, dilation_h, dilation_w,
                   group, group_channels, offset_scale, im2col_step, remove_center});
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> dcnv3_backward(
-    const Dcnv3Launchers& launchers, const at::Tensor& grad_output, const at::Tensor& input,
-    const at::Tensor& offset, const at::Tensor& mask, int64_t kernel_h, int64_t kernel_w,
-    int64_t stride_h, int64_t stride_w, int64_t pad_h, int64_t pad_w, int64_t dilation_h,
-    int64_t dilation_w, int64_t group, int64_t group_channels, double offset_scale,
-    int64_t im2col_step, bool remove_center, std::array<bool, 3> output_mask) {
+std::tuple<Tensor, Tensor, Tensor> dcnv3_backward(
+    const Dcnv3Launchers& launchers, const Tensor& grad_output, const Tensor& input,
+    const Tensor& offset, const Tensor& mask, int64_t kernel_h, int64_t kernel_w, int64_t stride_h,
+    int64_t stride_w, int64_t pad_h, int64_t pad_w, int64_t dilation_h, int64_t dilation_w,
+    int64_t group, int64_t group_channels, double offset_scale, int64_t im2col_step,
+    bool remove_center, const std::vector<bool>& output_mask) {
+  check_output_mask("dcnv3_backward()", output_mask, 3);
   return backward(launchers, grad_output, input, offset, mask,
                   {kernel_h, kernel_w, stride_h, stride_w, pad_h, pad_w, dilation_h, dilation_w,
                    group, group_channels, offset_scale, im2col_step, remove_center},
-                  output_mask);
+                  {output_mask[0], output_mask[1], output_mask[2]});
 }
 
-at::Tensor dcnv4_forward(const Dcnv3Launchers& launchers, const at::Tensor& input,
-                         const at::Tensor& offset_mask, int64_t kernel_h, int64_t kernel_w,
-                         int64_t stride_h, int64_t stride_w, int64_t pad_h, int64_t pad_w,
-                         int64_t dilation_h, int64_t dilation_w, int64_t group,
-                         int64_t group_channels, double offset_scale, int64_t im2col_step,
-                         bool remove_center) {
-  return forward(launchers, input, offset_mask, at::Tensor(),
+Tensor dcnv4_forward(const Dcnv3Launchers& launchers, const Tensor& input,
+                     const Tensor& offset_mask, int64_t kernel_h, int64_t kernel_w,
+                     int64_t stride_h, int64_t stride_w, int64_t pad_h, int64_t pad_w,
+                     int64_t dilation_h, int64_t dilation_w, int64_t group, int64_t group_channels,
+                     double offset_scale, int64_t im2col_step, bool remove_center) {
+  return forward(launchers, input, offset_mask, Tensor(),
                  {kernel_h, kernel_w, stride_h, stride_w, pad_h, pad_w, dilation_h, dilation_w,
                   group, group_channels, offset_scale, im2col_step, remove_center});
 }
 
-std::tuple<at::Tensor, at::Tensor> dcnv4_backward(
-    const Dcnv3Launchers& launchers, const at::Tensor& grad_output, const at::Tensor& input,
-    const at::Tensor& offset_mask, int64_t kernel_h, int64_t kernel_w, int64_t stride_h,
+std::tuple<Tensor, Tensor> dcnv4_backward(
+    const Dcnv3Launchers& launchers, const Tensor& grad_output, const Tensor& input,
+    const Tensor& offset_mask, int64_t kernel_h, int64_t kernel_w, int64_t stride_h,
     int64_t stride_w, int64_t pad_h, int64_t pad_w, int64_t dilation_h, int64_t dilation_w,
     int64_t group, int64_t group_channels, double offset_scale, int64_t im2col_step,
-    bool remove_center, std::array<bool, 2> output_mask) {
-  auto [grad_input, grad_offset_mask, no_mask_gradient] = backward(
-      launchers, grad_output, input, offset_mask, at::Tensor(),
-      {kernel_h, kernel_w, stride_h, stride_w, pad_h, pad_w, dilation_h, dilation_w, group,
-       group_channels, offset_scale, im2col_step, remove_center},
-      {output_mask[0], output_mask[1], false});
+    bool remove_center, const std::vector<bool>& output_mask) {
+  check_output_mask("dcnv4_backward()", output_mask, 2);
+  auto [grad_input, grad_offset_mask, no_mask_gradient] =
+      backward(launchers, grad_output, input, offset_mask, Tensor(),
+               {kernel_h, kernel_w, stride_h, stride_w, pad_h, pad_w, dilation_h, dilation_w, group,
+                group_channels, offset_scale, im2col_step, remove_center},
+               {output_mask[0], output_mask[1], false});
   return {grad_input, grad_offset_mask};
 }
 

@@ -13,14 +13,15 @@
 // offset slot and an undefined mask; the launchers read both through Dcnv3Fields and never
 // see the difference.
 
-#include <ATen/core/Tensor.h>
-
 #include <array>
 #include <cstddef>
+#include <cstdint>
 #include <optional>
 #include <tuple>
+#include <vector>
 
 #include "../common/dcnv3_kernel.cuh"
+#include "../infrastructure/stable_tensors.h"
 
 namespace deformconv {
 
@@ -32,15 +33,13 @@ namespace deformconv {
 // cases itself (an image of no pixels has none for a launcher to read a corner's row at).
 struct Dcnv3Launchers {
   void (*forward)(const Dcnv3Geometry& geometry, const Dcnv3Fields& fields, int64_t batch,
-                  const at::Tensor& input, const at::Tensor& offset, const at::Tensor& mask,
-                  at::Tensor& output);
+                  const Tensor& input, const Tensor& offset, const Tensor& mask, Tensor& output);
   // grad_input, where asked for, comes uninitialised: the launcher writes all of it, zero
   // where no sample reaches (the CPU's, image by image just before the samples add into it,
   // while it is in the cache).
   void (*gradients)(const Dcnv3Geometry& geometry, const Dcnv3Fields& fields, int64_t batch,
-                    const at::Tensor& grad_output, const at::Tensor& input,
-                    const at::Tensor& offset, const at::Tensor& mask, at::Tensor& grad_input,
-                    at::Tensor& grad_offset, at::Tensor& grad_mask);
+                    const Tensor& grad_output, const Tensor& input, const Tensor& offset,
+                    const Tensor& mask, Tensor& grad_input, Tensor& grad_offset, Tensor& grad_mask);
 };
 
 // The scalar arguments of the op, in the originals' order.
@@ -55,41 +54,41 @@ struct Dcnv3Arguments {
 // Checks the operands of dcnv3, or of dcnv4 when mask is undefined (and grad_output, when
 // given, of the backward) without reading tensor data; raises ValueError naming the argument.
 // Returns the geometry.
-Dcnv3Geometry check_dcnv3_arguments(const std::optional<at::Tensor>& grad_output,
-                                    const at::Tensor& input, const at::Tensor& offset,
-                                    const at::Tensor& mask, const Dcnv3Arguments& args);
+Dcnv3Geometry check_dcnv3_arguments(const std::optional<Tensor>& grad_output, const Tensor& input,
+                                    const Tensor& offset, const Tensor& mask,
+                                    const Dcnv3Arguments& args);
 
 // The drivers, over the schemas' arguments (Dcnv3Op, Dcnv4Op), which each device registers
 // with its launchers (Note [Device kernels], infrastructure/device_kernels.h). DCNv4's take
 // offset_mask where DCNv3's take offset, and no mask; their offset gradient is offset_mask's,
 // zero in its padding. Gradients not selected by output_mask come back undefined.
-at::Tensor dcnv3_forward(const Dcnv3Launchers& launchers, const at::Tensor& input,
-                         const at::Tensor& offset, const at::Tensor& mask, int64_t kernel_h,
-                         int64_t kernel_w, int64_t stride_h, int64_t stride_w, int64_t pad_h,
-                         int64_t pad_w, int64_t dilation_h, int64_t dilation_w, int64_t group,
-                         int64_t group_channels, double offset_scale, int64_t im2col_step,
-                         bool remove_center);
+Tensor dcnv3_forward(const Dcnv3Launchers& launchers, const Tensor& input, const Tensor& offset,
+                     const Tensor& mask, int64_t kernel_h, int64_t kernel_w, int64_t stride_h,
+                     int64_t stride_w, int64_t pad_h, int64_t pad_w, int64_t dilation_h,
+                     int64_t dilation_w, int64_t group, int64_t group_channels, double offset_scale,
+                     int64_t im2col_step, bool remove_center);
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> dcnv3_backward(
-    const Dcnv3Launchers& launchers, const at::Tensor& grad_output, const at::Tensor& input,
-    const at::Tensor& offset, const at::Tensor& mask, int64_t kernel_h, int64_t kernel_w,
-    int64_t stride_h, int64_t stride_w, int64_t pad_h, int64_t pad_w, int64_t dilation_h,
-    int64_t dilation_w, int64_t group, int64_t group_channels, double offset_scale,
-    int64_t im2col_step, bool remove_center, std::array<bool, 3> output_mask);
-
-at::Tensor dcnv4_forward(const Dcnv3Launchers& launchers, const at::Tensor& input,
-                         const at::Tensor& offset_mask, int64_t kernel_h, int64_t kernel_w,
-                         int64_t stride_h, int64_t stride_w, int64_t pad_h, int64_t pad_w,
-                         int64_t dilation_h, int64_t dilation_w, int64_t group,
-                         int64_t group_channels, double offset_scale, int64_t im2col_step,
-                         bool remove_center);
-
-std::tuple<at::Tensor, at::Tensor> dcnv4_backward(
-    const Dcnv3Launchers& launchers, const at::Tensor& grad_output, const at::Tensor& input,
-    const at::Tensor& offset_mask, int64_t kernel_h, int64_t kernel_w, int64_t stride_h,
+std::tuple<Tensor, Tensor, Tensor> dcnv3_backward(
+    const Dcnv3Launchers& launchers, const Tensor& grad_output, const Tensor& input,
+    const Tensor& offset, const Tensor& mask, int64_t kernel_h, int64_t kernel_w, int64_t stride_h,
     int64_t stride_w, int64_t pad_h, int64_t pad_w, int64_t dilation_h, int64_t dilation_w,
     int64_t group, int64_t group_channels, double offset_scale, int64_t im2col_step,
-    bool remove_center, std::array<bool, 2> output_mask);
+    bool remove_center, const std::vector<bool>& output_mask);
+
+Tensor dcnv4_forward(const Dcnv3Launchers& launchers, const Tensor& input,
+                     const Tensor& offset_mask, int64_t kernel_h, int64_t kernel_w,
+                     int64_t stride_h, int64_t stride_w, int64_t pad_h, int64_t pad_w,
+                     int64_t dilation_h, int64_t dilation_w, int64_t group, int64_t group_channels,
+                     double offset_scale, int64_t im2col_step, bool remove_center);
+
+std::tuple<Tensor, Tensor> dcnv4_backward(const Dcnv3Launchers& launchers,
+                                          const Tensor& grad_output, const Tensor& input,
+                                          const Tensor& offset_mask, int64_t kernel_h,
+                                          int64_t kernel_w, int64_t stride_h, int64_t stride_w,
+                                          int64_t pad_h, int64_t pad_w, int64_t dilation_h,
+                                          int64_t dilation_w, int64_t group, int64_t group_channels,
+                                          double offset_scale, int64_t im2col_step,
+                                          bool remove_center, const std::vector<bool>& output_mask);
 
 // The schema of the checks op of dcnv3 (grad_output absent) or dcnv3_backward (present), reading no tensor
 // data; returns the output shape. For the fake kernels. Without a mask, those of dcnv4, the
@@ -117,22 +116,21 @@ struct Dcnv3Op {
       "int dilation_w, int group, int group_channels, float offset_scale, int im2col_step, "
       "bool remove_center, bool[3] output_mask) -> (Tensor, Tensor, Tensor)";
   static constexpr const char* kName = "dcnv3";
-  using Signature = at::Tensor(const at::Tensor& input, const at::Tensor& offset,
-                               const at::Tensor& mask, int64_t kernel_h, int64_t kernel_w,
-                               int64_t stride_h, int64_t stride_w, int64_t pad_h, int64_t pad_w,
-                               int64_t dilation_h, int64_t dilation_w, int64_t group,
-                               int64_t group_channels, double offset_scale, int64_t im2col_step,
-                               bool remove_center);
+  using Signature = Tensor(const Tensor& input, const Tensor& offset, const Tensor& mask,
+                           int64_t kernel_h, int64_t kernel_w, int64_t stride_h, int64_t stride_w,
+                           int64_t pad_h, int64_t pad_w, int64_t dilation_h, int64_t dilation_w,
+                           int64_t group, int64_t group_channels, double offset_scale,
+                           int64_t im2col_step, bool remove_center);
   static constexpr std::array<const char*, 16> kArgumentNames = {
       "input", "offset", "mask", "kernel_h", "kernel_w", "stride_h", "stride_w", "pad_h", "pad_w",
       "dilation_h", "dilation_w", "group", "group_channels", "offset_scale", "im2col_step",
       "remove_center"};
-  using BackwardSignature = std::tuple<at::Tensor, at::Tensor, at::Tensor>(
-      const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& offset,
-      const at::Tensor& mask, int64_t kernel_h, int64_t kernel_w, int64_t stride_h,
-      int64_t stride_w, int64_t pad_h, int64_t pad_w, int64_t dilation_h, int64_t dilation_w,
-      int64_t group, int64_t group_channels, double offset_scale, int64_t im2col_step,
-      bool remove_center, std::array<bool, 3> output_mask);
+  using BackwardSignature = std::tuple<Tensor, Tensor, Tensor>(
+      const Tensor& grad_output, const Tensor& input, const Tensor& offset, const Tensor& mask,
+      int64_t kernel_h, int64_t kernel_w, int64_t stride_h, int64_t stride_w, int64_t pad_h,
+      int64_t pad_w, int64_t dilation_h, int64_t dilation_w, int64_t group, int64_t group_channels,
+      double offset_scale, int64_t im2col_step, bool remove_center,
+      const std::vector<bool>& output_mask);
   static constexpr std::array<size_t, 3> kGradientArguments = {0, 1, 2};
   static constexpr std::array<size_t, 16> kBackwardArguments = {0, 1, 2,  3,  4,  5,  6,  7,
                                                                 8, 9, 10, 11, 12, 13, 14, 15};
@@ -156,21 +154,21 @@ struct Dcnv4Op {
       "int dilation_w, int group, int group_channels, float offset_scale, int im2col_step, "
       "bool remove_center, bool[2] output_mask) -> (Tensor, Tensor)";
   static constexpr const char* kName = "dcnv4";
-  using Signature = at::Tensor(const at::Tensor& input, const at::Tensor& offset_mask,
-                               int64_t kernel_h, int64_t kernel_w, int64_t stride_h,
-                               int64_t stride_w, int64_t pad_h, int64_t pad_w, int64_t dilation_h,
-                               int64_t dilation_w, int64_t group, int64_t group_channels,
-                               double offset_scale, int64_t im2col_step, bool remove_center);
+  using Signature = Tensor(const Tensor& input, const Tensor& offset_mask, int64_t kernel_h,
+                           int64_t kernel_w, int64_t stride_h, int64_t stride_w, int64_t pad_h,
+                           int64_t pad_w, int64_t dilation_h, int64_t dilation_w, int64_t group,
+                           int64_t group_channels, double offset_scale, int64_t im2col_step,
+                           bool remove_center);
   static constexpr std::array<const char*, 15> kArgumentNames = {
       "input", "offset_mask", "kernel_h", "kernel_w", "stride_h", "stride_w", "pad_h", "pad_w",
       "dilation_h", "dilation_w", "group", "group_channels", "offset_scale", "im2col_step",
       "remove_center"};
-  using BackwardSignature = std::tuple<at::Tensor, at::Tensor>(
-      const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& offset_mask,
-      int64_t kernel_h, int64_t kernel_w, int64_t stride_h, int64_t stride_w, int64_t pad_h,
-      int64_t pad_w, int64_t dilation_h, int64_t dilation_w, int64_t group,
-      int64_t group_channels, double offset_scale, int64_t im2col_step, bool remove_center,
-      std::array<bool, 2> output_mask);
+  using BackwardSignature = std::tuple<Tensor, Tensor>(
+      const Tensor& grad_output, const Tensor& input, const Tensor& offset_mask, int64_t kernel_h,
+      int64_t kernel_w, int64_t stride_h, int64_t stride_w, int64_t pad_h, int64_t pad_w,
+      int64_t dilation_h, int64_t dilation_w, int64_t group, int64_t group_channels,
+      double offset_scale, int64_t im2col_step, bool remove_center,
+      const std::vector<bool>& output_mask);
   static constexpr std::array<size_t, 2> kGradientArguments = {0, 1};
   static constexpr std::array<size_t, 15> kBackwardArguments = {0, 1, 2,  3,  4,  5,  6, 7,
                                                                 8, 9, 10, 11, 12, 13, 14};

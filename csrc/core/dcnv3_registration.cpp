@@ -2,7 +2,7 @@
 // launchers' file (Note [Device kernels], infrastructure/device_kernels.h); the Python package
 // the Autograd, Autocast and fake kernels (deformconv/ops/).
 
-#include <torch/library.h>
+#include <torch/csrc/stable/library.h>
 
 #include <cstdint>
 #include <optional>
@@ -16,14 +16,16 @@ namespace {
 // The argument checks of dcnv3, or of dcnv4 without a mask, as an op of their own that reads
 // no tensor data, for the fake kernels (deform_conv2d_registration.cpp says why). Returns the
 // output shape.
-std::vector<int64_t> check_dcnv3_arguments_op(
-    const std::optional<at::Tensor>& grad_output, const at::Tensor& input,
-    const at::Tensor& offset, const std::optional<at::Tensor>& mask, int64_t kernel_h,
-    int64_t kernel_w, int64_t stride_h, int64_t stride_w, int64_t pad_h, int64_t pad_w, int64_t dilation_h,
-    int64_t dilation_w, int64_t group, int64_t group_channels, double offset_scale,
-    int64_t im2col_step, bool remove_center) {
+std::vector<int64_t> check_dcnv3_arguments_op(const std::optional<Tensor>& grad_output,
+                                              const Tensor& input, const Tensor& offset,
+                                              const std::optional<Tensor>& mask, int64_t kernel_h,
+                                              int64_t kernel_w, int64_t stride_h, int64_t stride_w,
+                                              int64_t pad_h, int64_t pad_w, int64_t dilation_h,
+                                              int64_t dilation_w, int64_t group,
+                                              int64_t group_channels, double offset_scale,
+                                              int64_t im2col_step, bool remove_center) {
   const Dcnv3Geometry g = check_dcnv3_arguments(
-      grad_output, input, offset, mask.value_or(at::Tensor()),
+      grad_output, input, offset, mask.value_or(Tensor()),
       {kernel_h, kernel_w, stride_h, stride_w, pad_h, pad_w, dilation_h, dilation_w, group,
        group_channels, offset_scale, im2col_step, remove_center});
   return {input.size(0), g.out_height, g.out_width, g.channels()};
@@ -31,7 +33,7 @@ std::vector<int64_t> check_dcnv3_arguments_op(
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(deformconv, m) {
+STABLE_TORCH_LIBRARY_FRAGMENT(deformconv, m) {
   m.def(Dcnv3Op::kSchema);
   m.def(Dcnv3Op::kBackwardSchema);
   m.def(Dcnv4Op::kSchema);
@@ -39,8 +41,8 @@ TORCH_LIBRARY_FRAGMENT(deformconv, m) {
   m.def(kDcnv3ChecksSchema);
 }
 
-TORCH_LIBRARY_IMPL(deformconv, CompositeExplicitAutograd, m) {
-  m.impl("_check_dcnv3_arguments", TORCH_FN(check_dcnv3_arguments_op));
+STABLE_TORCH_LIBRARY_IMPL(deformconv, CompositeExplicitAutograd, m) {
+  m.impl("_check_dcnv3_arguments", TORCH_BOX(&check_dcnv3_arguments_op));
 }
 
 }  // namespace deformconv

@@ -33,11 +33,6 @@ void check_shape(const char* name, const Tensor& tensor,
                             shape_text(tensor.sizes()));
 }
 
-// Tensors as the launchers read them (contiguous), without a call when they are already.
-Tensor as_contiguous(const Tensor& tensor) {
-  return tensor.is_contiguous() ? tensor : torch::stable::contiguous(tensor);
-}
-
 // The levels' sizes and starts against each other and against value's S rows: each level at
 // least one pixel, starting where the one before it ends, the last ending at S. Reads the two
 // small index tensors (from the GPU too: a synchronisation).
@@ -204,9 +199,6 @@ MsDeformAttnGeometry check_ms_deform_attn_arguments(
     check_dtype("grad_output", *grad_output, value.scalar_type(), "the dtype of value");
     check_shape("grad_output", *grad_output, {N, Lq, M * D}, "(batch, queries, heads * channels)");
   }
-  const auto is_meta = [](const Tensor& tensor) {
-    return tensor.device().type() == torch::headeronly::DeviceType::Meta;
-  };
   if (!is_meta(spatial_shapes) && !is_meta(level_start_index)) {
     check_levels_once(spatial_shapes, level_start_index, S);
   }
@@ -238,8 +230,7 @@ std::tuple<Tensor, Tensor, Tensor> ms_deform_attn_backward(
     const MsDeformAttnLaunchers& launchers, const Tensor& grad_output, const Tensor& value,
     const Tensor& spatial_shapes, const Tensor& level_start_index, const Tensor& sampling_locations,
     const Tensor& attention_weights, int64_t im2col_step, const std::vector<bool>& output_mask) {
-  DEFORMCONV_CHECK_ARGUMENT(output_mask.size() == 3, "ms_deform_attn_backward(): expected ",
-                            "output_mask to have 3 entries, but got ", output_mask.size());
+  check_output_mask("ms_deform_attn_backward()", output_mask, 3);
   const MsDeformAttnGeometry g = check_ms_deform_attn_arguments(
       grad_output, value, spatial_shapes, level_start_index, sampling_locations,
       attention_weights, im2col_step);

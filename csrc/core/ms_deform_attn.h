@@ -5,8 +5,6 @@
 // has no columns: memory beyond the outputs is the float32 value-gradient sums of half
 // precision only, and im2col_step (kept for the originals' signature) changes nothing.
 
-#include <torch/csrc/stable/tensor.h>
-
 #include <array>
 #include <cstddef>
 #include <cstdint>
@@ -15,10 +13,9 @@
 #include <vector>
 
 #include "../common/ms_deform_attn_kernel.cuh"
+#include "../infrastructure/stable_tensors.h"
 
 namespace deformconv {
-
-using torch::stable::Tensor;
 
 // Every tensor is contiguous and on the launchers' device; spatial_shapes and
 // level_start_index are int64 and checked consistent with value (each level inside its rows).

@@ -179,16 +179,15 @@ void dcnv3_gradient_pixels(
 // in tasks of pixels that all the threads share, and the pass by images is only the input
 // gradient's scatter.
 void dcnv3_gradients_cpu(const Dcnv3Geometry& g, const Dcnv3Fields& f, int64_t batch,
-                         const at::Tensor& grad_output, const at::Tensor& input,
-                         const at::Tensor& offset, const at::Tensor& mask,
-                         at::Tensor& grad_input, at::Tensor& grad_offset, at::Tensor& grad_mask) {
+                         const Tensor& grad_output, const Tensor& input, const Tensor& offset,
+                         const Tensor& mask, Tensor& grad_input, Tensor& grad_offset,
+                         Tensor& grad_mask) {
   const bool want_input = grad_input.defined();
   const bool want_offset_or_mask = grad_offset.defined() || grad_mask.defined();
   DEFORMCONV_DISPATCH(input.scalar_type(), "dcnv3_gradients_cpu", [&] {
     using opmath_t = opmath_type<scalar_t>;
     // Note [Input gradient sums in float32]
-    at::Tensor sums =
-        want_input ? uninitialised_input_gradient_sums<scalar_t>(grad_input) : at::Tensor();
+    Tensor sums = want_input ? uninitialised_input_gradient_sums<scalar_t>(grad_input) : Tensor();
     const scalar_t* grad_output_data = grad_output.const_data_ptr<scalar_t>();
     const scalar_t* input_data = input.const_data_ptr<scalar_t>();
     const scalar_t* offset_data = offset.const_data_ptr<scalar_t>();

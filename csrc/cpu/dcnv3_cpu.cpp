@@ -3,10 +3,10 @@
 
 #if !defined(DEFORMCONV_CPU_COPY)  // the head (Note [CPU copies], cpu_copies.h)
 
-#include <torch/library.h>
+#include <torch/csrc/stable/library.h>
 
 #include "../core/dcnv3.h"
-#include "../infrastructure/libtorch_device_kernels.h"
+#include "../infrastructure/device_kernels.h"
 #include "cpu_launchers.h"
 
 #define DEFORMCONV_CPU_COPY_BODY "dcnv3_cpu.cpp"
@@ -20,7 +20,7 @@ const Dcnv3Launchers& dcnv3_cpu_launchers_in_use() { return cpu_copy().dcnv3(); 
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(deformconv, CPU, m) {
+STABLE_TORCH_LIBRARY_IMPL(deformconv, CPU, m) {
   register_device_kernels<Dcnv3Op, CpuDevice, dcnv3_forward, dcnv3_backward,
                           dcnv3_cpu_launchers_in_use>(m);
   register_device_kernels<Dcnv4Op, CpuDevice, dcnv4_forward, dcnv4_backward,

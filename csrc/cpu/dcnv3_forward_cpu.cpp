@@ -144,8 +144,8 @@ void dcnv3_forward_pixels(const Dcnv3Geometry& g, const Dcnv3Fields& f,
 }  // namespace
 
 void dcnv3_forward_cpu(const Dcnv3Geometry& g, const Dcnv3Fields& f, int64_t batch,
-                       const at::Tensor& input, const at::Tensor& offset, const at::Tensor& mask,
-                       at::Tensor& output) {
+                       const Tensor& input, const Tensor& offset, const Tensor& mask,
+                       Tensor& output) {
   DEFORMCONV_DISPATCH(input.scalar_type(), "dcnv3_forward_cpu", [&] {
     const scalar_t* input_data = input.const_data_ptr<scalar_t>();
     const scalar_t* offset_data = offset.const_data_ptr<scalar_t>();

@@ -10,13 +10,12 @@
 namespace deformconv::DEFORMCONV_CPU_COPY {
 
 void dcnv3_forward_cpu(const Dcnv3Geometry& g, const Dcnv3Fields& f, int64_t batch,
-                       const at::Tensor& input, const at::Tensor& offset, const at::Tensor& mask,
-                       at::Tensor& output);
+                       const Tensor& input, const Tensor& offset, const Tensor& mask,
+                       Tensor& output);
 
 void dcnv3_gradients_cpu(const Dcnv3Geometry& g, const Dcnv3Fields& f, int64_t batch,
-                         const at::Tensor& grad_output, const at::Tensor& input,
-                         const at::Tensor& offset, const at::Tensor& mask,
-                         at::Tensor& grad_input, at::Tensor& grad_offset,
-                         at::Tensor& grad_mask);
+                         const Tensor& grad_output, const Tensor& input, const Tensor& offset,
+                         const Tensor& mask, Tensor& grad_input, Tensor& grad_offset,
+                         Tensor& grad_mask);
 
 }  // namespace deformconv::DEFORMCONV_CPU_COPY

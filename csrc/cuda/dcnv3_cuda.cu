@@ -28,8 +28,8 @@
 // and indexing the input's and output's elements in 32 bits when every dividend and element
 // index of the launch is below 2^31, in int64 otherwise (Dcnv3Divisors, with_divisors).
 
-#include <ATen/core/Tensor.h>
-#include <torch/library.h>
+#include <torch/csrc/stable/library.h>
+#include <torch/csrc/stable/ops.h>
 
 #include <algorithm>
 #include <cmath>
@@ -43,9 +43,9 @@
 #include "../common/dcnv3_kernel.cuh"
 #include "../core/dcnv3.h"
 #include "../infrastructure/branch_trace.h"
+#include "../infrastructure/device_kernels.h"
 #include "../infrastructure/dtype_dispatch.h"
 #include "../infrastructure/input_gradient_sums.h"
-#include "../infrastructure/libtorch_device_kernels.h"
 #include "../infrastructure/optional_data.h"
 #include "channel_vectors.cuh"
 #include "cuda_device.h"
@@ -222,7 +222,7 @@ __device__ inline void backward_item(
   }
 }
 
-// grad_input (sums of at::opmath_type, Note [Input gradient sums in float32]), grad_offset and
+// grad_input (sums of opmath_type, Note [Input gradient sums in float32]), grad_offset and
 // grad_mask are null where not asked for. The input gradient adds atomically in global memory
 // (scatter_add_run).
 template <typename scalar_t, int kVector, typename Divisor>
@@ -447,7 +447,7 @@ __global__ void dcnv3_backward_banded_kernel(Dcnv3Geometry g, Dcnv3Divisors<Divi
 template <typename scalar_t>
 constexpr int kForwardVector = 16 / sizeof(scalar_t);
 
-// The backward's: 16 bytes of its input gradient's sums (at::opmath_type), which take a vector
+// The backward's: 16 bytes of its input gradient's sums (opmath_type), which take a vector
 // in one atomic add (scatter_add_run). In half precision a lane then loads 8 bytes of the
 // output's gradient and of the input, and the lanes of an item add to one contiguous run of
 // sums; with 16-byte loads, each lane's 8 channels would be two atomics a sector apart, every
@@ -477,8 +477,8 @@ void with_divisors(const Dcnv3Geometry& g, int64_t batch, const LaneTiling& t,
 }
 
 void dcnv3_forward_cuda(const Dcnv3Geometry& g, const Dcnv3Fields& f, int64_t batch,
-                        const at::Tensor& input, const at::Tensor& offset,
-                        const at::Tensor& mask, at::Tensor& output) {
+                        const Tensor& input, const Tensor& offset, const Tensor& mask,
+                        Tensor& output) {
   DEFORMCONV_DISPATCH(input.scalar_type(), "dcnv3_forward_cuda", [&] {
     with_channel_vectors<kForwardVector<scalar_t>>(
         batch * g.out_pixels() * g.groups, g.group_channels, g.group_channels, g.points(),
@@ -499,10 +499,9 @@ void dcnv3_forward_cuda(const Dcnv3Geometry& g, const Dcnv3Fields& f, int64_t ba
 
 // The input gradient and the offset and mask gradients, those asked for, in one kernel.
 void dcnv3_gradients_cuda(const Dcnv3Geometry& g, const Dcnv3Fields& f, int64_t batch,
-                          const at::Tensor& grad_output, const at::Tensor& input,
-                          const at::Tensor& offset, const at::Tensor& mask,
-                          at::Tensor& grad_input, at::Tensor& grad_offset,
-                          at::Tensor& grad_mask) {
+                          const Tensor& grad_output, const Tensor& input, const Tensor& offset,
+                          const Tensor& mask, Tensor& grad_input, Tensor& grad_offset,
+                          Tensor& grad_mask) {
   if (grad_input.defined()) {
     record_branch("dcnv3.cuda.backward.input_gradient");
   }
@@ -512,12 +511,13 @@ void dcnv3_gradients_cuda(const Dcnv3Geometry& g, const Dcnv3Fields& f, int64_t 
   DEFORMCONV_DISPATCH(grad_output.scalar_type(), "dcnv3_backward_cuda", [&] {
     using opmath_t = opmath_type<scalar_t>;
     // Note [Input gradient sums in float32]
-    at::Tensor sums;
+    Tensor sums;
     if (grad_input.defined()) {
-      sums = uninitialised_input_gradient_sums<scalar_t>(grad_input).zero_();
+      sums = uninitialised_input_gradient_sums<scalar_t>(grad_input);
+      torch::stable::zero_(sums);
     }
     // The sums too: vectors of them are added in one atomic (scatter_add_run).
-    const at::Tensor& sums_or_input = sums.defined() ? sums : input;
+    const Tensor& sums_or_input = sums.defined() ? sums : input;
     with_channel_vectors<kBackwardVector<scalar_t>>(
         batch * g.out_pixels() * g.groups, g.group_channels, g.group_channels, g.points(),
         kStagedSamples<opmath_t>,
@@ -573,9 +573,11 @@ const Dcnv3Launchers& dcnv3_cuda_launchers() {
 // The kernels at the CUDA key: the drivers with these launchers. The test suite's emulation
 // build, which compiles this file as C++, registers them under its own namespace.
 #if !defined(DEFORMCONV_CUDA_EMULATION)
-TORCH_LIBRARY_IMPL(deformconv, CUDA, m) {
-  register_device_kernels<Dcnv3Op, CudaDevice, dcnv3_forward, dcnv3_backward, dcnv3_cuda_launchers>(m);
-  register_device_kernels<Dcnv4Op, CudaDevice, dcnv4_forward, dcnv4_backward, dcnv3_cuda_launchers>(m);
+STABLE_TORCH_LIBRARY_IMPL(deformconv, CUDA, m) {
+  register_device_kernels<Dcnv3Op, CudaDevice, dcnv3_forward, dcnv3_backward, dcnv3_cuda_launchers>(
+      m);
+  register_device_kernels<Dcnv4Op, CudaDevice, dcnv4_forward, dcnv4_backward, dcnv3_cuda_launchers>(
+      m);
 }
 #endif
 

@@ -6,8 +6,10 @@
 // depend on, and a kernel can raise no TypeError through the ABI that it does depend on
 // (PyTorch's stable ABI).
 
+#include <cstddef>
 #include <sstream>
 #include <stdexcept>
+#include <vector>
 
 namespace deformconv {
 
@@ -28,3 +30,15 @@ template <typename... Parts>
       ::deformconv::throw_argument_error(__VA_ARGS__);      \
     }                                                       \
   } while (false)
+
+namespace deformconv {
+
+// A backward op's output_mask, one entry per gradient: the schema's bool[N] reaches the
+// kernels as a list of any length.
+inline void check_output_mask(const char* op, const std::vector<bool>& output_mask,
+                              size_t gradients) {
+  DEFORMCONV_CHECK_ARGUMENT(output_mask.size() == gradients, op, ": expected output_mask to have ",
+                            gradients, " entries, but got ", output_mask.size());
+}
+
+}  // namespace deformconv

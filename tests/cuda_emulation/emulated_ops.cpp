@@ -182,13 +182,13 @@ TORCH_LIBRARY(deformconv_emulated, m) {
 TORCH_LIBRARY_IMPL(deformconv_emulated, CPU, m) {
   register_device_kernels<DeformConv2dOp, CudaDevice, deform_conv2d_forward,
                           deform_conv2d_backward, emulated_launchers>(m);
+}
+
+STABLE_TORCH_LIBRARY_IMPL(deformconv_emulated, CPU, m) {
   register_device_kernels<Dcnv3Op, CudaDevice, dcnv3_forward, dcnv3_backward,
                           dcnv3_cuda_launchers>(m);
   register_device_kernels<Dcnv4Op, CudaDevice, dcnv4_forward, dcnv4_backward,
                           dcnv3_cuda_launchers>(m);
-}
-
-STABLE_TORCH_LIBRARY_IMPL(deformconv_emulated, CPU, m) {
   register_device_kernels<MsDeformAttnOp, CudaDevice, ms_deform_attn_forward,
                           ms_deform_attn_backward, ms_deform_attn_cuda_launchers>(m);
 }
