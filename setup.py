@@ -232,6 +232,12 @@ def compile_flags():
             if line.startswith("-")]
 
 
+# The Python module uses CPython's limited API only (csrc/python/module.cpp creates an empty
+# module; the ops reach Python through the dispatcher): one build serves every Python from
+# PYTHON_ABI on, its wheel tagged abi3, and it does not link libtorch_python.
+PYTHON_ABI = "cp310"
+
+
 def extension(cpp_extension, with_cuda: bool):
     # No OpenMP flags: the kernels run in parallel regions that ATen compiled (Note [Parallel
     # regions through ATen], csrc/infrastructure/parallel_region.h), on every compiler and platform.
@@ -250,11 +256,11 @@ def extension(cpp_extension, with_cuda: bool):
         return cpp_extension.CUDAExtension(
             "deformconv._C", listed_sources("library", "python", "cuda"),
             extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3", "-DUSE_CUDA"]},
-            extra_link_args=link_flags,
+            extra_link_args=link_flags, py_limited_api=True,
         )
     return cpp_extension.CppExtension(
         "deformconv._C", listed_sources("library", "python"),
-        extra_compile_args={"cxx": cxx_flags}, extra_link_args=link_flags,
+        extra_compile_args={"cxx": cxx_flags}, extra_link_args=link_flags, py_limited_api=True,
     )
 
 
@@ -331,7 +337,13 @@ def build_options():
 
         def run(self):
             super().run()
-            target = Path(self.get_ext_fullpath("deformconv._C")).parent / "_build_info.py"
+            built = Path(self.get_ext_fullpath("deformconv._C"))
+            # A module left by an earlier build under another suffix (_C.cpython-311-...so
+            # before the builds were abi3) would be imported in preference to this one.
+            for stale in built.parent.glob("_C.*.so"):
+                if stale != built:
+                    stale.unlink()
+            target = built.parent / "_build_info.py"
             archs = archs_or_reason if self.cpu_only_reason is None else ""
             target.write_text(
                 "# Written by setup.py when _C was compiled.\n"
@@ -362,6 +374,7 @@ if __name__ == "__main__":
     commands = sys.argv[1:]
     setup(
         version=read_version(),
+        options={"bdist_wheel": {"py_limited_api": PYTHON_ABI}},
         install_requires=[torch_requirement(commands)],
         **(build_options() if COMPILING_COMMANDS.intersection(commands) else {}),
     )

@@ -28,6 +28,16 @@ def test_build_info_agrees_with_the_kernels_registered():
         assert _build_info.CPU_ONLY_REASON and not _build_info.CUDA_ARCH_LIST
 
 
+def test_the_module_is_built_for_every_python_from_3_10():
+    # CPython's limited API (setup.py's PYTHON_ABI): the suffix of an abi3 build, and no symbol
+    # of the full API, whose names start with an underscore (_Py..., _PyObject...).
+    module = Path(deformconv._C.__file__)
+    assert module.name == "_C.abi3.so", module.name
+    undefined = subprocess.run(["nm", "-D", "--undefined-only", str(module)], capture_output=True,
+                               text=True, check=True).stdout.split()
+    assert not [name for name in undefined if name.startswith("_Py")], undefined
+
+
 def test_import_under_another_torch_names_both_versions(tmp_path):
     # A fresh interpreter that imports this same deformconv under a torch that reports another
     # version: the import must stop before loading _C, with both versions and the fix.
