@@ -1,6 +1,7 @@
-"""Writes what the LibTorch test program checks: a scripted model using all four deformconv
-modules (model.pt), and its input with the output and gradients computed in eager Python
-(fixture.pt, a scripted module holding them as buffers, which C++ reads with torch::jit::load).
+"""Writes what the LibTorch test programs check: a scripted model using all four deformconv
+modules (model.pt), the same model exported and compiled by AOTInductor into a package
+(model.pt2), and its input with the output and gradients computed in eager Python (fixture.pt,
+a scripted module holding them as buffers, which C++ reads with torch::jit::load).
 
     python make_fixture.py <folder>
 """
@@ -60,7 +61,11 @@ def main(folder):
         warnings.simplefilter("ignore", FutureWarning)
         torch.jit.save(torch.jit.script(model), str(folder / "model.pt"))
         torch.jit.save(torch.jit.script(Fixture(tensors)), str(folder / "fixture.pt"))
-    print(f"wrote {folder / 'model.pt'} and {folder / 'fixture.pt'}")
+    # The package's kernels call deformconv's ops through the dispatcher, so the C++ program
+    # that runs it links the library.
+    exported = torch.export.export(model, (x.detach(),))
+    torch._inductor.aoti_compile_and_package(exported, package_path=str(folder / "model.pt2"))
+    print(f"wrote {folder / 'model.pt'}, {folder / 'model.pt2'} and {folder / 'fixture.pt'}")
 
 
 if __name__ == "__main__":
