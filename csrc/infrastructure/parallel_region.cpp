@@ -14,6 +14,20 @@ namespace {
 
 thread_local bool inside_region = false;
 
+// Marks the thread as inside one of the library's regions while it lives, and puts back what
+// was there when it goes, an exception from the region's body included: a flag left set would
+// run every later region of that thread serially.
+class InsideRegion {
+ public:
+  InsideRegion() : outer_(inside_region) { inside_region = true; }
+  ~InsideRegion() { inside_region = outer_; }
+  InsideRegion(const InsideRegion&) = delete;
+  InsideRegion& operator=(const InsideRegion&) = delete;
+
+ private:
+  bool outer_;
+};
+
 }  // namespace
 
 int64_t thread_count() { return static_cast<int64_t>(torch::stable::get_num_threads()); }
@@ -32,12 +46,10 @@ void run_on_every_thread(const std::function<void()>& body, const char* other_th
     if (std::this_thread::get_id() != caller) {
       record_branch(other_threads_branch);
     }
-    const bool outer = inside_region;
-    inside_region = true;
+    const InsideRegion inside;
     for (int64_t turn = begin; turn < end; ++turn) {
       body();
     }
-    inside_region = outer;
   });
 }
 
