@@ -155,8 +155,7 @@ Tensor forward(const Dcnv3Launchers& launchers, const Tensor& input_arg, const T
   const Dcnv3Geometry g =
       check_dcnv3_arguments(std::nullopt, input_arg, offset_arg, mask_arg, args);
   const int64_t batch = input_arg.size(0);
-  Tensor output =
-      torch::stable::new_empty(input_arg, {batch, g.out_height, g.out_width, g.channels()});
+  Tensor output = new_contiguous(input_arg, {batch, g.out_height, g.out_width, g.channels()});
   if (input_arg.numel() == 0) {
     // Nothing to sample (no image pixels, padded to an output): every sample is 0.
     torch::stable::zero_(output);
@@ -188,9 +187,9 @@ std::tuple<Tensor, Tensor, Tensor> backward(const Dcnv3Launchers& launchers,
   // The launchers zero the input gradient (Dcnv3Launchers::backward). Every sample writes its
   // own offset and mask gradients, so they need no zeroing, except where no sample writes:
   // DCNv4's padding, and everything when nothing is sampled.
-  Tensor grad_input = want_input ? torch::stable::empty_like(input) : Tensor();
-  Tensor grad_offset = want_offset ? torch::stable::empty_like(offset) : Tensor();
-  Tensor grad_mask = packed || !want_mask ? Tensor() : torch::stable::empty_like(mask);
+  Tensor grad_input = want_input ? new_contiguous(input, input.sizes()) : Tensor();
+  Tensor grad_offset = want_offset ? new_contiguous(offset, offset.sizes()) : Tensor();
+  Tensor grad_mask = packed || !want_mask ? Tensor() : new_contiguous(mask, mask.sizes());
   if (grad_output.numel() == 0 || input.numel() == 0) {
     for (Tensor* grad : {&grad_input, &grad_offset, &grad_mask}) {
       if (grad->defined()) {

@@ -212,7 +212,7 @@ Tensor ms_deform_attn_forward(const MsDeformAttnLaunchers& launchers, const Tens
   const MsDeformAttnGeometry g =
       check_ms_deform_attn_arguments(std::nullopt, value, spatial_shapes, level_start_index,
                                      sampling_locations, attention_weights, im2col_step);
-  Tensor output = torch::stable::new_empty(value, {g.batch, g.queries, g.heads * g.channels});
+  Tensor output = new_contiguous(value, {g.batch, g.queries, g.heads * g.channels});
   if (output.numel() == 0) {
     return output;
   }
@@ -236,9 +236,9 @@ std::tuple<Tensor, Tensor, Tensor> ms_deform_attn_backward(
       attention_weights, im2col_step);
   const bool want_value = output_mask[0], want_locations = output_mask[1],
              want_weights = output_mask[2];
-  // Contiguous whatever the operands' strides (new_empty's): the launchers index them so.
+  // Contiguous whatever the operands' strides: the launchers index them so.
   const auto gradient_like = [](bool wanted, const Tensor& operand) {
-    return wanted ? torch::stable::new_empty(operand, operand.sizes()) : Tensor();
+    return wanted ? new_contiguous(operand, operand.sizes()) : Tensor();
   };
   Tensor grad_value = gradient_like(want_value, value);
   Tensor grad_locations = gradient_like(want_locations, sampling_locations);

@@ -7,6 +7,7 @@
 #include <type_traits>
 
 #include "../common/scalar_types.h"
+#include "stable_tensors.h"
 
 namespace deformconv {
 
@@ -37,7 +38,7 @@ Tensor uninitialised_input_gradient_sums(const Tensor& grad_input) {
   if constexpr (std::is_same_v<opmath_type<scalar_t>, scalar_t>) {
     return grad_input;
   } else if constexpr (std::is_same_v<Tensor, torch::stable::Tensor>) {
-    return torch::stable::new_empty(grad_input, grad_input.sizes(), kSumType);
+    return new_contiguous(grad_input, grad_input.sizes(), kSumType);
   } else {
     return grad_input.new_empty(grad_input.sizes(), kSumType);
   }
