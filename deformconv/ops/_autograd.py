@@ -31,20 +31,22 @@ def _below_autograd(op: torch._ops.OpOverload, keyset, arguments):
         return op.redispatch(keyset & torch._C._after_autograd_keyset, *arguments)
 
 
-def register_gradients_and_autocast(op: str, gradient_arguments: Sequence[int],
-                                    backward_arguments: Sequence[int]) -> None:
+def register_gradients_and_autocast(op: str, gradient_arguments: Sequence[int]) -> None:
     """Registers deformconv::`op`'s autograd, its backward op's refusal of a second derivative,
     and the forward op's autocast kernels.
 
-    The backward op deformconv::`op`_backward takes grad_output, the forward's arguments at the
-    places backward_arguments, in that order, and an output_mask; it returns the gradients of the
-    forward's arguments at the places gradient_arguments, in the mask's order, computing only
-    those that the mask asks for (None for the others).
+    The backward op deformconv::`op`_backward takes grad_output, forward arguments by their
+    names, and an output_mask; it returns the gradients of the forward's arguments at the places
+    gradient_arguments, in the mask's order, computing only those that the mask asks for (None
+    for the others).
     """
     forward_op = getattr(torch.ops.deformconv, op).default
     backward_op = getattr(torch.ops.deformconv, f"{op}_backward").default
     schema = forward_op._schema
     arguments = len(schema.arguments)
+    places = {argument.name: place for place, argument in enumerate(schema.arguments)}
+    backward_arguments = [places[argument.name]
+                          for argument in backward_op._schema.arguments[1:-1]]
     # Tensors go through save_for_backward (None keeps the place of an absent one), so that
     # autograd checks that they were not modified in place before the backward.
     tensor_places = [place for place in backward_arguments

@@ -152,5 +152,5 @@ def _dcnv4_backward_fake(grad_output, input, offset_mask, *others_and_output_mas
 
 # Gradients of input, offset and mask (dcnv3), of input and offset_mask (dcnv4); the backward
 # ops take every argument.
-register_gradients_and_autocast("dcnv3", gradient_arguments=range(3), backward_arguments=range(16))
-register_gradients_and_autocast("dcnv4", gradient_arguments=range(2), backward_arguments=range(15))
+register_gradients_and_autocast("dcnv3", gradient_arguments=range(3))
+register_gradients_and_autocast("dcnv4", gradient_arguments=range(2))

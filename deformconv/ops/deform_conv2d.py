@@ -98,5 +98,4 @@ def _deform_conv2d_backward_fake(grad_output, input, offset, weight, mask, strid
 
 # Gradients of input, offset, weight, mask and bias; the backward op takes every argument but
 # bias, whose gradient needs only grad_output.
-register_gradients_and_autocast("deform_conv2d", gradient_arguments=range(5),
-                                backward_arguments=(0, 1, 2, 3, 5, 6, 7, 8, 9, 10))
+register_gradients_and_autocast("deform_conv2d", gradient_arguments=range(5))

@@ -82,6 +82,5 @@ def _ms_deform_attn_backward_fake(grad_output, value, spatial_shapes, level_star
 
 
 # Gradients of value, sampling_locations and attention_weights (spatial_shapes and
-# level_start_index are integer tensors); the backward op takes every argument.
-register_gradients_and_autocast("ms_deform_attn", gradient_arguments=(0, 3, 4),
-                                backward_arguments=range(6))
+# level_start_index are integer tensors).
+register_gradients_and_autocast("ms_deform_attn", gradient_arguments=(0, 3, 4))
