@@ -232,6 +232,19 @@ def compile_flags():
             if line.startswith("-")]
 
 
+# The oldest torch that the library is to run under, through PyTorch's stable ABI. The sources
+# tagged `stable` in csrc/sources.txt are on it already: they compile against that release's
+# stable surface (TORCH_TARGET_VERSION), which tests/test_sources.py checks.
+MINIMUM_TORCH = (2, 12)
+
+
+def torch_target_version() -> str:
+    """MINIMUM_TORCH as TORCH_TARGET_VERSION spells a release: major and minor in the top two
+    bytes."""
+    major, minor = MINIMUM_TORCH
+    return f"0x{major:02x}{minor:02x}000000000000"
+
+
 # The Python module uses CPython's limited API only (csrc/python/module.cpp creates an empty
 # module; the ops reach Python through the dispatcher): one build serves every Python from
 # PYTHON_ABI on, its wheel tagged abi3, and it does not link libtorch_python.
