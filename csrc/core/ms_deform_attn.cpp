@@ -98,26 +98,28 @@ std::optional<int64_t> version_of(const Tensor& tensor) {
   return torch::stable::detail::to<int64_t>(call("aten::_version"));
 }
 
+// The version counters of a pair of index tensors, read once per call.
+struct Versions {
+  int64_t shapes = 0;
+  int64_t starts = 0;
+  bool operator==(const Versions&) const = default;
+};
+
 class CheckedLevels {
  public:
-  bool contains(const Tensor& shapes, const Tensor& starts, int64_t spatial) const {
+  bool contains(const Tensor& shapes, const Tensor& starts, int64_t spatial,
+                const Versions& versions) const {
     for (const Entry& entry : entries_) {
-      if (entry.spatial == spatial && same_memory(entry.shapes, shapes) &&
-          same_memory(entry.starts, starts) && version_of(shapes) == entry.shapes_version &&
-          version_of(starts) == entry.starts_version) {
+      if (entry.spatial == spatial && entry.versions == versions &&
+          same_memory(entry.shapes, shapes) && same_memory(entry.starts, starts)) {
         return true;
       }
     }
     return false;
   }
 
-  void add(const Tensor& shapes, const Tensor& starts, int64_t spatial) {
-    const std::optional<int64_t> shapes_version = version_of(shapes);
-    const std::optional<int64_t> starts_version = version_of(starts);
-    if (!shapes_version.has_value() || !starts_version.has_value()) {
-      return;  // an inference tensor
-    }
-    entries_[next_] = {shapes, starts, *shapes_version, *starts_version, spatial};
+  void add(const Tensor& shapes, const Tensor& starts, int64_t spatial, const Versions& versions) {
+    entries_[next_] = {shapes, starts, versions, spatial};
     next_ = (next_ + 1) % entries_.size();
   }
 
@@ -129,8 +131,7 @@ class CheckedLevels {
   struct Entry {
     std::optional<Tensor> shapes;
     std::optional<Tensor> starts;
-    int64_t shapes_version = 0;
-    int64_t starts_version = 0;
+    Versions versions;
     int64_t spatial = -1;
   };
 
@@ -146,14 +147,22 @@ class CheckedLevels {
 
 void check_levels_once(const Tensor& spatial_shapes, const Tensor& level_start_index,
                        int64_t spatial) {
-  if (!CheckedLevels::rememberable(spatial_shapes)) {
+  std::optional<int64_t> shapes_version;
+  std::optional<int64_t> starts_version;
+  if (CheckedLevels::rememberable(spatial_shapes)) {
+    shapes_version = version_of(spatial_shapes);
+    starts_version = version_of(level_start_index);
+  }
+  if (!shapes_version.has_value() || !starts_version.has_value()) {
+    // On the CPU, or an inference tensor.
     check_levels(spatial_shapes, level_start_index, spatial);
     return;
   }
+  const Versions versions{*shapes_version, *starts_version};
   thread_local CheckedLevels checked;
-  if (!checked.contains(spatial_shapes, level_start_index, spatial)) {
+  if (!checked.contains(spatial_shapes, level_start_index, spatial, versions)) {
     check_levels(spatial_shapes, level_start_index, spatial);
-    checked.add(spatial_shapes, level_start_index, spatial);
+    checked.add(spatial_shapes, level_start_index, spatial, versions);
   }
 }
 
