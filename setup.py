@@ -232,9 +232,10 @@ def compile_flags():
             if line.startswith("-")]
 
 
-# The oldest torch that the library is to run under, through PyTorch's stable ABI. The sources
-# tagged `stable` in csrc/sources.txt are on it already: they compile against that release's
-# stable surface (TORCH_TARGET_VERSION), which tests/test_sources.py checks.
+# The oldest torch that the library runs under, through PyTorch's stable ABI: every source is
+# compiled with TORCH_TARGET_VERSION set to it, so that the stable headers leave out what later
+# releases added and libtorch's own headers stop with an #error. The torch it is built against
+# may be any release from this one on.
 MINIMUM_TORCH = (2, 12)
 
 
@@ -256,19 +257,20 @@ def extension(cpp_extension, with_cuda: bool):
     # regions through ATen], csrc/infrastructure/parallel_region.h), on every compiler and platform.
     # -g0: Python's own flags ask for debug information, which makes the build about a
     # third longer (CPU kernels on 2 cores: 219 s with it, 156 s without).
-    cxx_flags = ["-O3", "-g0"] + compile_flags()
+    target = f"-DTORCH_TARGET_VERSION={torch_target_version()}"
+    cxx_flags = ["-O3", "-g0", target] + compile_flags()
     link_flags = []
     if os.environ.get("DEFORMCONV_SANITIZE", "0") == "1":
         sanitize = ["-fsanitize=address,undefined", "-fno-sanitize-recover=undefined",
                     "-fno-omit-frame-pointer", "-g"]
-        cxx_flags = ["-O1"] + compile_flags() + sanitize
+        cxx_flags = ["-O1", target] + compile_flags() + sanitize
         link_flags += sanitize
     if with_cuda:
         # USE_CUDA, as in PyTorch's own build: the C shim declares its CUDA functions (the
         # current stream, csrc/cuda/launch.cuh) only where it is defined.
         return cpp_extension.CUDAExtension(
             "deformconv._C", listed_sources("library", "python", "cuda"),
-            extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3", "-DUSE_CUDA"]},
+            extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3", target, "-DUSE_CUDA"]},
             extra_link_args=link_flags, py_limited_api=True,
         )
     return cpp_extension.CppExtension(

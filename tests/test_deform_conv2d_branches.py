@@ -8,6 +8,7 @@ the CPU kernels that this CPU runs (the cpu_copy fixture). The same for the CUDA
 launchers under the emulator; DCNv3 and DCNv4 are in tests/test_dcnv3_branches.py. The list of
 branches and the tests that force them is in docs/testing.md."""
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import FrozenSet
 
@@ -19,10 +20,6 @@ from branching import (assert_close_at, branch_trace, channel_loops, opmath_byte
                        requested_subsets, threads, vector_bytes)
 from deform_conv2d_cases import Geometry, make_operands
 from deform_conv2d_reference import deform_conv2d_reference
-
-# torch.backends.mkldnn.flags sets oneDNN's TF32 switch too, which warns on builds without
-# Intel GPU support; the switch does nothing on the CPU.
-pytestmark = pytest.mark.filterwarnings("ignore:TF32 acceleration on top of oneDNN")
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 OPERANDS = ("input", "offset", "weight", "bias", "mask")
@@ -135,10 +132,13 @@ def path_cases():
 
 @pytest.fixture
 def forced(monkeypatch):
-    """Applies a path's switches for the duration of a test."""
+    """A context in which a path's switches (variables of the environment) are set."""
+    @contextlib.contextmanager
     def apply(path):
-        monkeypatch.setenv("DEFORMCONV_FUSED_FORWARD", "1" if path.fused else "0")
-        return torch.backends.mkldnn.flags(enabled=path.onednn)
+        with monkeypatch.context() as patch:
+            patch.setenv("DEFORMCONV_FUSED_FORWARD", "1" if path.fused else "0")
+            patch.setenv("DEFORMCONV_ONEDNN_GEMMS", "1" if path.onednn else "0")
+            yield
     return apply
 
 
@@ -268,6 +268,37 @@ def test_backward_op_computes_only_what_is_asked(cpu_copy, path, forced):
                     assert_close_at(grad, expected, torch.float32, f"{name} of {output_mask}")
                 else:
                     assert grad is None, f"{name} of {output_mask}"
+
+
+@pytest.mark.parametrize("path", PATHS, ids=str)
+def test_path_in_inference_mode(path, forced):
+    # The worker threads of a parallel region carry none of the caller's thread-local state, and
+    # run ATen ops (the GEMMs) outside "below autograd": with grad mode on there, oneDNN's
+    # convolution with the bias of a module (which requires grad) would save an inference tensor
+    # for backward, which raises (Note [Parallel regions through ATen]). Forward and backward op
+    # in inference mode give the same bits as outside it.
+    operands = operands_of(path, torch.float32)
+    x, o, w, b, m = [None if t is None else t.requires_grad_() for t in operands]
+    g = path.geometry
+    arguments = ([*g.stride], [*g.padding], [*g.dilation], g.groups, g.offset_groups,
+                 path.im2col_step)
+    forward = torch.ops.deformconv.deform_conv2d
+    backward = torch.ops.deformconv.deform_conv2d_backward
+    with threads(path.threads), forced(path), torch.no_grad():
+        expected = forward(x, o, w, m, b, *arguments)
+        expected_grads = backward(gradient_for(expected), x, o, w, m, *arguments, [True] * 5)
+    with threads(path.threads), forced(path):
+        with torch.inference_mode(), branch_trace() as taken:
+            out = forward(x, o, w, m, b, *arguments)
+            grads = backward(gradient_for(out), x, o, w, m, *arguments, [True] * 5)
+    assert_path_ran(path, torch.float32, taken, backward=True)
+    assert out.is_inference()
+    assert torch.equal(out, expected)
+    for name, grad, expected_grad in zip(("input", "offset", "weight", "mask", "bias"), grads,
+                                         expected_grads):
+        assert (grad is None) == (expected_grad is None), name
+        if grad is not None:
+            assert torch.equal(grad, expected_grad), name
 
 
 # 60 output channels: the in-place transposition of a contiguous weight gradient goes in shares

@@ -7,6 +7,9 @@
 #include <torch/headeronly/util/BFloat16.h>
 #include <torch/headeronly/util/Half.h>
 
+#include <cstdint>
+#include <stdexcept>
+
 namespace deformconv {
 
 // float16 and bfloat16 compute in float32, float32 and float64 in themselves: what ATen's
@@ -39,6 +42,24 @@ inline bool is_op_dtype(torch::headeronly::ScalarType dtype) {
 inline torch::headeronly::ScalarType opmath_dtype(torch::headeronly::ScalarType dtype) {
   using torch::headeronly::ScalarType;
   return dtype == ScalarType::Half || dtype == ScalarType::BFloat16 ? ScalarType::Float : dtype;
+}
+
+// Bytes per element of the op dtypes and of bytes (the drivers' workspaces).
+inline int64_t element_size(torch::headeronly::ScalarType dtype) {
+  using torch::headeronly::ScalarType;
+  switch (dtype) {
+    case ScalarType::Double:
+      return 8;
+    case ScalarType::Float:
+      return 4;
+    case ScalarType::Half:
+    case ScalarType::BFloat16:
+      return 2;
+    case ScalarType::Byte:
+      return 1;
+    default:
+      throw std::logic_error("deformconv: element_size of a dtype the drivers never use");
+  }
 }
 
 }  // namespace deformconv

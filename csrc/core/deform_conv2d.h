@@ -4,13 +4,12 @@
 // im2col_step blocking and the GEMMs. The CPU and CUDA registrations call it with their
 // launchers.
 
-#include <ATen/core/Tensor.h>
-#include <c10/util/ArrayRef.h>
-
 #include <array>
 #include <cstddef>
+#include <cstdint>
 #include <optional>
 #include <tuple>
+#include <vector>
 
 #include "deform_conv2d_launchers.h"
 
@@ -19,32 +18,35 @@ namespace deformconv {
 // Validates every argument of the op and returns its geometry; throws std::invalid_argument
 // (ValueError in Python) with a message naming the argument, what was expected and what came.
 DeformConv2dGeometry check_deform_conv2d_arguments(
-    const at::Tensor& input, const at::Tensor& offset, const at::Tensor& weight,
-    const std::optional<at::Tensor>& mask, const std::optional<at::Tensor>& bias,
-    c10::IntArrayRef stride, c10::IntArrayRef padding, c10::IntArrayRef dilation,
-    int64_t groups, int64_t offset_groups, int64_t im2col_step);
+    const Tensor& input, const Tensor& offset, const Tensor& weight,
+    const std::optional<Tensor>& mask, const std::optional<Tensor>& bias,
+    const std::vector<int64_t>& stride, const std::vector<int64_t>& padding,
+    const std::vector<int64_t>& dilation, int64_t groups, int64_t offset_groups,
+    int64_t im2col_step);
 
 // The checks of the backward op: those of the forward, and grad_output's shape, dtype, device.
 DeformConv2dGeometry check_deform_conv2d_backward_arguments(
-    const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& offset,
-    const at::Tensor& weight, const std::optional<at::Tensor>& mask, c10::IntArrayRef stride,
-    c10::IntArrayRef padding, c10::IntArrayRef dilation, int64_t groups, int64_t offset_groups,
-    int64_t im2col_step);
+    const Tensor& grad_output, const Tensor& input, const Tensor& offset, const Tensor& weight,
+    const std::optional<Tensor>& mask, const std::vector<int64_t>& stride,
+    const std::vector<int64_t>& padding, const std::vector<int64_t>& dilation, int64_t groups,
+    int64_t offset_groups, int64_t im2col_step);
 
-at::Tensor deform_conv2d_forward(
-    const DeformConv2dLaunchers& launchers, const at::Tensor& input, const at::Tensor& offset,
-    const at::Tensor& weight, const std::optional<at::Tensor>& mask,
-    const std::optional<at::Tensor>& bias, c10::IntArrayRef stride, c10::IntArrayRef padding,
-    c10::IntArrayRef dilation, int64_t groups, int64_t offset_groups, int64_t im2col_step);
+Tensor deform_conv2d_forward(const DeformConv2dLaunchers& launchers, const Tensor& input,
+                             const Tensor& offset, const Tensor& weight,
+                             const std::optional<Tensor>& mask, const std::optional<Tensor>& bias,
+                             const std::vector<int64_t>& stride,
+                             const std::vector<int64_t>& padding,
+                             const std::vector<int64_t>& dilation, int64_t groups,
+                             int64_t offset_groups, int64_t im2col_step);
 
 // Gradients of (input, offset, weight, mask, bias); output_mask says which are wanted, and the
 // others come back undefined. grad_mask is undefined whenever mask is absent.
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> deform_conv2d_backward(
-    const DeformConv2dLaunchers& launchers, const at::Tensor& grad_output,
-    const at::Tensor& input, const at::Tensor& offset, const at::Tensor& weight,
-    const std::optional<at::Tensor>& mask, c10::IntArrayRef stride, c10::IntArrayRef padding,
-    c10::IntArrayRef dilation, int64_t groups, int64_t offset_groups, int64_t im2col_step,
-    std::array<bool, 5> output_mask);
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> deform_conv2d_backward(
+    const DeformConv2dLaunchers& launchers, const Tensor& grad_output, const Tensor& input,
+    const Tensor& offset, const Tensor& weight, const std::optional<Tensor>& mask,
+    const std::vector<int64_t>& stride, const std::vector<int64_t>& padding,
+    const std::vector<int64_t>& dilation, int64_t groups, int64_t offset_groups,
+    int64_t im2col_step, const std::vector<bool>& output_mask);
 
 // The op's description (infrastructure/op_handles.h says what each member gives).
 struct DeformConv2dOp {
@@ -70,19 +72,19 @@ struct DeformConv2dOp {
       "Tensor weight, Tensor? mask, Tensor? bias, SymInt[2] stride, SymInt[2] padding, "
       "SymInt[2] dilation, int groups, int offset_groups, int im2col_step) -> int[]";
   static constexpr const char* kName = "deform_conv2d";
-  using Signature = at::Tensor(const at::Tensor& input, const at::Tensor& offset,
-                               const at::Tensor& weight, const std::optional<at::Tensor>& mask,
-                               const std::optional<at::Tensor>& bias, c10::IntArrayRef stride,
-                               c10::IntArrayRef padding, c10::IntArrayRef dilation,
-                               int64_t groups, int64_t offset_groups, int64_t im2col_step);
+  using Signature = Tensor(const Tensor& input, const Tensor& offset, const Tensor& weight,
+                           const std::optional<Tensor>& mask, const std::optional<Tensor>& bias,
+                           const std::vector<int64_t>& stride, const std::vector<int64_t>& padding,
+                           const std::vector<int64_t>& dilation, int64_t groups,
+                           int64_t offset_groups, int64_t im2col_step);
   static constexpr std::array<const char*, 11> kArgumentNames = {
       "input", "offset", "weight", "mask", "bias", "stride", "padding", "dilation", "groups",
       "offset_groups", "im2col_step"};
-  using BackwardSignature = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>(
-      const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& offset,
-      const at::Tensor& weight, const std::optional<at::Tensor>& mask, c10::IntArrayRef stride,
-      c10::IntArrayRef padding, c10::IntArrayRef dilation, int64_t groups, int64_t offset_groups,
-      int64_t im2col_step, std::array<bool, 5> output_mask);
+  using BackwardSignature = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor>(
+      const Tensor& grad_output, const Tensor& input, const Tensor& offset, const Tensor& weight,
+      const std::optional<Tensor>& mask, const std::vector<int64_t>& stride,
+      const std::vector<int64_t>& padding, const std::vector<int64_t>& dilation, int64_t groups,
+      int64_t offset_groups, int64_t im2col_step, const std::vector<bool>& output_mask);
   static constexpr std::array<size_t, 5> kGradientArguments = {0, 1, 2, 3, 4};
   // All but bias, whose gradient needs only grad_output.
   static constexpr std::array<size_t, 10> kBackwardArguments = {0, 1, 2, 3, 5, 6, 7, 8, 9, 10};

@@ -2,11 +2,12 @@
 // output pixels, the columns for the weight gradient, the GEMMs, then the columns gradient taken
 // back to the input, offset and mask.
 
-#include <ATen/ATen.h>
-
 #include <algorithm>
+#include <vector>
 
+#include "../infrastructure/argument_checks.h"
 #include "../infrastructure/branch_trace.h"
+#include "../infrastructure/tensor_views.h"
 #include "deform_conv2d.h"
 #include "deform_conv2d_gemms.h"
 #include "deform_conv2d_tiling.h"
@@ -25,39 +26,46 @@ struct WantedGradients {
   bool input_values() const { return weight || offset || mask; }
 };
 
+// Whether empty_like(input) is channels-last, (N, H, W, C_in) in memory: it keeps a dense
+// input's strides, so for a dense input, whether it is channels-last itself. Any other input gets
+// its gradient through a channels-last buffer, whatever layout empty_like gives it.
+bool is_channels_last(const Tensor& input) {
+  return views::permute(input, {0, 2, 3, 1}).is_contiguous();
+}
+
 // What a backward makes once and uses for every block of images.
 struct BackwardScratch {
   WorkSplit w;
   // The columns for the weight gradient, then (with bmm) the gradient of the columns.
-  at::Tensor columns;
+  Tensor columns;
   // prepare_window's, for col2im.
-  at::Tensor workspace;
+  Tensor workspace;
   const WindowGemms* gemms;
   // gemms->weight's; the oneDNN backward takes it even for the weight gradient alone.
-  at::Tensor weight;
+  Tensor weight;
   // The weight gradient in the order of weight_rows, summed over the windows
   // (weight_gradient_rows).
-  at::Tensor grad_weight_rows;
+  Tensor grad_weight_rows;
 
   // Frees the buffers that only the windows use, once the last window is done.
   void release_window_buffers() {
-    columns = at::Tensor();
-    workspace = at::Tensor();
-    weight = at::Tensor();
+    columns = Tensor();
+    workspace = Tensor();
+    weight = Tensor();
   }
 };
 
 BackwardScratch backward_scratch(const DeformConv2dLaunchers& launchers,
                                  const DeformConv2dGeometry& g, const WantedGradients& want,
-                                 int64_t batch, int64_t im2col_step, const at::Tensor& input,
-                                 const at::Tensor& weight, at::Tensor& grad_weight) {
+                                 int64_t batch, int64_t im2col_step, const Tensor& input,
+                                 const Tensor& weight, Tensor& grad_weight) {
   BackwardScratch scratch;
   scratch.w = split_work(g, batch, im2col_step, input.scalar_type(), launchers,
                          kMinBackwardWindowPixels);
   const WorkSplit& w = scratch.w;
-  scratch.columns = columns_buffer(launchers, g, w, input.options());
+  scratch.columns = columns_buffer(launchers, g, w, input);
   if (want.input) {
-    scratch.workspace = window_workspace(launchers, g, w, input.options());
+    scratch.workspace = window_workspace(launchers, g, w, input);
   }
   scratch.gemms = &launchers.gemms(g, input.scalar_type());
   record_branch(scratch.gemms->gradients_branch);
@@ -73,50 +81,49 @@ BackwardScratch backward_scratch(const DeformConv2dLaunchers& launchers,
 struct BackwardBlock {
   int64_t first;
   int64_t images;
-  at::Tensor input;        // channels-last, (images, H, W, C_in)
-  at::Tensor offset;
-  at::Tensor mask;
-  at::Tensor grad_output;  // (images, G, C_out / G, P)
+  Tensor input;  // channels-last, (images, H, W, C_in)
+  Tensor offset;
+  Tensor mask;
+  Tensor grad_output;  // (images, G, C_out / G, P)
   // Channels-last and zeroed, for col2im to add into: grad_input's own memory when grad_input
   // is channels-last (grad_input_in_place), else a block-sized buffer copied into grad_input
   // afterwards.
-  at::Tensor grad_input;
-  at::Tensor grad_offset;
-  at::Tensor grad_mask;
+  Tensor grad_input;
+  Tensor grad_offset;
+  Tensor grad_mask;
 };
 
-BackwardBlock backward_block(const DeformConv2dLaunchers& launchers,
-                             const DeformConv2dGeometry& g, const WantedGradients& want,
-                             const WorkSplit& w, int64_t first, int64_t images,
-                             const at::Tensor& grad_output, const at::Tensor& input,
-                             const at::Tensor& offset, const at::Tensor& mask,
-                             bool grad_input_in_place, const at::Tensor& grad_input,
-                             const at::Tensor& grad_offset, const at::Tensor& grad_mask) {
+BackwardBlock backward_block(const DeformConv2dLaunchers& launchers, const DeformConv2dGeometry& g,
+                             const WantedGradients& want, const WorkSplit& w, int64_t first,
+                             int64_t images, const Tensor& grad_output, const Tensor& input,
+                             const Tensor& offset, const Tensor& mask, bool grad_input_in_place,
+                             const Tensor& grad_input, const Tensor& grad_offset,
+                             const Tensor& grad_mask) {
   BackwardBlock block;
   block.first = first;
   block.images = images;
   if (want.input_values()) {
     block.input = channels_last_block(launchers, input, first, images);
   }
-  block.offset = offset.narrow(0, first, images);
+  block.offset = views::narrow(offset, 0, first, images);
   if (mask.defined()) {
-    block.mask = mask.narrow(0, first, images);
+    block.mask = views::narrow(mask, 0, first, images);
   }
-  block.grad_output =
-      grad_output.narrow(0, first, images).view({images, w.groups, w.out_per_group, w.pixels});
+  block.grad_output = views::view(views::narrow(grad_output, 0, first, images),
+                                  {images, w.groups, w.out_per_group, w.pixels});
   if (want.input) {
     block.grad_input =
         grad_input_in_place
-            ? grad_input.narrow(0, first, images).permute({0, 2, 3, 1})
-            : launchers.scratch({images, g.in_height, g.in_width, g.in_channels},
-                                input.options());
-    block.grad_input.zero_();
+            ? views::permute(views::narrow(grad_input, 0, first, images), {0, 2, 3, 1})
+            : launchers.scratch(input, {images, g.in_height, g.in_width, g.in_channels},
+                                input.scalar_type());
+    torch::stable::zero_(block.grad_input);
   }
   if (want.offset) {
-    block.grad_offset = grad_offset.narrow(0, first, images);
+    block.grad_offset = views::narrow(grad_offset, 0, first, images);
   }
   if (want.mask) {
-    block.grad_mask = grad_mask.narrow(0, first, images);
+    block.grad_mask = views::narrow(grad_mask, 0, first, images);
   }
   return block;
 }
@@ -127,19 +134,20 @@ void backward_window(const DeformConv2dLaunchers& launchers, const DeformConv2dG
                      const WantedGradients& want, BackwardScratch& scratch,
                      BackwardBlock& block, const PixelWindow& window) {
   // (images, G, C_out / G, window) inside grad_output: rows P apart.
-  const at::Tensor grad_output_window = block.grad_output.narrow(3, window.begin, window.pixels);
+  const Tensor grad_output_window =
+      views::narrow(block.grad_output, 3, window.begin, window.pixels);
   // Prepared for col2im, which im2col then shares; im2col alone and the offset and mask
   // gradients locate their samples themselves.
   const WindowSampling sampling = want.input
-      ? window_sampling(launchers, g, window, block.images, block.offset, block.mask,
-                        scratch.workspace)
-      : WindowSampling{block.offset, block.mask, at::Tensor()};
+                                      ? window_sampling(launchers, g, window, block.images,
+                                                        block.offset, block.mask, scratch.workspace)
+                                      : WindowSampling{block.offset, block.mask, Tensor()};
   if (want.weight) {
     launchers.im2col(g, window, block.images, block.input, sampling, scratch.columns);
   }
-  const at::Tensor grad_columns = scratch.gemms->gradients(
-      scratch.w, window, block.images, scratch.columns, grad_output_window, scratch.weight,
-      want.columns(), scratch.grad_weight_rows);
+  const Tensor grad_columns =
+      scratch.gemms->gradients(scratch.w, window, block.images, scratch.columns, grad_output_window,
+                               scratch.weight, want.columns(), scratch.grad_weight_rows);
   if (want.columns()) {
     launchers.column_gradients(g, window, block.images, grad_columns, block.input, sampling,
                                block.grad_input, block.grad_offset, block.grad_mask);
@@ -148,19 +156,20 @@ void backward_window(const DeformConv2dLaunchers& launchers, const DeformConv2dG
 
 }  // namespace
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> deform_conv2d_backward(
-    const DeformConv2dLaunchers& launchers, const at::Tensor& grad_output_arg,
-    const at::Tensor& input_arg, const at::Tensor& offset_arg, const at::Tensor& weight_arg,
-    const std::optional<at::Tensor>& mask_arg, c10::IntArrayRef stride,
-    c10::IntArrayRef padding, c10::IntArrayRef dilation, int64_t groups, int64_t offset_groups,
-    int64_t im2col_step, std::array<bool, 5> output_mask) {
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> deform_conv2d_backward(
+    const DeformConv2dLaunchers& launchers, const Tensor& grad_output_arg, const Tensor& input_arg,
+    const Tensor& offset_arg, const Tensor& weight_arg, const std::optional<Tensor>& mask_arg,
+    const std::vector<int64_t>& stride, const std::vector<int64_t>& padding,
+    const std::vector<int64_t>& dilation, int64_t groups, int64_t offset_groups,
+    int64_t im2col_step, const std::vector<bool>& output_mask) {
+  check_output_mask("deform_conv2d_backward()", output_mask, 5);
   const DeformConv2dGeometry g = check_deform_conv2d_backward_arguments(
       grad_output_arg, input_arg, offset_arg, weight_arg, mask_arg, stride, padding, dilation,
       groups, offset_groups, im2col_step);
   const int64_t batch = input_arg.size(0);
-  const at::Tensor grad_output = grad_output_arg.contiguous();
-  const at::Tensor offset = offset_arg.contiguous();
-  const at::Tensor mask = mask_arg.has_value() ? mask_arg->contiguous() : at::Tensor();
+  const Tensor grad_output = as_contiguous(grad_output_arg);
+  const Tensor offset = as_contiguous(offset_arg);
+  const Tensor mask = mask_arg.has_value() ? as_contiguous(*mask_arg) : Tensor();
   const WantedGradients want{output_mask[0], output_mask[1], output_mask[2],
                              output_mask[3] && mask.defined(), output_mask[4]};
 
@@ -171,19 +180,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> deform_co
   // block's copy, after that block's channels-last input (and, after the last block, the
   // windows' buffers) is freed, so that grad_input, the buffer and the channels-last input are
   // never all live at once (c3-stride2: 33 MiB each).
-  const bool grad_input_in_place =
-      want.input &&
-      at::empty_like(input_arg, input_arg.options().device(at::kMeta))
-          .permute({0, 2, 3, 1})
-          .is_contiguous();
-  at::Tensor grad_input = grad_input_in_place ? at::empty_like(input_arg) : at::Tensor();
-  at::Tensor grad_offset = want.offset ? at::empty_like(offset) : at::Tensor();
-  at::Tensor grad_weight = want.weight ? at::empty_like(weight_arg) : at::Tensor();
-  at::Tensor grad_mask = want.mask ? at::empty_like(mask) : at::Tensor();
-  at::Tensor grad_bias = want.bias ? grad_output.sum({0, 2, 3}) : at::Tensor();
+  const bool grad_input_in_place = want.input && is_channels_last(input_arg);
+  Tensor grad_input = grad_input_in_place ? torch::stable::empty_like(input_arg) : Tensor();
+  Tensor grad_offset = want.offset ? new_contiguous(offset, offset.sizes()) : Tensor();
+  Tensor grad_weight = want.weight ? torch::stable::empty_like(weight_arg) : Tensor();
+  Tensor grad_mask = want.mask ? new_contiguous(mask, mask.sizes()) : Tensor();
+  Tensor grad_bias =
+      want.bias ? torch::stable::sum(grad_output, std::vector<int64_t>{0, 2, 3}) : Tensor();
   if (batch == 0 || !(want.columns() || want.weight)) {
-    if (want.input) grad_input = at::zeros_like(input_arg);
-    if (want.weight) grad_weight.zero_();
+    if (want.input) {
+      grad_input = torch::stable::empty_like(input_arg);
+      torch::stable::zero_(grad_input);
+    }
+    if (want.weight) {
+      torch::stable::zero_(grad_weight);
+    }
     return {grad_input, grad_offset, grad_weight, grad_mask, grad_bias};
   }
 
@@ -201,12 +212,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> deform_co
       scratch.release_window_buffers();
     }
     if (want.input && !grad_input_in_place) {
-      block.input = at::Tensor();
+      block.input = Tensor();
       if (!grad_input.defined()) {
-        grad_input = at::empty_like(input_arg);
+        grad_input = torch::stable::empty_like(input_arg);
       }
       copy_from_channels_last(launchers, block.grad_input,
-                              grad_input.narrow(0, block.first, block.images));
+                              views::narrow(grad_input, 0, block.first, block.images));
     }
   }
   if (want.weight) {

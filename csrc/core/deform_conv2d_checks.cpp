@@ -1,29 +1,31 @@
 // The argument checks of deformable convolution's ops (declared in deform_conv2d.h).
 
-#include <ATen/core/Tensor.h>
+#include <vector>
 
 #include "../common/bilinear_sampling.cuh"
 #include "../common/output_length.h"
+#include "../common/scalar_types.h"
 #include "../infrastructure/argument_checks.h"
+#include "../infrastructure/tensor_text.h"
 #include "deform_conv2d.h"
 
 namespace deformconv {
 
 namespace {
 
-void check_pair(const char* name, c10::IntArrayRef values, int64_t minimum) {
+void check_pair(const char* name, const std::vector<int64_t>& values, int64_t minimum) {
   DEFORMCONV_CHECK_ARGUMENT(values.size() == 2, "deform_conv2d(): expected ", name,
                             " to have 2 values (height, width), but got ", values.size());
   DEFORMCONV_CHECK_ARGUMENT(values[0] >= minimum && values[1] >= minimum,
                             "deform_conv2d(): expected ", name, " to be at least ", minimum,
-                            ", but got ", values);
+                            ", but got ", shape_text(values));
 }
 
-void check_tensor(const char* name, const at::Tensor& tensor, int64_t dims,
-                  const char* layout, const at::Tensor& input) {
+void check_tensor(const char* name, const Tensor& tensor, int64_t dims, const char* layout,
+                  const Tensor& input) {
   DEFORMCONV_CHECK_ARGUMENT(tensor.dim() == dims, "deform_conv2d(): expected ", name, " to be a ",
                             dims, "-D tensor ", layout, ", but got a ", tensor.dim(),
-                            "-D tensor of shape ", tensor.sizes());
+                            "-D tensor of shape ", shape_text(tensor.sizes()));
   DEFORMCONV_CHECK_ARGUMENT(tensor.scalar_type() == input.scalar_type(),
                             "deform_conv2d(): expected ", name, " to have the dtype of input (",
                             input.scalar_type(), "), but got ", tensor.scalar_type());
@@ -32,11 +34,12 @@ void check_tensor(const char* name, const at::Tensor& tensor, int64_t dims,
 }  // namespace
 
 DeformConv2dGeometry check_deform_conv2d_arguments(
-    const at::Tensor& input, const at::Tensor& offset, const at::Tensor& weight,
-    const std::optional<at::Tensor>& mask, const std::optional<at::Tensor>& bias,
-    c10::IntArrayRef stride, c10::IntArrayRef padding, c10::IntArrayRef dilation,
-    int64_t groups, int64_t offset_groups, int64_t im2col_step) {
-  DEFORMCONV_CHECK_ARGUMENT(at::isFloatingType(input.scalar_type()),
+    const Tensor& input, const Tensor& offset, const Tensor& weight,
+    const std::optional<Tensor>& mask, const std::optional<Tensor>& bias,
+    const std::vector<int64_t>& stride, const std::vector<int64_t>& padding,
+    const std::vector<int64_t>& dilation, int64_t groups, int64_t offset_groups,
+    int64_t im2col_step) {
+  DEFORMCONV_CHECK_ARGUMENT(is_op_dtype(input.scalar_type()),
                             "deform_conv2d(): expected input to have a floating point dtype "
                             "(float16, bfloat16, float32 or float64), but got ",
                             input.scalar_type());
@@ -85,14 +88,14 @@ DeformConv2dGeometry check_deform_conv2d_arguments(
   DEFORMCONV_CHECK_ARGUMENT(g.in_channels > 0 && g.in_height > 0 && g.in_width > 0,
                             "deform_conv2d(): expected input to have non-zero channels, height and "
                             "width, but got shape ",
-                            input.sizes());
+                            shape_text(input.sizes()));
   DEFORMCONV_CHECK_ARGUMENT(g.in_height <= kMaxImageSide && g.in_width <= kMaxImageSide,
                             "deform_conv2d(): expected input's height and width to be at most ",
                             kMaxImageSide, ", but got ", g.in_height, " x ", g.in_width);
   DEFORMCONV_CHECK_ARGUMENT(
       g.kernel_h > 0 && g.kernel_w > 0,
       "deform_conv2d(): expected weight to have a non-empty kernel, but got shape ",
-      weight.sizes());
+      shape_text(weight.sizes()));
   DEFORMCONV_CHECK_ARGUMENT(g.in_channels % groups == 0, "deform_conv2d(): expected in_channels (",
                             g.in_channels, ") to be divisible by groups (", groups, ")");
   DEFORMCONV_CHECK_ARGUMENT(g.out_channels % groups == 0,
@@ -117,7 +120,7 @@ DeformConv2dGeometry check_deform_conv2d_arguments(
   g.out_width = output_length(g.in_width, g.kernel_w, g.stride_w, g.pad_w, g.dilation_w);
 
   const int64_t batch = input.size(0);
-  const auto check_field = [&](const char* name, const at::Tensor& field, int64_t channels,
+  const auto check_field = [&](const char* name, const Tensor& field, int64_t channels,
                                const char* formula) {
     DEFORMCONV_CHECK_ARGUMENT(field.size(0) == batch, "deform_conv2d(): expected ", name,
                               " to have the batch size of input (", batch, "), but got ",
@@ -143,18 +146,20 @@ DeformConv2dGeometry check_deform_conv2d_arguments(
 }
 
 DeformConv2dGeometry check_deform_conv2d_backward_arguments(
-    const at::Tensor& grad_output, const at::Tensor& input, const at::Tensor& offset,
-    const at::Tensor& weight, const std::optional<at::Tensor>& mask, c10::IntArrayRef stride,
-    c10::IntArrayRef padding, c10::IntArrayRef dilation, int64_t groups, int64_t offset_groups,
-    int64_t im2col_step) {
+    const Tensor& grad_output, const Tensor& input, const Tensor& offset, const Tensor& weight,
+    const std::optional<Tensor>& mask, const std::vector<int64_t>& stride,
+    const std::vector<int64_t>& padding, const std::vector<int64_t>& dilation, int64_t groups,
+    int64_t offset_groups, int64_t im2col_step) {
   const DeformConv2dGeometry g =
       check_deform_conv2d_arguments(input, offset, weight, mask, std::nullopt, stride, padding,
                                     dilation, groups, offset_groups, im2col_step);
   const std::vector<int64_t> output_shape = {input.size(0), g.out_channels, g.out_height,
                                              g.out_width};
-  DEFORMCONV_CHECK_ARGUMENT(grad_output.sizes() == c10::IntArrayRef(output_shape),
-                            "deform_conv2d_backward(): expected grad_output of shape ",
-                            c10::IntArrayRef(output_shape), ", but got ", grad_output.sizes());
+  const torch::headeronly::IntHeaderOnlyArrayRef grad_output_shape = grad_output.sizes();
+  DEFORMCONV_CHECK_ARGUMENT(
+      std::vector<int64_t>(grad_output_shape.begin(), grad_output_shape.end()) == output_shape,
+      "deform_conv2d_backward(): expected grad_output of shape ", shape_text(output_shape),
+      ", but got ", shape_text(grad_output_shape));
   DEFORMCONV_CHECK_ARGUMENT(
       grad_output.scalar_type() == input.scalar_type(),
       "deform_conv2d_backward(): expected grad_output to have the dtype of input (",
@@ -162,7 +167,8 @@ DeformConv2dGeometry check_deform_conv2d_backward_arguments(
   DEFORMCONV_CHECK_ARGUMENT(grad_output.device() == input.device(),
                             "deform_conv2d_backward(): expected grad_output to be on the device of "
                             "input (",
-                            input.device(), "), but got ", grad_output.device());
+                            device_text(input.device()), "), but got ",
+                            device_text(grad_output.device()));
   return g;
 }
 

@@ -3,8 +3,6 @@
 // The GEMMs of deformable convolution's windows by bmm, which every device can run, and the
 // weight in the order of a columns row, which every device's GEMMs take.
 
-#include <ATen/core/Tensor.h>
-
 #include "deform_conv2d_tiling.h"
 #include "deform_conv2d_launchers.h"
 
@@ -14,20 +12,20 @@ namespace deformconv {
 // last dimension (tap, channel) as the columns have it, that is, for each output channel the
 // transpose of its (C_in / G, K) matrix. In the launchers' scratch memory: a fresh buffer as
 // large as the weight (9 MiB for 512 x 512 x 3 x 3) would fault in page by page every call.
-at::Tensor weight_rows(const DeformConv2dLaunchers& launchers, const DeformConv2dGeometry& g,
-                       const at::Tensor& weight, const WorkSplit& w);
+Tensor weight_rows(const DeformConv2dLaunchers& launchers, const DeformConv2dGeometry& g,
+                   const Tensor& weight, const WorkSplit& w);
 
 // The weight gradient in weight_rows' order, (G, C_out / G, K * C_in / G), zeroed, for the
 // windows' GEMMs to add into (Note [The weight gradient in its own memory]).
-at::Tensor weight_gradient_rows(const WorkSplit& w, at::Tensor& grad_weight);
+Tensor weight_gradient_rows(const WorkSplit& w, Tensor& grad_weight);
 
 // Puts the weight gradient that the GEMMs summed in weight_gradient_rows' tensor into
 // grad_weight's layout.
 void store_weight_gradient(const DeformConv2dLaunchers& launchers, const DeformConv2dGeometry& g,
-                           const at::Tensor& rows, at::Tensor& grad_weight);
+                           const Tensor& rows, Tensor& grad_weight);
 
-// The windows' GEMMs as ATen's batched matrix products: the weight's per-group matrices
-// repeated for every image of a block, so that one bmm covers the whole block.
+// The windows' GEMMs as batched matrix products (infrastructure/matrix_products.h): the weight's
+// per-group matrices repeated for every image of a block, so that one bmm covers the whole block.
 const WindowGemms& bmm_window_gemms();
 
 }  // namespace deformconv

@@ -8,14 +8,14 @@
 // columns cover the window of output pixels the driver hands over, in the layout of
 // deform_conv2d_kernel.cuh: (batch, G, window pixels, K, C_in / G).
 
-#include <ATen/core/Tensor.h>
-
+#include <cstdint>
 #include <optional>
 
 #include "../common/deform_conv2d_geometry.h"
 #include "../infrastructure/dtype_dispatch.h"
 #include "../infrastructure/input_gradient_sums.h"
 #include "../infrastructure/optional_data.h"
+#include "../infrastructure/stable_tensors.h"
 
 namespace deformconv {
 
@@ -25,9 +25,9 @@ namespace deformconv {
 // on the CPU, the sampling plans that col2im reads. Undefined where the launchers prepare
 // nothing, or where im2col runs alone.
 struct WindowSampling {
-  at::Tensor offset;
-  at::Tensor mask;
-  at::Tensor prepared;
+  Tensor offset;
+  Tensor mask;
+  Tensor prepared;
 };
 
 struct DeformConv2dLaunchers;
@@ -47,22 +47,21 @@ struct WindowGemms {
   bool windows_per_thread_pay;
   // The weight, (C_out, C_in / G, kh, kw), in the layout that `forward` and `gradients` take,
   // for blocks of w.step images at most.
-  at::Tensor (*weight)(const DeformConv2dLaunchers& launchers, const DeformConv2dGeometry& g,
-                       const at::Tensor& weight, const WorkSplit& w);
+  Tensor (*weight)(const DeformConv2dLaunchers& launchers, const DeformConv2dGeometry& g,
+                   const Tensor& weight, const WorkSplit& w);
   // output_window (images * G, C_out / G, window pixels) = the weight times the window's
   // columns, plus the bias.
   void (*forward)(const WorkSplit& w, const PixelWindow& window, int64_t images,
-                  const at::Tensor& columns, const at::Tensor& weight,
-                  const std::optional<at::Tensor>& bias, at::Tensor& output_window);
+                  const Tensor& columns, const Tensor& weight, const std::optional<Tensor>& bias,
+                  Tensor& output_window);
   // The gradients' GEMMs of a window, for grad_output_window (images, G, C_out / G, window).
   // Adds the window's share of the weight gradient to grad_weight_rows (weight_rows' order)
   // when that is defined, `columns` then holding the window's columns, and returns the
   // gradient of the window's columns when want_columns_grad, in the columns' layout: a new
   // tensor, or the columns buffer itself, overwritten.
-  at::Tensor (*gradients)(const WorkSplit& w, const PixelWindow& window, int64_t images,
-                          at::Tensor& columns, const at::Tensor& grad_output_window,
-                          const at::Tensor& weight, bool want_columns_grad,
-                          at::Tensor& grad_weight_rows);
+  Tensor (*gradients)(const WorkSplit& w, const PixelWindow& window, int64_t images,
+                      Tensor& columns, const Tensor& grad_output_window, const Tensor& weight,
+                      bool want_columns_grad, Tensor& grad_weight_rows);
 };
 
 // How the driver runs a forward (core/deform_conv2d_forward.cpp): the device's fused kernel
@@ -90,44 +89,41 @@ struct DeformConv2dLaunchers {
   // what the window's other launchers share, from its offset and mask; null where they share
   // nothing (CUDA: each thread locates its own sample).
   void (*prepare_window)(const DeformConv2dGeometry& geometry, const PixelWindow& window,
-                         int64_t batch, const at::Tensor& offset, const at::Tensor& mask,
-                         at::Tensor& workspace);
-  // An uninitialised buffer for the driver's scratch (columns, channels-last copies, the
-  // workspace), so that a device may ask its memory system for what suits large buffers.
-  at::Tensor (*scratch)(c10::IntArrayRef sizes, const at::TensorOptions& options);
+                         int64_t batch, const Tensor& offset, const Tensor& mask,
+                         Tensor& workspace);
+  // An uninitialised contiguous buffer of `sizes` and `dtype` on `like`'s device for the driver's
+  // scratch (columns, channels-last copies, the workspace), so that a device may ask its memory
+  // system for what suits large buffers.
+  Tensor (*scratch)(const Tensor& like, Sizes sizes, ScalarType dtype);
   // columns sampled from input.
   void (*im2col)(const DeformConv2dGeometry& geometry, const PixelWindow& window, int64_t batch,
-                 const at::Tensor& input, const WindowSampling& sampling, at::Tensor& columns);
+                 const Tensor& input, const WindowSampling& sampling, Tensor& columns);
   // What grad_columns gives back through the sampling: grad_input += the adjoint of im2col
   // applied to it, and grad_offset and grad_mask. Each gradient may be undefined (not asked
   // for), and `input` where neither grad_offset nor grad_mask is asked for. One entry, so that a
   // device may read grad_columns and locate each sample once for all three.
   void (*column_gradients)(const DeformConv2dGeometry& geometry, const PixelWindow& window,
-                           int64_t batch, const at::Tensor& grad_columns,
-                           const at::Tensor& input, const WindowSampling& sampling,
-                           at::Tensor& grad_input, at::Tensor& grad_offset,
-                           at::Tensor& grad_mask);
+                           int64_t batch, const Tensor& grad_columns, const Tensor& input,
+                           const WindowSampling& sampling, Tensor& grad_input, Tensor& grad_offset,
+                           Tensor& grad_mask);
   // dst (M, C, R) = src (M, R, C) with the last two dimensions swapped, both contiguous: the
   // copies between the (C_in, H * W) planes of the user's tensors and channels-last.
-  void (*transpose)(const at::Tensor& src, at::Tensor& dst);
+  void (*transpose)(const Tensor& src, Tensor& dst);
   // The GEMMs of a call of this geometry and dtype.
-  const WindowGemms& (*gemms)(const DeformConv2dGeometry& geometry, at::ScalarType dtype);
+  const WindowGemms& (*gemms)(const DeformConv2dGeometry& geometry, ScalarType dtype);
   // The plan of a forward of `batch` images with this im2col_step (0: automatic), `windows`
   // windows a block and these GEMMs.
-  ForwardPlan (*forward_plan)(const DeformConv2dGeometry& geometry, at::ScalarType dtype,
-                              int64_t batch, int64_t im2col_step, int64_t windows,
-                              const WindowGemms& gemms);
+  ForwardPlan (*forward_plan)(const DeformConv2dGeometry& geometry, ScalarType dtype, int64_t batch,
+                              int64_t im2col_step, int64_t windows, const WindowGemms& gemms);
   // The whole forward of a block of `batch` images without columns (Note [Fused forward],
   // cpu/deform_conv2d_fused_forward_cpu.cpp): output (batch, C_out, H_out, W_out) = the convolution
   // of the sampled input with the weight, plus bias (undefined: none), the weight as
   // fused_forward_weight lays it out, once for all of a call's blocks. Run where forward_plan says
   // kFused; both null where it never does (CUDA).
-  at::Tensor (*fused_forward_weight)(const DeformConv2dGeometry& geometry,
-                                     const at::Tensor& weight);
-  void (*fused_forward)(const DeformConv2dGeometry& geometry, int64_t batch,
-                        const at::Tensor& input, const at::Tensor& offset,
-                        const at::Tensor& mask, const at::Tensor& weight_panels,
-                        const at::Tensor& bias, at::Tensor& output);
+  Tensor (*fused_forward_weight)(const DeformConv2dGeometry& geometry, const Tensor& weight);
+  void (*fused_forward)(const DeformConv2dGeometry& geometry, int64_t batch, const Tensor& input,
+                        const Tensor& offset, const Tensor& mask, const Tensor& weight_panels,
+                        const Tensor& bias, Tensor& output);
 };
 
 }  // namespace deformconv

@@ -2,7 +2,7 @@
 // launchers' file (Note [Device kernels], infrastructure/device_kernels.h); the Python package
 // the Autograd, Autocast and fake kernels (deformconv/ops/).
 
-#include <torch/library.h>
+#include <torch/csrc/stable/library.h>
 
 #include <cstdint>
 #include <optional>
@@ -18,10 +18,11 @@ namespace {
 // torch.export then reject exactly what the op rejects, with the same messages. Returns the
 // output shape.
 std::vector<int64_t> check_deform_conv2d_arguments_op(
-    const std::optional<at::Tensor>& grad_output, const at::Tensor& input,
-    const at::Tensor& offset, const at::Tensor& weight, const std::optional<at::Tensor>& mask,
-    const std::optional<at::Tensor>& bias, c10::IntArrayRef stride, c10::IntArrayRef padding,
-    c10::IntArrayRef dilation, int64_t groups, int64_t offset_groups, int64_t im2col_step) {
+    const std::optional<Tensor>& grad_output, const Tensor& input, const Tensor& offset,
+    const Tensor& weight, const std::optional<Tensor>& mask, const std::optional<Tensor>& bias,
+    const std::vector<int64_t>& stride, const std::vector<int64_t>& padding,
+    const std::vector<int64_t>& dilation, int64_t groups, int64_t offset_groups,
+    int64_t im2col_step) {
   const DeformConv2dGeometry g =
       grad_output.has_value()
           ? check_deform_conv2d_backward_arguments(*grad_output, input, offset, weight, mask,
@@ -34,14 +35,14 @@ std::vector<int64_t> check_deform_conv2d_arguments_op(
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(deformconv, m) {
+STABLE_TORCH_LIBRARY_FRAGMENT(deformconv, m) {
   m.def(DeformConv2dOp::kSchema);
   m.def(DeformConv2dOp::kBackwardSchema);
   m.def(DeformConv2dOp::kChecksSchema);
 }
 
-TORCH_LIBRARY_IMPL(deformconv, CompositeExplicitAutograd, m) {
-  m.impl("_check_deform_conv2d_arguments", TORCH_FN(check_deform_conv2d_arguments_op));
+STABLE_TORCH_LIBRARY_IMPL(deformconv, CompositeExplicitAutograd, m) {
+  m.impl("_check_deform_conv2d_arguments", TORCH_BOX(&check_deform_conv2d_arguments_op));
 }
 
 }  // namespace deformconv

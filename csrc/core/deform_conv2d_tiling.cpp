@@ -2,7 +2,9 @@
 
 #include <algorithm>
 
+#include "../common/scalar_types.h"
 #include "../infrastructure/branch_trace.h"
+#include "../infrastructure/tensor_views.h"
 
 namespace deformconv {
 
@@ -11,12 +13,12 @@ namespace {
 // With im2col_step = 0 the block holds as many images as fit in the launchers'
 // block_columns_bytes of full columns (at least one image).
 int64_t images_per_block(const DeformConv2dGeometry& g, int64_t batch, int64_t im2col_step,
-                         at::ScalarType dtype, const DeformConv2dLaunchers& launchers) {
+                         ScalarType dtype, const DeformConv2dLaunchers& launchers) {
   if (im2col_step > 0) {
     return std::min(batch, im2col_step);
   }
   const int64_t bytes_per_image =
-      std::max<int64_t>(1, g.in_channels * g.taps() * g.out_pixels() * c10::elementSize(dtype));
+      std::max<int64_t>(1, g.in_channels * g.taps() * g.out_pixels() * element_size(dtype));
   return std::clamp<int64_t>(launchers.block_columns_bytes / bytes_per_image, 1,
                              std::max<int64_t>(batch, 1));
 }
@@ -30,12 +32,12 @@ int64_t images_per_block(const DeformConv2dGeometry& g, int64_t batch, int64_t i
 // pixels. The forward's, at least 1,024: it runs GEMMs only for weights too large for the
 // fused forward (Note [Fused forward]), megabytes that each window's GEMM reads again from
 // memory (c5, 9 MiB: a forward of 1,050 pixels in one window took 8% less time than in two).
-int64_t pixels_per_window(const DeformConv2dGeometry& g, int64_t images, at::ScalarType dtype,
+int64_t pixels_per_window(const DeformConv2dGeometry& g, int64_t images, ScalarType dtype,
                           const DeformConv2dLaunchers& launchers, int64_t min_pixels) {
-  const int64_t bytes_per_pixel = std::max<int64_t>(
-      1, images * g.taps() *
-          (g.in_channels * c10::elementSize(dtype) +
-           g.offset_groups * launchers.workspace_bytes_per_sample));
+  const int64_t bytes_per_pixel =
+      std::max<int64_t>(1, images * g.taps() *
+                               (g.in_channels * element_size(dtype) +
+                                g.offset_groups * launchers.workspace_bytes_per_sample));
   const int64_t budget = std::min(
       g.out_pixels(), std::max(min_pixels, launchers.columns_tile_bytes / bytes_per_pixel));
   const int64_t windows = std::max<int64_t>(1, g.out_pixels() / budget);
@@ -45,7 +47,7 @@ int64_t pixels_per_window(const DeformConv2dGeometry& g, int64_t images, at::Sca
 }  // namespace
 
 WorkSplit split_work(const DeformConv2dGeometry& g, int64_t batch, int64_t im2col_step,
-                     at::ScalarType dtype, const DeformConv2dLaunchers& launchers,
+                     ScalarType dtype, const DeformConv2dLaunchers& launchers,
                      int64_t min_window_pixels) {
   WorkSplit w;
   w.step = images_per_block(g, batch, im2col_step, dtype, launchers);
@@ -75,58 +77,60 @@ void record_split(const WorkSplit& w, int64_t batch, const char* several_blocks,
   }
 }
 
-at::Tensor columns_buffer(const DeformConv2dLaunchers& launchers, const DeformConv2dGeometry& g,
-                          const WorkSplit& w, const at::TensorOptions& options) {
-  return launchers.scratch({w.step * g.in_channels * g.taps() * w.window_pixels}, options);
+Tensor columns_buffer(const DeformConv2dLaunchers& launchers, const DeformConv2dGeometry& g,
+                      const WorkSplit& w, const Tensor& like) {
+  return launchers.scratch(like, {w.step * g.in_channels * g.taps() * w.window_pixels},
+                           like.scalar_type());
 }
 
-at::Tensor columns_of_window(const at::Tensor& columns, const WorkSplit& w,
-                             const PixelWindow& window, int64_t images) {
-  return columns.narrow(0, 0, images * w.groups * window.pixels * w.rows_per_group)
-      .view({images * w.groups, window.pixels, w.rows_per_group});
+Tensor columns_of_window(const Tensor& columns, const WorkSplit& w, const PixelWindow& window,
+                         int64_t images) {
+  return views::view(
+      views::narrow(columns, 0, 0, images * w.groups * window.pixels * w.rows_per_group),
+      {images * w.groups, window.pixels, w.rows_per_group});
 }
 
-at::Tensor channels_last_block(const DeformConv2dLaunchers& launchers, const at::Tensor& input,
-                               int64_t first, int64_t images) {
-  const at::Tensor block = input.narrow(0, first, images);
-  const at::Tensor channels_last = block.permute({0, 2, 3, 1});
+Tensor channels_last_block(const DeformConv2dLaunchers& launchers, const Tensor& input,
+                           int64_t first, int64_t images) {
+  const Tensor block = views::narrow(input, 0, first, images);
+  const Tensor channels_last = views::permute(block, {0, 2, 3, 1});
   if (channels_last.is_contiguous() || !block.is_contiguous()) {
-    return channels_last.contiguous();
+    return as_contiguous(channels_last);
   }
-  at::Tensor copy = launchers.scratch(channels_last.sizes(), block.options());
-  at::Tensor planes = copy.view({images, -1, block.size(1)});
-  launchers.transpose(block.view({images, block.size(1), -1}), planes);
+  Tensor copy = launchers.scratch(block, channels_last.sizes(), block.scalar_type());
+  Tensor planes = views::view(copy, {images, -1, block.size(1)});
+  launchers.transpose(views::view(block, {images, block.size(1), -1}), planes);
   return copy;
 }
 
-at::Tensor window_workspace(const DeformConv2dLaunchers& launchers, const DeformConv2dGeometry& g,
-                            const WorkSplit& w, const at::TensorOptions& options) {
+Tensor window_workspace(const DeformConv2dLaunchers& launchers, const DeformConv2dGeometry& g,
+                        const WorkSplit& w, const Tensor& like) {
   if (launchers.prepare_window == nullptr) {
-    return at::Tensor();
+    return Tensor();
   }
-  return launchers.scratch(
-      {w.step * w.window_pixels * g.offset_groups * g.taps() *
-       launchers.workspace_bytes_per_sample},
-      options.dtype(at::kByte));
+  return launchers.scratch(like,
+                           {w.step * w.window_pixels * g.offset_groups * g.taps() *
+                            launchers.workspace_bytes_per_sample},
+                           ScalarType::Byte);
 }
 
 WindowSampling window_sampling(const DeformConv2dLaunchers& launchers,
                                const DeformConv2dGeometry& g, const PixelWindow& window,
-                               int64_t images, const at::Tensor& offset_block,
-                               const at::Tensor& mask_block, at::Tensor& workspace) {
+                               int64_t images, const Tensor& offset_block, const Tensor& mask_block,
+                               Tensor& workspace) {
   if (launchers.prepare_window != nullptr) {
     launchers.prepare_window(g, window, images, offset_block, mask_block, workspace);
   }
   return {offset_block, mask_block, workspace};
 }
 
-void copy_from_channels_last(const DeformConv2dLaunchers& launchers,
-                             const at::Tensor& channels_last, at::Tensor block) {
+void copy_from_channels_last(const DeformConv2dLaunchers& launchers, const Tensor& channels_last,
+                             Tensor block) {
   if (block.is_contiguous()) {
-    at::Tensor planes = block.view({block.size(0), block.size(1), -1});
-    launchers.transpose(channels_last.view({block.size(0), -1, block.size(1)}), planes);
+    Tensor planes = views::view(block, {block.size(0), block.size(1), -1});
+    launchers.transpose(views::view(channels_last, {block.size(0), -1, block.size(1)}), planes);
   } else {
-    block.copy_(channels_last.permute({0, 3, 1, 2}));
+    torch::stable::copy_(block, views::permute(channels_last, {0, 3, 1, 2}));
   }
 }
 

@@ -4,8 +4,6 @@
 // windows of output pixels within a block, and the scratch buffers and channels-last copies
 // of a block and a window, all in the launchers' scratch memory.
 
-#include <ATen/core/Tensor.h>
-
 #include <cstdint>
 #include <vector>
 
@@ -31,7 +29,7 @@ struct WorkSplit {
 };
 
 WorkSplit split_work(const DeformConv2dGeometry& g, int64_t batch, int64_t im2col_step,
-                     at::ScalarType dtype, const DeformConv2dLaunchers& launchers,
+                     ScalarType dtype, const DeformConv2dLaunchers& launchers,
                      int64_t min_window_pixels);
 
 // The windows of a block, in order: window_pixels output pixels each, the last maybe fewer.
@@ -42,34 +40,35 @@ std::vector<PixelWindow> windows_of(const WorkSplit& w);
 void record_split(const WorkSplit& w, int64_t batch, const char* several_blocks,
                   const char* several_windows);
 
-// The columns buffer for `step` images and one window, allocated once per call.
-at::Tensor columns_buffer(const DeformConv2dLaunchers& launchers, const DeformConv2dGeometry& g,
-                          const WorkSplit& w, const at::TensorOptions& options);
+// The columns buffer for `step` images and one window, of `like`'s dtype and device, allocated
+// once per call.
+Tensor columns_buffer(const DeformConv2dLaunchers& launchers, const DeformConv2dGeometry& g,
+                      const WorkSplit& w, const Tensor& like);
 
 // The part of the columns buffer that holds `images` images of `window`, as
 // (images * G, window pixels, K * C_in / G): one matrix per image and conv group.
-at::Tensor columns_of_window(const at::Tensor& columns, const WorkSplit& w,
-                             const PixelWindow& window, int64_t images);
+Tensor columns_of_window(const Tensor& columns, const WorkSplit& w, const PixelWindow& window,
+                         int64_t images);
 
 // A block of images in the channels-last layout the launchers read, (images, H, W, C_in):
 // a view when the input is channels-last already, else a copy of the block only.
-at::Tensor channels_last_block(const DeformConv2dLaunchers& launchers, const at::Tensor& input,
-                               int64_t first, int64_t images);
+Tensor channels_last_block(const DeformConv2dLaunchers& launchers, const Tensor& input,
+                           int64_t first, int64_t images);
 
-// The workspace of one window's prepare_window, allocated once per call; undefined where the
-// launchers prepare nothing.
-at::Tensor window_workspace(const DeformConv2dLaunchers& launchers, const DeformConv2dGeometry& g,
-                            const WorkSplit& w, const at::TensorOptions& options);
+// The workspace of one window's prepare_window, on `like`'s device, allocated once per call;
+// undefined where the launchers prepare nothing.
+Tensor window_workspace(const DeformConv2dLaunchers& launchers, const DeformConv2dGeometry& g,
+                        const WorkSplit& w, const Tensor& like);
 
 // The sampling of a window of a block, prepared once for every launcher.
 WindowSampling window_sampling(const DeformConv2dLaunchers& launchers,
                                const DeformConv2dGeometry& g, const PixelWindow& window,
-                               int64_t images, const at::Tensor& offset_block,
-                               const at::Tensor& mask_block, at::Tensor& workspace);
+                               int64_t images, const Tensor& offset_block, const Tensor& mask_block,
+                               Tensor& workspace);
 
 // Writes a channels-last block (images, H, W, C_in) into `block` of the same images, in the
 // block's own layout.
-void copy_from_channels_last(const DeformConv2dLaunchers& launchers,
-                             const at::Tensor& channels_last, at::Tensor block);
+void copy_from_channels_last(const DeformConv2dLaunchers& launchers, const Tensor& channels_last,
+                             Tensor block);
 
 }  // namespace deformconv

@@ -72,8 +72,7 @@ void col2im_tasks(const Col2imTask<scalar_t>& t, int64_t begin,
 }
 
 void col2im_cpu(const DeformConv2dGeometry& g, const PixelWindow& window, int64_t batch,
-                const at::Tensor& grad_columns, const WindowSampling& sampling,
-                at::Tensor& grad_input) {
+                const Tensor& grad_columns, const WindowSampling& sampling, Tensor& grad_input) {
   const auto runs = runs_of_offset_groups(g, window);
   // About two bands per thread over the block's images: every task scans all the plans of its
   // image, so many more bands would multiply that cost.
@@ -81,7 +80,7 @@ void col2im_cpu(const DeformConv2dGeometry& g, const PixelWindow& window, int64_
   const int64_t rows_per_band = (g.in_height + wanted_bands - 1) / wanted_bands;
   const int64_t bands = (g.in_height + rows_per_band - 1) / rows_per_band;
   DEFORMCONV_DISPATCH(grad_columns.scalar_type(), "deform_conv2d_col2im_cpu", [&] {
-    at::Tensor sums = input_gradient_sums<scalar_t>(grad_input);
+    Tensor sums = input_gradient_sums<scalar_t>(grad_input);
     const Col2imTask<scalar_t> t{g,
                                  window,
                                  runs,
@@ -95,7 +94,6 @@ void col2im_cpu(const DeformConv2dGeometry& g, const PixelWindow& window, int64_
     store_input_gradient_sums(sums, grad_input);
   });
 }
-
 
 template <typename scalar_t>
 struct OffsetMaskGradTask {
@@ -156,10 +154,9 @@ void offset_mask_grad_tasks(const OffsetMaskGradTask<scalar_t>& t,
   }
 }
 
-void offset_mask_grad_cpu(const DeformConv2dGeometry& g, const PixelWindow& window,
-                          int64_t batch, const at::Tensor& grad_columns, const at::Tensor& input,
-                          const WindowSampling& sampling, at::Tensor& grad_offset,
-                          at::Tensor& grad_mask) {
+void offset_mask_grad_cpu(const DeformConv2dGeometry& g, const PixelWindow& window, int64_t batch,
+                          const Tensor& grad_columns, const Tensor& input,
+                          const WindowSampling& sampling, Tensor& grad_offset, Tensor& grad_mask) {
   const auto runs = runs_of_offset_groups(g, window);
   for (const std::vector<ChannelRun>& group_runs : runs) {
     for (const ChannelRun& run : group_runs) {
@@ -187,10 +184,10 @@ void offset_mask_grad_cpu(const DeformConv2dGeometry& g, const PixelWindow& wind
 
 // Two passes over the columns gradient: col2im's tasks own bands of input rows, the offset and
 // mask gradients' own stretches of output pixels.
-void column_gradients_cpu(const DeformConv2dGeometry& g, const PixelWindow& window,
-                          int64_t batch, const at::Tensor& grad_columns, const at::Tensor& input,
-                          const WindowSampling& sampling, at::Tensor& grad_input,
-                          at::Tensor& grad_offset, at::Tensor& grad_mask) {
+void column_gradients_cpu(const DeformConv2dGeometry& g, const PixelWindow& window, int64_t batch,
+                          const Tensor& grad_columns, const Tensor& input,
+                          const WindowSampling& sampling, Tensor& grad_input, Tensor& grad_offset,
+                          Tensor& grad_mask) {
   if (grad_input.defined()) {
     col2im_cpu(g, window, batch, grad_columns, sampling, grad_input);
   }

@@ -11,12 +11,12 @@
 
 #if !defined(DEFORMCONV_CPU_COPY)  // the head (Note [CPU copies], cpu_copies.h)
 
-#include <torch/library.h>
+#include <torch/csrc/stable/library.h>
 
 #include "../common/bilinear_sampling.cuh"
 #include "../core/deform_conv2d.h"
 #include "../core/deform_conv2d_launchers.h"
-#include "../infrastructure/libtorch_device_kernels.h"
+#include "../infrastructure/device_kernels.h"
 #include "../infrastructure/parallel_region.h"
 #include "cpu_launchers.h"
 #include "deform_conv2d_single_copy_cpu.h"
@@ -34,7 +34,7 @@ const DeformConv2dLaunchers& deform_conv2d_cpu_launchers_in_use() {
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(deformconv, CPU, m) {
+STABLE_TORCH_LIBRARY_IMPL(deformconv, CPU, m) {
   register_device_kernels<DeformConv2dOp, CpuDevice, deform_conv2d_forward, deform_conv2d_backward,
                           deform_conv2d_cpu_launchers_in_use>(m);
 }
@@ -57,7 +57,7 @@ namespace {
 // slower on one thread than on all). The ATen and oneDNN calls inside run on the calling thread
 // alone, and oneDNN then reorders the weight for each GEMM (a weight-sized buffer per thread): with
 // a single window per thread, whose shares could not even out anyway, a forward keeps its stages.
-ForwardPlan forward_plan_cpu(const DeformConv2dGeometry& g, at::ScalarType dtype, int64_t batch,
+ForwardPlan forward_plan_cpu(const DeformConv2dGeometry& g, ScalarType dtype, int64_t batch,
                              int64_t im2col_step, int64_t windows, const WindowGemms& gemms) {
   if (fused_forward_pays_cpu(g, dtype)) {
     return ForwardPlan::kFused;
@@ -75,7 +75,7 @@ ForwardPlan forward_plan_cpu(const DeformConv2dGeometry& g, at::ScalarType dtype
 
 // oneDNN's backward GEMMs where its AVX-512 kernels outrun ATen's sgemm; elsewhere the GEMMs
 // that allocate nothing (Note [Backward GEMMs in place], deform_conv2d_onednn_gemms_cpu.cpp).
-const WindowGemms& window_gemms(const DeformConv2dGeometry& g, at::ScalarType dtype) {
+const WindowGemms& window_gemms(const DeformConv2dGeometry& g, ScalarType dtype) {
   return window_gemms_cpu(g, dtype, /*onednn_backward=*/kRegisterBytes == 64);
 }
 

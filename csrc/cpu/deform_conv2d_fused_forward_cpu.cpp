@@ -124,13 +124,12 @@ void fused_forward_tasks(const FusedForwardTask<scalar_t>& t, int64_t begin, int
 }  // namespace
 
 // The weight (C_out, C_in / G, kh, kw) in panels (Note [Weight panels], simd_blocks.h) as wide
-// as the registers of the copy that runs, in at::opmath_type, (conv group, tap) after (conv
+// as the registers of the copy that runs, in opmath_type, (conv group, tap) after (conv
 // group, tap): scratch memory, kept from call to call, which a weight of megabytes would
 // otherwise fault in afresh at every call.
-at::Tensor fused_forward_weight_cpu(const DeformConv2dGeometry& g, const at::Tensor& weight) {
-  const at::Tensor source = weight.contiguous();
-  at::Tensor panels = scratch_cpu(
-      {weight.numel()}, weight.options().dtype(opmath_dtype(weight.scalar_type())));
+Tensor fused_forward_weight_cpu(const DeformConv2dGeometry& g, const Tensor& weight) {
+  const Tensor source = as_contiguous(weight);
+  Tensor panels = scratch_cpu(weight, {weight.numel()}, opmath_dtype(weight.scalar_type()));
   const int64_t count = g.channels_per_group();
   const int64_t out_per_group = g.out_channels / g.groups;
   const int64_t taps = g.taps();
@@ -162,10 +161,9 @@ at::Tensor fused_forward_weight_cpu(const DeformConv2dGeometry& g, const at::Ten
   return panels;
 }
 
-void fused_forward_cpu(const DeformConv2dGeometry& g, int64_t batch, const at::Tensor& input,
-                       const at::Tensor& offset, const at::Tensor& mask,
-                       const at::Tensor& weight_panels, const at::Tensor& bias,
-                       at::Tensor& output) {
+void fused_forward_cpu(const DeformConv2dGeometry& g, int64_t batch, const Tensor& input,
+                       const Tensor& offset, const Tensor& mask, const Tensor& weight_panels,
+                       const Tensor& bias, Tensor& output) {
   const PixelWindow image{0, g.out_pixels()};
   DEFORMCONV_DISPATCH(input.scalar_type(), "deform_conv2d_fused_forward_cpu", [&] {
     // Multiply-adds as wide as a register of the copy that runs.
@@ -193,14 +191,14 @@ void fused_forward_cpu(const DeformConv2dGeometry& g, int64_t batch, const at::T
 
 // The environment variable DEFORMCONV_FUSED_FORWARD=0, read at every call, leaves every
 // forward to im2col and the GEMMs (to compare the two, or to test the latter).
-bool fused_forward_pays_cpu(const DeformConv2dGeometry& g, at::ScalarType dtype) {
+bool fused_forward_pays_cpu(const DeformConv2dGeometry& g, ScalarType dtype) {
   const char* setting = std::getenv("DEFORMCONV_FUSED_FORWARD");
   if (setting != nullptr && std::string_view(setting) == "0") {
     return false;
   }
   constexpr int64_t kCachedWeightBytes = int64_t(4) << 20;
-  const int64_t weight_bytes = g.out_channels * g.channels_per_group() * g.taps() *
-      c10::elementSize(opmath_dtype(dtype));
+  const int64_t weight_bytes =
+      g.out_channels * g.channels_per_group() * g.taps() * element_size(opmath_dtype(dtype));
   return weight_bytes <= kCachedWeightBytes;
 }
 

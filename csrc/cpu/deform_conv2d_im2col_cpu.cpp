@@ -47,13 +47,14 @@ void make_plans_tasks(const DeformConv2dGeometry& g,
 }  // namespace
 
 void make_plans_cpu(const DeformConv2dGeometry& g, const PixelWindow& window, int64_t batch,
-                    const at::Tensor& offset, const at::Tensor& mask, at::Tensor& plans) {
+                    const Tensor& offset, const Tensor& mask, Tensor& plans) {
   const int64_t plans_per_pixel = g.offset_groups * g.taps();
   const PixelStretches stretches = pixel_stretches(g, window);
   DEFORMCONV_DISPATCH(offset.scalar_type(), "deform_conv2d_plans_cpu", [&] {
     using Plan = SamplingPlan<opmath_type<scalar_t>>;
-    TORCH_INTERNAL_ASSERT(plans.numel() >=
-                          batch * window.pixels * plans_per_pixel * int64_t(sizeof(Plan)));
+    STD_TORCH_CHECK(
+        plans.numel() >= batch * window.pixels * plans_per_pixel * int64_t(sizeof(Plan)),
+        "make_plans_cpu: a workspace too small for the window's plans");
     Plan* plan_data = reinterpret_cast<Plan*>(plans.mutable_data_ptr());
     const scalar_t* offset_data = offset.const_data_ptr<scalar_t>();
     const scalar_t* mask_data = data_or_null<scalar_t>(mask);
@@ -117,7 +118,7 @@ void im2col_tasks(const Im2colTask<scalar_t>& t, int64_t begin,
 }  // namespace
 
 void im2col_cpu(const DeformConv2dGeometry& g, const PixelWindow& window, int64_t batch,
-                const at::Tensor& input, const WindowSampling& sampling, at::Tensor& columns) {
+                const Tensor& input, const WindowSampling& sampling, Tensor& columns) {
   const auto runs = runs_of_offset_groups(g, window);
   const PixelStretches stretches = pixel_stretches(g, window);
   DEFORMCONV_DISPATCH(input.scalar_type(), "deform_conv2d_im2col_cpu", [&] {

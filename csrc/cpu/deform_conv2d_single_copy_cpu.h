@@ -5,17 +5,15 @@
 // for the process, and the GEMMs (deform_conv2d_onednn_gemms_cpu.cpp), whose vector code is
 // oneDNN's and ATen's own.
 
-#include <ATen/core/Tensor.h>
-
 #include "../core/deform_conv2d_launchers.h"
 
 namespace deformconv {
 
-at::Tensor scratch_cpu(c10::IntArrayRef sizes, const at::TensorOptions& options);
+Tensor scratch_cpu(const Tensor& like, Sizes sizes, ScalarType dtype);
 
 // oneDNN's 1x1 convolutions, their backward as oneDNN's with onednn_backward, else as ATen's mm
 // in place (Note [Backward GEMMs in place], deform_conv2d_onednn_gemms_cpu.cpp); or bmm.
-const WindowGemms& window_gemms_cpu(const DeformConv2dGeometry& g, at::ScalarType dtype,
+const WindowGemms& window_gemms_cpu(const DeformConv2dGeometry& g, ScalarType dtype,
                                     bool onednn_backward);
 
 }  // namespace deformconv

@@ -11,25 +11,24 @@
 namespace deformconv::DEFORMCONV_CPU_COPY {
 
 void make_plans_cpu(const DeformConv2dGeometry& g, const PixelWindow& window, int64_t batch,
-                    const at::Tensor& offset, const at::Tensor& mask, at::Tensor& plans);
+                    const Tensor& offset, const Tensor& mask, Tensor& plans);
 
 void im2col_cpu(const DeformConv2dGeometry& g, const PixelWindow& window, int64_t batch,
-                const at::Tensor& input, const WindowSampling& sampling, at::Tensor& columns);
+                const Tensor& input, const WindowSampling& sampling, Tensor& columns);
 
-at::Tensor fused_forward_weight_cpu(const DeformConv2dGeometry& g, const at::Tensor& weight);
+Tensor fused_forward_weight_cpu(const DeformConv2dGeometry& g, const Tensor& weight);
 
-void fused_forward_cpu(const DeformConv2dGeometry& g, int64_t batch, const at::Tensor& input,
-                       const at::Tensor& offset, const at::Tensor& mask,
-                       const at::Tensor& weight_panels, const at::Tensor& bias,
-                       at::Tensor& output);
+void fused_forward_cpu(const DeformConv2dGeometry& g, int64_t batch, const Tensor& input,
+                       const Tensor& offset, const Tensor& mask, const Tensor& weight_panels,
+                       const Tensor& bias, Tensor& output);
 
-bool fused_forward_pays_cpu(const DeformConv2dGeometry& g, at::ScalarType dtype);
+bool fused_forward_pays_cpu(const DeformConv2dGeometry& g, ScalarType dtype);
 
-void column_gradients_cpu(const DeformConv2dGeometry& g, const PixelWindow& window,
-                          int64_t batch, const at::Tensor& grad_columns, const at::Tensor& input,
-                          const WindowSampling& sampling, at::Tensor& grad_input,
-                          at::Tensor& grad_offset, at::Tensor& grad_mask);
+void column_gradients_cpu(const DeformConv2dGeometry& g, const PixelWindow& window, int64_t batch,
+                          const Tensor& grad_columns, const Tensor& input,
+                          const WindowSampling& sampling, Tensor& grad_input, Tensor& grad_offset,
+                          Tensor& grad_mask);
 
-void transpose_cpu(const at::Tensor& src, at::Tensor& dst);
+void transpose_cpu(const Tensor& src, Tensor& dst);
 
 }  // namespace deformconv::DEFORMCONV_CPU_COPY

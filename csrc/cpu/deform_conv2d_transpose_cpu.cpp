@@ -48,7 +48,7 @@ void transpose_tiles(const scalar_t* src, scalar_t* dst, int64_t rows,
 
 }  // namespace
 
-void transpose_cpu(const at::Tensor& src, at::Tensor& dst) {
+void transpose_cpu(const Tensor& src, Tensor& dst) {
   const int64_t rows = src.size(1);
   const int64_t cols = src.size(2);
   const int64_t tiles = src.size(0) * ((rows + kTransposeTile - 1) / kTransposeTile) *

@@ -1,13 +1,11 @@
 // The CPU's scratch memory: a pool of large blocks kept from call to call.
 
-#include <ATen/core/ivalue.h>
-#include <ATen/ops/from_blob.h>
-#include <ATen/record_function.h>
-#include <c10/core/Allocator.h>
-#include <c10/core/impl/alloc_cpu.h>
-#include <c10/util/accumulate.h>
+#include <torch/csrc/stable/library.h>
+#include <torch/csrc/stable/ops.h>
 
 #include <algorithm>
+#include <cstdint>
+#include <cstdlib>
 #include <map>
 #include <mutex>
 #include <utility>
@@ -17,6 +15,7 @@
 #include <sys/mman.h>
 #endif
 
+#include "../common/scalar_types.h"
 #include "deform_conv2d_single_copy_cpu.h"
 
 namespace deformconv {
@@ -27,8 +26,11 @@ namespace {
 // fresh buffer from the system costs a page fault per page and the kernel's zeroing of each
 // page: about a tenth of c3-stride2's forward. A scratch tensor, when freed, returns its block
 // here, and a later request takes the smallest kept block that fits it and is at most twice
-// its size. The pool keeps at most kKeptScratchBytes and gives the rest back to the system;
-// every thread shares it.
+// its size. The pool keeps at most 128 MiB (DEFORMCONV_KEPT_SCRATCH_MIB in the environment sets
+// another bound, 0 for none kept) and gives the rest back; every thread shares it. Its blocks are
+// tensors of bytes from torch's allocator, so that PyTorch's memory profiler counts them from
+// when the pool takes them to when it lets them go, kept ones included; release_scratch lets
+// every kept block go.
 class ScratchPool {
  public:
   static ScratchPool& instance() {
@@ -37,45 +39,60 @@ class ScratchPool {
     return *pool;
   }
 
-  at::Tensor take(c10::IntArrayRef sizes, const at::TensorOptions& options) {
-    // An event of its own, as aten::empty has, which the block counts as allocated by.
-    RECORD_FUNCTION("deformconv::scratch", std::vector<c10::IValue>());
-    const size_t bytes = std::max<size_t>(
-        1, static_cast<size_t>(c10::multiply_integers(sizes)) * options.dtype().itemsize());
-    void* block = nullptr;
-    size_t block_bytes = bytes;
+  Tensor take(const Tensor& like, Sizes sizes, ScalarType dtype) {
+    int64_t elements = 1;
+    for (const int64_t size : sizes) {
+      elements *= size;
+    }
+    const int64_t bytes = std::max<int64_t>(1, elements * element_size(dtype));
+    Tensor block;
     {
       std::lock_guard<std::mutex> lock(mutex_);
       const auto kept = free_blocks_.lower_bound(bytes);
       if (kept != free_blocks_.end() && kept->first <= 2 * bytes) {
-        block = kept->second;
-        block_bytes = kept->first;
-        kept_bytes_ -= block_bytes;
+        block = std::move(kept->second);
+        kept_bytes_ -= kept->first;
         free_blocks_.erase(kept);
       }
     }
-    if (block == nullptr) {
-      block = allocate(bytes);
+    if (!block.defined()) {
+      block = allocate(like, bytes);
     }
-    report_to_profiler(block, static_cast<int64_t>(block_bytes));
-    return at::from_blob(
-        block, sizes, [this, block_bytes](void* data) { give_back(data, block_bytes); },
-        options);
+    std::vector<int64_t> strides(sizes.size());
+    int64_t stride = 1;
+    for (size_t dim = sizes.size(); dim-- > 0;) {
+      strides[dim] = stride;
+      stride *= std::max<int64_t>(sizes[dim], 1);
+    }
+    return torch::stable::from_blob(block.mutable_data_ptr(), sizes, strides, like.device(), dtype,
+                                    [this, block](void*) { give_back(block); });
+  }
+
+  // Lets every kept block go.
+  void release() {
+    std::multimap<int64_t, Tensor> released;
+    std::lock_guard<std::mutex> lock(mutex_);
+    std::swap(released, free_blocks_);
+    kept_bytes_ = 0;
   }
 
  private:
-  static constexpr size_t kKeptScratchBytes = size_t(128) << 20;
+  // Read once, when the pool is first used.
+  const int64_t kept_scratch_bytes_ = [] {
+    const char* setting = std::getenv("DEFORMCONV_KEPT_SCRATCH_MIB");
+    return (setting != nullptr ? std::max<int64_t>(0, std::atoll(setting)) : 128) << 20;
+  }();
 
-  // Fresh memory from the system; on Linux, asking for transparent huge pages over the part
+  // A block from torch's allocator; on Linux, asking for transparent huge pages over the part
   // that covers whole ones (madvise, advisory: the kernel may decline), as PyTorch's
   // THP_MEM_ALLOC_ENABLE does for every allocation.
-  static void* allocate(size_t bytes) {
-    void* block = c10::alloc_cpu(bytes);
+  static Tensor allocate(const Tensor& like, int64_t bytes) {
+    Tensor block = new_contiguous(like, {bytes}, ScalarType::Byte);
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
     constexpr uintptr_t kHugePage = uintptr_t(1) << 21;
-    const auto begin = reinterpret_cast<uintptr_t>(block);
+    const auto begin = reinterpret_cast<uintptr_t>(block.mutable_data_ptr());
     const uintptr_t first = (begin + kHugePage - 1) & ~(kHugePage - 1);
-    const uintptr_t last = (begin + bytes) & ~(kHugePage - 1);
+    const uintptr_t last = (begin + static_cast<uintptr_t>(bytes)) & ~(kHugePage - 1);
     if (last > first) {
       madvise(reinterpret_cast<void*>(first), last - first, MADV_HUGEPAGE);
     }
@@ -83,34 +100,35 @@ class ScratchPool {
     return block;
   }
 
-  // A block in use counts as allocated for PyTorch's memory profiler, as a fresh buffer from
-  // PyTorch's allocator would, whether it was kept or new.
-  static void report_to_profiler(void* block, int64_t bytes) {
-    c10::reportMemoryUsageToProfiler(block, bytes, 0, 0, c10::Device(c10::DeviceType::CPU));
-  }
-
-  void give_back(void* block, size_t bytes) {
-    report_to_profiler(block, -static_cast<int64_t>(bytes));
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      if (kept_bytes_ + bytes <= kKeptScratchBytes) {
-        free_blocks_.emplace(bytes, block);
-        kept_bytes_ += bytes;
-        return;
-      }
+  void give_back(const Tensor& block) {
+    const int64_t bytes = block.numel();
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (kept_bytes_ + bytes <= kept_scratch_bytes_) {
+      free_blocks_.emplace(bytes, block);
+      kept_bytes_ += bytes;
     }
-    c10::free_cpu(block);
   }
 
   std::mutex mutex_;
-  std::multimap<size_t, void*> free_blocks_;  // by size
-  size_t kept_bytes_ = 0;
+  std::multimap<int64_t, Tensor> free_blocks_;  // by size
+  int64_t kept_bytes_ = 0;
 };
+
+void release_scratch() { ScratchPool::instance().release(); }
 
 }  // namespace
 
-at::Tensor scratch_cpu(c10::IntArrayRef sizes, const at::TensorOptions& options) {
-  return ScratchPool::instance().take(sizes, options);
+Tensor scratch_cpu(const Tensor& like, Sizes sizes, ScalarType dtype) {
+  return ScratchPool::instance().take(like, sizes, dtype);
+}
+
+// An op of its own, for the benchmark's peak memory (deformconv/benchmarks/timing.py), which
+// lets the kept blocks go before it measures, so that a call's scratch counts as its own.
+STABLE_TORCH_LIBRARY_FRAGMENT(deformconv, m) { m.def("_release_scratch() -> ()"); }
+
+// No tensor to dispatch on: the kernel for every key.
+STABLE_TORCH_LIBRARY_IMPL(deformconv, CompositeImplicitAutograd, m) {
+  m.impl("_release_scratch", TORCH_BOX(&release_scratch));
 }
 
 }  // namespace deformconv

@@ -6,6 +6,7 @@
 // few lanes with their samples staged in rounds, the choice of the vectors' width from the
 // channels and the tensors' alignment, and sums over an item's lanes.
 
+#include <torch/csrc/stable/tensor.h>
 #include <torch/headeronly/util/Exception.h>
 
 #include <algorithm>
@@ -63,10 +64,8 @@ __device__ inline void add_sample(const SharedSample<opmath_type<scalar_t>>& sam
   }
 }
 
-// Whether `tensor` (a torch::stable::Tensor, or an at::Tensor in the launchers still on
-// libtorch's C++ ABI) starts where vectors of `vector_width` of its elements may be loaded.
-template <typename Tensor>
-bool aligned_for_vectors(const Tensor& tensor, int vector_width) {
+// Whether `tensor` starts where vectors of `vector_width` of its elements may be loaded.
+inline bool aligned_for_vectors(const torch::stable::Tensor& tensor, int vector_width) {
   return reinterpret_cast<uintptr_t>(tensor.const_data_ptr()) %
              (vector_width * tensor.element_size()) == 0;
 }
@@ -122,13 +121,15 @@ struct LanePathNames {
 // recording the paths taken under `names`. `run` is the length of the runs of consecutive
 // channels in which a kernel addresses its tensors, `channels` itself where an item's channels
 // lie side by side everywhere: a vector must not straddle two runs.
-template <int kWide, typename Tensor, typename Launch>
+template <int kWide, typename Launch>
 void with_channel_vectors(int64_t items, int64_t channels, int64_t run, int64_t samples,
-                          int64_t staged_samples, std::initializer_list<const Tensor*> tensors,
+                          int64_t staged_samples,
+                          std::initializer_list<const torch::stable::Tensor*> tensors,
                           const LanePathNames& names, Launch&& launch) {
   const bool wide = channels % kWide == 0 && run % kWide == 0 &&
-                    std::all_of(tensors.begin(), tensors.end(),
-                                [](const Tensor* t) { return aligned_for_vectors(*t, kWide); });
+                    std::all_of(tensors.begin(), tensors.end(), [](const torch::stable::Tensor* t) {
+                      return aligned_for_vectors(*t, kWide);
+                    });
   const LaneTiling t = lane_tiling(items, channels, wide ? kWide : 1, samples, staged_samples);
   record_branch(wide ? names.vectors : names.one_at_a_time);
   if (t.passes > 1) {

@@ -9,9 +9,10 @@
 // twice, and the launcher takes the build that divides by InvariantDivisor (a multiply-high and a
 // shift) when every dividend of the launch is below 2^31, the one that divides in int64 otherwise.
 
-#include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
-#include <torch/library.h>
+#include <torch/csrc/stable/library.h>
+#if !defined(DEFORMCONV_CUDA_EMULATION)
+#include <torch/csrc/inductor/aoti_torch/generated/c_shim_cuda.h>
+#endif
 
 #include <algorithm>
 #include <cstdint>
@@ -22,7 +23,9 @@
 #include "../core/deform_conv2d.h"
 #include "../core/deform_conv2d_gemms.h"
 #include "../infrastructure/branch_trace.h"
-#include "../infrastructure/libtorch_device_kernels.h"
+#include "../infrastructure/device_kernels.h"
+#include "../infrastructure/matrix_products.h"
+#include "../infrastructure/tensor_views.h"
 #include "channel_vectors.cuh"
 #include "cuda_device.h"
 #include "cuda_launchers.h"
@@ -160,7 +163,7 @@ constexpr LanePathNames kColumnGradientPaths{
 
 // What the columns gradient gives back, in one pass over it: items, lanes and staged samples as
 // im2col_kernel's, the vectors kVector channels of the input gradient's sums (16 bytes of
-// at::opmath_type, Note [Input gradient sums in float32]). Lane l reads the columns gradient of
+// opmath_type, Note [Input gradient sums in float32]). Lane l reads the columns gradient of
 // its vectors of each tap once; where the input gradient is asked for (grad_input not null) it
 // adds weight * that vector at each corner of non-zero weight, one vector atomic a corner
 // (scatter_add_run); where the offset or mask gradient is, it adds the vector's dot products
@@ -252,8 +255,8 @@ int64_t columns_entries_in(const DeformConv2dGeometry& g, const PixelWindow& win
 // columns' and the input's element counts allow (with_index_divisors).
 template <int kWide, typename opmath_t, typename Launch>
 void with_item_tiling(const DeformConv2dGeometry& g, const PixelWindow& window, int64_t batch,
-                      std::initializer_list<const at::Tensor*> tensors,
-                      const LanePathNames& names, const Launch& launch) {
+                      std::initializer_list<const Tensor*> tensors, const LanePathNames& names,
+                      const Launch& launch) {
   with_channel_vectors<kWide>(
       batch * window.pixels * g.offset_groups, g.channels_per_offset_group(),
       g.channels_per_group(), g.taps(), kStagedSamples<opmath_t>, tensors, names,
@@ -267,9 +270,9 @@ void with_item_tiling(const DeformConv2dGeometry& g, const PixelWindow& window, 
 // The CUDA launchers prepare nothing per window (sampling.prepared is undefined): the kernels
 // locate their samples themselves.
 void im2col_cuda(const DeformConv2dGeometry& g, const PixelWindow& window, int64_t batch,
-                 const at::Tensor& input, const WindowSampling& sampling, at::Tensor& columns) {
-  const at::Tensor& offset = sampling.offset;
-  const at::Tensor& mask = sampling.mask;
+                 const Tensor& input, const WindowSampling& sampling, Tensor& columns) {
+  const Tensor& offset = sampling.offset;
+  const Tensor& mask = sampling.mask;
   DEFORMCONV_DISPATCH(input.scalar_type(), "deform_conv2d_im2col_cuda", [&] {
     with_item_tiling<16 / sizeof(scalar_t), opmath_type<scalar_t>>(
         g, window, batch, {&input, &columns}, kIm2colPaths,
@@ -286,10 +289,10 @@ void im2col_cuda(const DeformConv2dGeometry& g, const PixelWindow& window, int64
   });
 }
 
-void column_gradients_cuda(const DeformConv2dGeometry& g, const PixelWindow& window,
-                           int64_t batch, const at::Tensor& grad_columns, const at::Tensor& input,
-                           const WindowSampling& sampling, at::Tensor& grad_input,
-                           at::Tensor& grad_offset, at::Tensor& grad_mask) {
+void column_gradients_cuda(const DeformConv2dGeometry& g, const PixelWindow& window, int64_t batch,
+                           const Tensor& grad_columns, const Tensor& input,
+                           const WindowSampling& sampling, Tensor& grad_input, Tensor& grad_offset,
+                           Tensor& grad_mask) {
   if (grad_input.defined()) {
     record_branch("deform_conv2d.cuda.column_gradients.input");
   }
@@ -300,14 +303,14 @@ void column_gradients_cuda(const DeformConv2dGeometry& g, const PixelWindow& win
   DEFORMCONV_DISPATCH(grad_columns.scalar_type(), "deform_conv2d_column_gradients_cuda", [&] {
     using opmath_t = opmath_type<scalar_t>;
     // Note [Input gradient sums in float32]
-    at::Tensor sums;
+    Tensor sums;
     if (grad_input.defined()) {
       sums = input_gradient_sums<scalar_t>(grad_input);
     }
     // Vectors are loaded from each tensor that the kernel reads (the input only for the offset
     // and mask gradients), and added into the sums.
-    const at::Tensor& input_or_columns = position_grads ? input : grad_columns;
-    const at::Tensor& sums_or_columns = sums.defined() ? sums : grad_columns;
+    const Tensor& input_or_columns = position_grads ? input : grad_columns;
+    const Tensor& sums_or_columns = sums.defined() ? sums : grad_columns;
     with_item_tiling<16 / sizeof(opmath_t), opmath_t>(
         g, window, batch, {&grad_columns, &input_or_columns, &sums_or_columns},
         kColumnGradientPaths, [&](auto width, auto t, const auto& divisors) {
@@ -328,23 +331,25 @@ void column_gradients_cuda(const DeformConv2dGeometry& g, const PixelWindow& win
   });
 }
 
-void transpose_cuda(const at::Tensor& src, at::Tensor& dst) { dst.copy_(src.transpose(1, 2)); }
+void transpose_cuda(const Tensor& src, Tensor& dst) {
+  torch::stable::copy_(dst, views::transpose(src, 1, 2));
+}
 
 // cuBLAS's batched GEMMs, whatever the call.
-const WindowGemms& window_gemms_cuda(const DeformConv2dGeometry&, at::ScalarType) {
+const WindowGemms& window_gemms_cuda(const DeformConv2dGeometry&, ScalarType) {
   return bmm_window_gemms();
 }
 
 // Every stage over the whole GPU, window by window: no fused kernel, and no host threads to
 // share work out to.
-ForwardPlan forward_plan_cuda(const DeformConv2dGeometry&, at::ScalarType, int64_t, int64_t,
-                              int64_t, const WindowGemms&) {
+ForwardPlan forward_plan_cuda(const DeformConv2dGeometry&, ScalarType, int64_t, int64_t, int64_t,
+                              const WindowGemms&) {
   return ForwardPlan::kStages;
 }
 
 // The caching allocator reuses its blocks: nothing to ask of the memory system.
-at::Tensor scratch_cuda(c10::IntArrayRef sizes, const at::TensorOptions& options) {
-  return at::empty(sizes, options);
+Tensor scratch_cuda(const Tensor& like, Sizes sizes, ScalarType dtype) {
+  return new_contiguous(like, sizes, dtype);
 }
 
 }  // namespace
@@ -371,9 +376,18 @@ const DeformConv2dLaunchers& deform_conv2d_cuda_launchers() {
 // The kernels at the CUDA key: the drivers with these launchers. The test suite's emulation
 // build, which compiles this file as C++, registers them under its own namespace.
 #if !defined(DEFORMCONV_CUDA_EMULATION)
-TORCH_LIBRARY_IMPL(deformconv, CUDA, m) {
-  register_device_kernels<DeformConv2dOp, CudaDevice, deform_conv2d_forward, deform_conv2d_backward, deform_conv2d_cuda_launchers>(m);
+STABLE_TORCH_LIBRARY_IMPL(deformconv, CUDA, m) {
+  register_device_kernels<DeformConv2dOp, CudaDevice, deform_conv2d_forward, deform_conv2d_backward,
+                          deform_conv2d_cuda_launchers>(m);
 }
+
+// cuBLAS's batched GEMMs for the bmm GEMMs (infrastructure/matrix_products.h), from the C shim's
+// CUDA entry points, which only a torch with CUDA has.
+const bool kCudaMatrixProductsRegistered = [] {
+  static constexpr MatrixProducts products{aoti_torch_cuda_bmm_out, aoti_torch_cuda_baddbmm_out};
+  register_cuda_matrix_products(products);
+  return true;
+}();
 #endif
 
 }  // namespace deformconv

@@ -53,36 +53,14 @@ constexpr auto backward_argument_names() {
   return names;
 }
 
-// The schemas' tensor arguments, Tensor and Tensor?, as the kernels take them: PyTorch's stable
-// ABI's torch::stable::Tensor, or at::Tensor for the kernels still registered through libtorch's
-// C++ ABI (libtorch_device_kernels.h).
-template <typename Argument, typename = void>
-constexpr bool is_tensor = false;
-
-template <typename Argument>
-constexpr bool is_tensor<Argument, std::void_t<decltype(std::declval<const Argument&>().device()),
-                                               decltype(std::declval<const Argument&>().sizes())>> =
-    true;
-
-template <typename Argument>
-constexpr bool is_optional_tensor = false;
-
-template <typename Tensor>
-constexpr bool is_optional_tensor<std::optional<Tensor>> = is_tensor<Tensor>;
-
-template <typename Tensor>
-torch::stable::Device device_of_tensor(const Tensor& tensor) {
-  const auto device = tensor.device();
-  return torch::stable::Device(device.type(), device.index());
-}
-
+// The device of a Tensor or Tensor? argument; nothing for the others.
 template <typename Argument>
 std::optional<torch::stable::Device> device_of_argument(const Argument& argument) {
   using Decayed = std::decay_t<Argument>;
-  if constexpr (is_tensor<Decayed>) {
-    return device_of_tensor(argument);
-  } else if constexpr (is_optional_tensor<Decayed>) {
-    return argument.has_value() ? std::optional(device_of_tensor(*argument)) : std::nullopt;
+  if constexpr (std::is_same_v<Decayed, torch::stable::Tensor>) {
+    return argument.device();
+  } else if constexpr (std::is_same_v<Decayed, std::optional<torch::stable::Tensor>>) {
+    return argument.has_value() ? std::optional(argument->device()) : std::nullopt;
   } else {
     return std::nullopt;
   }

@@ -25,8 +25,7 @@ namespace deformconv {
 //                        deform_conv2d and ms_deform_attn, kChecksSchema: that of the op of
 //                        their argument checks, which the fake kernels run);
 //   kName                the op's name in the deformconv namespace, and in messages;
-//   Signature            the op's C++ signature, in the stable ABI's types (libtorch's for the
-//                        ops whose drivers still take at::Tensor);
+//   Signature            the op's C++ signature, in the stable ABI's types;
 //   kArgumentNames       its arguments' names, as the schema gives them;
 //   BackwardSignature    its backward op's: grad_output, kBackwardArguments, output_mask;
 //   kGradientArguments   the places, among the op's arguments, of the tensors whose gradients
@@ -44,8 +43,9 @@ constexpr bool is_optional_tensor_argument =
     std::is_same_v<std::decay_t<Argument>, std::optional<at::Tensor>>;
 
 // The signatures in libtorch's C++ types, for the typed handles: a description's signatures in
-// the stable ABI's types (torch::stable::Tensor, std::vector<bool> for the output mask) mapped to
-// the dispatcher's (at::Tensor, std::array<bool, N>); those still in libtorch's types unchanged.
+// the stable ABI's types (torch::stable::Tensor, std::vector<bool> for the output mask,
+// std::vector<int64_t> for an int[] or SymInt[]) mapped to the dispatcher's (at::Tensor,
+// std::array<bool, N>, c10::IntArrayRef); the others unchanged.
 namespace op_handles_detail {
 
 template <typename Op, typename Type>
@@ -71,6 +71,11 @@ struct Libtorch<Op, const std::optional<torch::stable::Tensor>&> {
 template <typename Op>
 struct Libtorch<Op, const std::vector<bool>&> {
   using type = std::array<bool, Op::kGradientArguments.size()>;
+};
+
+template <typename Op>
+struct Libtorch<Op, const std::vector<int64_t>&> {
+  using type = c10::IntArrayRef;
 };
 
 template <typename Op, typename... Types>

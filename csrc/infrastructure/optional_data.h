@@ -1,17 +1,18 @@
 #pragma once
 
+#include "stable_tensors.h"
+
 namespace deformconv {
 
-// Data of an optional operand (undefined: absent or not asked for) as a pointer, null if absent;
-// of a torch::stable::Tensor, or of an at::Tensor in the drivers still on libtorch's C++ ABI.
-template <typename scalar_t, typename Tensor>
+// Data of an optional operand (undefined: absent or not asked for) as a pointer, null if absent.
+template <typename scalar_t>
 const scalar_t* data_or_null(const Tensor& tensor) {
-  return tensor.defined() ? tensor.template const_data_ptr<scalar_t>() : nullptr;
+  return tensor.defined() ? tensor.const_data_ptr<scalar_t>() : nullptr;
 }
 
-template <typename scalar_t, typename Tensor>
+template <typename scalar_t>
 scalar_t* mutable_data_or_null(Tensor& tensor) {
-  return tensor.defined() ? tensor.template mutable_data_ptr<scalar_t>() : nullptr;
+  return tensor.defined() ? tensor.mutable_data_ptr<scalar_t>() : nullptr;
 }
 
 }  // namespace deformconv

@@ -66,12 +66,19 @@ class TaskRuns {
 // takes part of a core, the thread on it runs fewer tasks instead of keeping the others waiting
 // at the end of every stage. Which thread runs a task does not change its result. The threads
 // are ATen's (Note [Parallel regions through ATen]).
+//
+// task_run_count(tasks) is how many times parallel_task_runs(tasks, ...) calls run: once where
+// it runs inline, else once for each of thread_count() turns of the region.
+inline int64_t task_run_count(int64_t tasks) {
+  return tasks <= 1 || in_parallel_region() ? 1 : thread_count();
+}
+
 template <typename Function>
 void parallel_task_runs(int64_t tasks, const Function& run,
                         const char* other_threads_branch = kOtherThreadsBranch) {
   std::atomic<int64_t> next{0};
   const int64_t threads = thread_count();
-  if (threads == 1 || tasks <= 1 || in_parallel_region()) {
+  if (task_run_count(tasks) == 1) {
     TaskRuns runs(next, std::max<int64_t>(tasks, 1), tasks);
     run(runs);
     return;

@@ -15,7 +15,9 @@
 
 namespace deformconv {
 
+using torch::headeronly::ScalarType;
 using torch::stable::Tensor;
+using Sizes = torch::headeronly::IntHeaderOnlyArrayRef;
 
 // `tensor` as the launchers read it, contiguous: itself when it is, without a call into torch.
 inline Tensor as_contiguous(const Tensor& tensor) {

@@ -91,8 +91,9 @@ def time_interleaved(steps: Dict[str, Callable[[], None]], repeats: int,
 def peak_bytes(step: Callable[[], None], device: str = "cpu") -> int:
     """Peak of live allocations during one run of step, over what was live before it (what the
     step allocates and returns included). On CUDA, from the caching allocator's statistics. On
-    the CPU, from the profiler's record of every allocation and free, on every thread that runs
-    in the caller's thread-local state, in the order they happened."""
+    the CPU, from the profiler's record of every allocation and free on the calling thread, in
+    the order they happened (not those on the worker threads of a parallel region, which do
+    not carry the caller's profiler: in deformconv's forward, oneDNN's product for a window)."""
     if device == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -100,6 +101,9 @@ def peak_bytes(step: Callable[[], None], device: str = "cpu") -> int:
         step()
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated() - before
+    # The blocks that deformconv's CPU scratch pool keeps from earlier calls, let go, so that
+    # the step's scratch counts as allocated by the step.
+    torch.ops.deformconv._release_scratch()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
                                 profile_memory=True) as profiler:
         step()

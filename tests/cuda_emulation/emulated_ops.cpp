@@ -17,7 +17,6 @@
 #include "../../csrc/cuda/deform_conv2d_cuda.cu"
 #include "../../csrc/cuda/ms_deform_attn_cuda.cu"
 #include "../../csrc/infrastructure/branch_trace.h"
-#include "../../csrc/infrastructure/libtorch_device_kernels.h"
 
 namespace deformconv {
 namespace {
@@ -179,12 +178,9 @@ TORCH_LIBRARY(deformconv_emulated, m) {
   m.def("probe_warp_barrier(int threads, int exiting_thread, int shuffling_thread) -> int[]");
 }
 
-TORCH_LIBRARY_IMPL(deformconv_emulated, CPU, m) {
+STABLE_TORCH_LIBRARY_IMPL(deformconv_emulated, CPU, m) {
   register_device_kernels<DeformConv2dOp, CudaDevice, deform_conv2d_forward,
                           deform_conv2d_backward, emulated_launchers>(m);
-}
-
-STABLE_TORCH_LIBRARY_IMPL(deformconv_emulated, CPU, m) {
   register_device_kernels<Dcnv3Op, CudaDevice, dcnv3_forward, dcnv3_backward,
                           dcnv3_cuda_launchers>(m);
   register_device_kernels<Dcnv4Op, CudaDevice, dcnv4_forward, dcnv4_backward,
