@@ -30,10 +30,18 @@ namespace {
 // oneDNN's convolution kernels, the ones dense convolution runs on, where ATen's bmm runs on
 // MKL's sgemm, which is tuned for Intel's CPUs rather than AMD's. Elsewhere (float64, half
 // precision, conv groups, or with DEFORMCONV_ONEDNN_GEMMS=0 in the environment), the CPU
-// multiplies with bmm. The convolutions are torch's own (aoti_torch_cpu_convolution), which
-// run on oneDNN unless torch was built without it or told not to use it
-// (torch.backends.mkldnn), and then on its other kernels: the stable ABI lets this library ask
-// neither, so the switch is its own.
+// multiplies with bmm.
+//
+// The convolutions are torch's own (convolution and convolution_backward through the C shim;
+// the stable ABI has no mkldnn_convolution), which choose their kernels: oneDNN's unless torch
+// was built without it or told not to use it (torch.backends.mkldnn, which the stable ABI lets
+// this library not read, so the switch is its own), and, for a 1x1 convolution of fewer than 16
+// images, unstrided and undilated, torch's im2col and sgemm where torch counts one thread, as
+// it does inside a parallel region: a window's GEMM would change kernels, and bits, with the
+// thread count. So they are called with a dilation of 2, which a 1x1 kernel, of one tap, leaves
+// without effect, and which takes them to oneDNN whatever the thread count
+// (test_forward_of_windows_per_thread_equals_one_thread; c3, c4, c5 forward and backward ran
+// level with mkldnn_convolution's before the port).
 bool gemms_as_convolutions(const DeformConv2dGeometry& g, ScalarType dtype) {
   const char* setting = std::getenv("DEFORMCONV_ONEDNN_GEMMS");
   const bool switched_off = setting != nullptr && std::string_view(setting) == "0";
@@ -58,6 +66,8 @@ Tensor weight_1x1(const DeformConv2dLaunchers& launchers, const DeformConv2dGeom
 
 constexpr std::array<int64_t, 2> kOnes{1, 1};
 constexpr std::array<int64_t, 2> kZeros{0, 0};
+// The dilation of the Note's convolutions, without effect on a 1x1 kernel.
+constexpr std::array<int64_t, 2> kDilation{2, 2};
 
 // The 1x1 convolution of the Note: (images, C_out, 1, window), channels-last.
 Tensor convolution_1x1(const Tensor& image, const Tensor& weight, const Tensor* bias) {
@@ -65,7 +75,7 @@ Tensor convolution_1x1(const Tensor& image, const Tensor& weight, const Tensor* 
   AtenTensorHandle product = nullptr;
   STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_cpu_convolution(
       image.get(), weight.get(), bias != nullptr ? &bias_handle : nullptr, kOnes.data(), 2,
-      kZeros.data(), 2, kOnes.data(), 2, /*transposed=*/0, kZeros.data(), 2, /*groups=*/1,
+      kZeros.data(), 2, kDilation.data(), 2, /*transposed=*/0, kZeros.data(), 2, /*groups=*/1,
       &product));
   return Tensor(product);
 }
@@ -135,7 +145,7 @@ Tensor convolution_backward(const WorkSplit& w, const PixelWindow& window, int64
   STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_cpu_convolution_backward(
       views::unsqueeze(views::squeeze(grad_output_window, 1), 2).get(),
       columns_as_image(columns, w, window, images).get(), weight.get(), /*bias_sizes=*/nullptr, 0,
-      kOnes.data(), 2, kZeros.data(), 2, kOnes.data(), 2, /*transposed=*/0, kZeros.data(), 2,
+      kOnes.data(), 2, kZeros.data(), 2, kDilation.data(), 2, /*transposed=*/0, kZeros.data(), 2,
       /*groups=*/1, output_mask.data(), 3, &grad_image_handle, &grad_weight_handle,
       &grad_bias_handle));
   const Tensor grad_image(grad_image_handle);
