@@ -18,9 +18,11 @@ DEFORMCONV_SANITIZE=1 compiles the C++ with AddressSanitizer and UndefinedBehavi
 With GCC on x86-64 the CPU kernels carry AVX-512, AVX2 and default copies, one chosen at run
 time (DEFORMCONV_CPU_CAPABILITY overrides the choice; csrc/cpu/cpu_copies.h).
 
-Making an sdist or reading the metadata needs no torch; compiling does, and it must be the torch
-the extension will run with, so pip's build isolation (which would hide it, or install another)
-is refused at once, with the command to use instead (build_backend.py).
+Making an sdist or reading the metadata needs no torch; compiling does, any torch from
+MINIMUM_TORCH on: every source is compiled against that release's part of PyTorch's stable ABI,
+so the extension runs under every torch from it on, whichever it was built against. pip's build
+isolation installs one into the build environment (pyproject.toml); --no-build-isolation builds
+against the one installed.
 """
 
 import os
@@ -38,8 +40,6 @@ ROOT = Path(__file__).parent
 # write metadata or copy files.
 COMPILING_COMMANDS = {"build", "build_ext", "bdist_wheel", "editable_wheel", "develop", "install",
                       "bdist_egg"}
-# dist_info writes the metadata that pip puts in the wheel it builds next.
-WHEEL_METADATA_COMMANDS = COMPILING_COMMANDS | {"dist_info"}
 
 
 def read_version():
@@ -309,7 +309,7 @@ def check_compiler():
 
 def build_options():
     """setup() arguments for compiling the extension against the torch installed here."""
-    import torch  # build_backend.py has checked that it imports, for PEP 517 builds
+    import torch
 
     check_compiler()
 
@@ -363,6 +363,7 @@ def build_options():
             target.write_text(
                 "# Written by setup.py when _C was compiled.\n"
                 f"TORCH_VERSION = {torch.__version__!r}\n"
+                f"MINIMUM_TORCH = {MINIMUM_TORCH!r}\n"
                 f"CUDA_ARCH_LIST = {archs!r}\n"
                 f"CPU_ONLY_REASON = {self.cpu_only_reason!r}\n"
             )
@@ -373,14 +374,10 @@ def build_options():
     }
 
 
-def torch_requirement(commands) -> str:
-    """A wheel holds machine code linked against the C++ ABI of the torch it was compiled with,
-    and needs exactly that torch; an sdist builds against any recent one."""
-    if not WHEEL_METADATA_COMMANDS.intersection(commands):
-        return "torch>=2.4"
-    import torch
-
-    return "torch==" + torch.__version__.split("+")[0]
+def torch_requirement() -> str:
+    """Every torch from MINIMUM_TORCH on: the library uses PyTorch's stable ABI alone."""
+    major, minor = MINIMUM_TORCH
+    return f"torch>={major}.{minor}"
 
 
 # Run by pip's build backend and by `python setup.py` alike as __main__; imported by the tests,
@@ -390,6 +387,6 @@ if __name__ == "__main__":
     setup(
         version=read_version(),
         options={"bdist_wheel": {"py_limited_api": PYTHON_ABI}},
-        install_requires=[torch_requirement(commands)],
+        install_requires=[torch_requirement()],
         **(build_options() if COMPILING_COMMANDS.intersection(commands) else {}),
     )

@@ -8,28 +8,42 @@ FlashInternImage's DCNv4 and Deformable DETR's multi-scale deformable attention.
 
 __version__ = "0.1.0"
 
+import re
 from pathlib import Path
 
 import torch
 
 
-def _check_torch_version() -> None:
-    """_C is machine code linked against the C++ ABI of the torch it was compiled with; under any
-    other torch it would fail to load with an undefined symbol, or worse."""
+def _torch_mismatch(torch_version: str, torch_cuda, build) -> "str | None":
+    """Why this build cannot load under a torch of this version and CUDA release (None for a
+    CPU-only torch), or None where it can. _C uses PyTorch's stable ABI alone, compiled against
+    the oldest torch it targets, so it runs under every torch from that one on; its CUDA
+    kernels need a CUDA build of torch, whose libraries they link against."""
+    release = tuple(int(part) for part in re.findall(r"\d+", torch_version)[:2])
+    if release < tuple(build.MINIMUM_TORCH):
+        minimum = ".".join(map(str, build.MINIMUM_TORCH))
+        return (f"deformconv {__version__} needs torch {minimum} or newer, but torch "
+                f"{torch_version} is installed. Upgrade it: pip install 'torch>={minimum}'.")
+    if build.CUDA_ARCH_LIST and torch_cuda is None:
+        return (f"this build of deformconv {__version__} holds CUDA kernels, which need a CUDA "
+                f"build of torch, but torch {torch_version} is CPU-only. Install deformconv's "
+                "CPU wheel (built with DEFORMCONV_WITH_CUDA=0: pip install --force-reinstall "
+                "--no-deps . from its source folder with that variable set), or a CUDA build of "
+                "torch.")
+    return None
+
+
+def _check_torch() -> None:
     try:
-        from ._build_info import TORCH_VERSION
+        from . import _build_info
     except ImportError:  # not built by setup.py: nothing recorded to check against
         return
-    if TORCH_VERSION != torch.__version__:
-        raise ImportError(
-            f"deformconv {__version__} was compiled against torch {TORCH_VERSION}, but torch "
-            f"{torch.__version__} is installed. Rebuild it against this torch from its source "
-            "folder (pip install --no-build-isolation --force-reinstall --no-deps .), or install "
-            f"torch {TORCH_VERSION}."
-        )
+    mismatch = _torch_mismatch(torch.__version__, torch.version.cuda, _build_info)
+    if mismatch is not None:
+        raise ImportError(mismatch)
 
 
-_check_torch_version()
+_check_torch()
 
 try:
     from . import _C  # noqa: F401  (loads the library, which registers torch.ops.deformconv.*)

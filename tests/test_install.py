@@ -1,5 +1,5 @@
-"""What a built deformconv records about its build, and the import guard against a torch it was
-not compiled for."""
+"""What a built deformconv records about its build, and the import guard against a torch it cannot
+run under."""
 
 import os
 import subprocess
@@ -38,19 +38,49 @@ def test_the_module_is_built_for_every_python_from_3_10():
     assert not [name for name in undefined if name.startswith("_Py")], undefined
 
 
-def test_import_under_another_torch_names_both_versions(tmp_path):
-    # A fresh interpreter that imports this same deformconv under a torch that reports another
-    # version: the import must stop before loading _C, with both versions and the fix.
+def test_build_records_the_oldest_torch_it_runs_under():
+    assert _build_info.MINIMUM_TORCH == (2, 12)
+
+
+def test_import_under_an_older_torch_names_the_minimum(tmp_path):
+    # A fresh interpreter that imports this same deformconv under a torch that reports an older
+    # release: the import must stop before loading _C, naming both and the fix.
     package_parent = Path(deformconv.__file__).resolve().parent.parent
-    code = "import torch; torch.__version__ = '0.0.1+elsewhere'; import deformconv"
+    code = "import torch; torch.__version__ = '2.11.0+cpu'; import deformconv"
     result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
                             text=True, env={**os.environ, "PYTHONPATH": str(package_parent)})
     assert result.returncode != 0
     last_line = result.stderr.strip().splitlines()[-1]
-    assert last_line.startswith("ImportError: deformconv")
-    assert f"compiled against torch {torch.__version__}" in last_line
-    assert "torch 0.0.1+elsewhere is installed" in last_line
-    assert "pip install --no-build-isolation" in last_line
+    assert last_line == (f"ImportError: deformconv {deformconv.__version__} needs torch 2.12 or "
+                         "newer, but torch 2.11.0+cpu is installed. Upgrade it: pip install "
+                         "'torch>=2.12'.")
+
+
+class _Build:
+    MINIMUM_TORCH = (2, 12)
+
+    def __init__(self, cuda_arch_list):
+        self.CUDA_ARCH_LIST = cuda_arch_list
+
+
+@pytest.mark.parametrize("version,cuda,archs,stops", [
+    ("2.12.1+cu130", "13.0", "9.0", None),
+    ("2.13.0+cpu", None, "", None),
+    ("2.14.1", "13.0", "", None),
+    ("3.0.0", None, "", None),
+    ("2.11.0", "12.8", "", "needs torch 2.12 or newer"),
+    ("1.13.1", None, "", "needs torch 2.12 or newer"),
+    ("2.13.0+cpu", None, "9.0", "holds CUDA kernels"),
+], ids=["cuda-build-cuda-torch", "cpu-build-cpu-torch", "cpu-build-cuda-torch", "newer-major",
+        "older-minor", "older-major", "cuda-build-cpu-torch"])
+def test_which_torch_a_build_loads_under(version, cuda, archs, stops):
+    mismatch = deformconv._torch_mismatch(version, cuda, _Build(archs))
+    if stops is None:
+        assert mismatch is None
+    else:
+        assert stops in mismatch and version in mismatch
+        if archs:
+            assert "DEFORMCONV_WITH_CUDA=0" in mismatch
 
 
 @pytest.mark.parametrize("macros,message", [
