@@ -9,7 +9,10 @@
 // without them, and enters a parallel region that ATen itself compiled: the stable ABI's
 // torch::stable::parallel_for, which runs at::parallel_for inside libtorch, with torch's threads
 // and thread count (torch.set_num_threads), whatever its backend. Nested inside one of this
-// library's regions, or with one thread, the body runs once, inline.
+// library's regions, or with one thread, the body runs once, inline. A worker thread carries
+// none of the caller's thread-local state (inference mode, the profiler, the dispatcher's "below
+// autograd"): every thread of a region runs with grad mode off, and ATen calls there write into
+// the ops' tensors only as they would below autograd (run_on_every_thread says why).
 
 #include <algorithm>
 #include <atomic>
