@@ -101,17 +101,6 @@ inline Tensor squeeze(const Tensor& tensor, int64_t dim) {
   return strided(tensor, sizes, strides);
 }
 
-// Dimensions of size one repeated to `sizes` (stride 0), as torch's expand.
-inline Tensor expand(const Tensor& tensor, Sizes sizes) {
-  std::vector<int64_t> strides = strides_of(tensor);
-  for (size_t dim = 0; dim < sizes.size(); ++dim) {
-    if (tensor.size(dim) != sizes[dim]) {
-      strides[dim] = 0;
-    }
-  }
-  return strided(tensor, sizes, strides);
-}
-
 // `tensor` as `sizes` (one of which may be -1), where its strides allow that without a copy:
 // each run of new dimensions spans old dimensions that lie one after the other in memory, as
 // torch's view requires; std::logic_error otherwise, a driver's mistake.
