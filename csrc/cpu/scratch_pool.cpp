@@ -58,13 +58,8 @@ class ScratchPool {
     if (!block.defined()) {
       block = allocate(like, bytes);
     }
-    std::vector<int64_t> strides(sizes.size());
-    int64_t stride = 1;
-    for (size_t dim = sizes.size(); dim-- > 0;) {
-      strides[dim] = stride;
-      stride *= std::max<int64_t>(sizes[dim], 1);
-    }
-    return torch::stable::from_blob(block.mutable_data_ptr(), sizes, strides, like.device(), dtype,
+    return torch::stable::from_blob(block.mutable_data_ptr(), sizes, contiguous_strides(sizes),
+                                    like.device(), dtype,
                                     [this, block](void*) { give_back(block); });
   }
 

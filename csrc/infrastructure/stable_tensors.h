@@ -24,18 +24,24 @@ inline Tensor as_contiguous(const Tensor& tensor) {
   return tensor.is_contiguous() ? tensor : torch::stable::contiguous(tensor);
 }
 
-// A new uninitialised contiguous tensor of `sizes` and `dtype` on `like`'s device. Through the C
-// shim's empty_strided, which calls torch's allocation directly: the stable ops' new_empty finds
-// the op by its name and boxes its arguments on every call, about 9,000 instructions of an
-// ms_deform_attn forward of 140,000 at a small shape (callgrind), this about half of that.
-inline Tensor new_contiguous(const Tensor& like, torch::headeronly::IntHeaderOnlyArrayRef sizes,
-                             torch::headeronly::ScalarType dtype) {
+// The strides of a contiguous tensor of `sizes`, as torch gives them.
+inline std::vector<int64_t> contiguous_strides(torch::headeronly::IntHeaderOnlyArrayRef sizes) {
   std::vector<int64_t> strides(sizes.size());
   int64_t stride = 1;
   for (size_t dim = sizes.size(); dim-- > 0;) {
     strides[dim] = stride;
     stride *= std::max<int64_t>(sizes[dim], 1);
   }
+  return strides;
+}
+
+// A new uninitialised contiguous tensor of `sizes` and `dtype` on `like`'s device. Through the C
+// shim's empty_strided, which calls torch's allocation directly: the stable ops' new_empty finds
+// the op by its name and boxes its arguments on every call, about 9,000 instructions of an
+// ms_deform_attn forward of 140,000 at a small shape (callgrind), this about half of that.
+inline Tensor new_contiguous(const Tensor& like, torch::headeronly::IntHeaderOnlyArrayRef sizes,
+                             torch::headeronly::ScalarType dtype) {
+  const std::vector<int64_t> strides = contiguous_strides(sizes);
   int32_t device_type = 0;
   int32_t device_index = 0;
   STABLE_TORCH_ERROR_CODE_CHECK(aoti_torch_get_device_type(like.get(), &device_type));

@@ -17,6 +17,8 @@
 #include <string>
 #include <vector>
 
+#include "stable_tensors.h"
+
 namespace deformconv::views {
 
 using torch::stable::Tensor;
@@ -118,15 +120,10 @@ inline Tensor view(const Tensor& tensor, Sizes requested) {
   if (inferred >= 0) {
     sizes[inferred] = known == 0 ? 0 : tensor.numel() / known;
   }
-  std::vector<int64_t> strides(sizes.size());
   if (tensor.is_contiguous()) {
-    int64_t stride = 1;
-    for (size_t dim = sizes.size(); dim-- > 0;) {
-      strides[dim] = stride;
-      stride *= std::max<int64_t>(sizes[dim], 1);
-    }
-    return strided(tensor, sizes, strides);
+    return strided(tensor, sizes, contiguous_strides(sizes));
   }
+  std::vector<int64_t> strides(sizes.size());
   // Walks the old dimensions from the last, a chunk of them at a time: a chunk is a run whose
   // elements lie at one stride from the next, which the new dimensions that cover its
   // elements share out from that chunk's innermost stride.
