@@ -18,24 +18,18 @@
 #include "cpu_copy_list.h"
 #include "cpu_launchers.h"
 
-// Each copy's tables, defined in its namespace by the kernel files' bodies.
-#define DEFORMCONV_DECLARE_COPY_TABLES(copy, name)                  \
-  namespace deformconv::copy {                                      \
-  const DeformConv2dLaunchers& deform_conv2d_cpu_launchers();       \
-  const Dcnv3Launchers& dcnv3_cpu_launchers();                      \
-  const MsDeformAttnLaunchers& ms_deform_attn_cpu_launchers();      \
-  }
-DEFORMCONV_FOR_EACH_CPU_COPY(DEFORMCONV_DECLARE_COPY_TABLES)
-#undef DEFORMCONV_DECLARE_COPY_TABLES
-
 namespace deformconv {
 namespace {
 
-#define DEFORMCONV_COPY_ENTRY(copy, name)                                                    \
-  CpuCopy{name, "cpu.capability." name, copy::deform_conv2d_cpu_launchers,                   \
-          copy::dcnv3_cpu_launchers, copy::ms_deform_attn_cpu_launchers},
-// Best first.
-constexpr CpuCopy kCopies[] = {DEFORMCONV_FOR_EACH_CPU_COPY(DEFORMCONV_COPY_ENTRY)};
+// One copy: its name (avx512, avx2, default) and the branch recorded when it runs.
+struct CpuCopy {
+  const char* name;
+  const char* branch;
+};
+
+#define DEFORMCONV_COPY_ENTRY(copy, name, unused) CpuCopy{name, "cpu.capability." name},
+// Best first, as DEFORMCONV_FOR_EACH_CPU_COPY lists them, which cpu_copy_in_use's place is in.
+constexpr CpuCopy kCopies[] = {DEFORMCONV_FOR_EACH_CPU_COPY(DEFORMCONV_COPY_ENTRY, )};
 #undef DEFORMCONV_COPY_ENTRY
 
 constexpr const char* kKnownNames = "avx512, avx2 or default";
@@ -158,10 +152,10 @@ std::string select_cpu_capability(std::string capability) {
 
 }  // namespace
 
-const CpuCopy& cpu_copy() {
-  const CpuCopy& copy = *selected_copy().load();
-  record_branch(copy.branch);
-  return copy;
+std::size_t cpu_copy_in_use() {
+  const CpuCopy* copy = selected_copy().load();
+  record_branch(copy->branch);
+  return static_cast<std::size_t>(copy - kCopies);
 }
 
 // The copy in use (avx512, avx2 or default); those this build holds that this CPU runs, best

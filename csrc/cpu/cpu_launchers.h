@@ -1,27 +1,29 @@
 #pragma once
 
-// The CPU's launcher tables, a set per copy of the kernels (Note [CPU copies], cpu_copies.h),
-// which each op's CPU table file registers with its device-neutral drivers, and the copy in
-// use.
+// The launcher table of the copy of the CPU kernels in use (Note [CPU copies], cpu_copies.h),
+// which each op's CPU table file registers with its device-neutral drivers.
 
-#include "../core/dcnv3.h"
-#include "../core/deform_conv2d_launchers.h"
-#include "../core/ms_deform_attn.h"
+#include <cstddef>
+
+#include "cpu_copy_list.h"
 
 namespace deformconv {
 
-// One copy: its name (avx512, avx2, default) and its tables, DCN v1/v2's
-// (deform_conv2d_cpu.cpp), DCNv3's and DCNv4's (dcnv3_cpu.cpp) and multi-scale deformable
-// attention's (ms_deform_attn_cpu.cpp).
-struct CpuCopy {
-  const char* name;
-  const char* branch;  // cpu.capability.<name>, recorded in the branch trace when it runs
-  const DeformConv2dLaunchers& (*deform_conv2d)();
-  const Dcnv3Launchers& (*dcnv3)();
-  const MsDeformAttnLaunchers& (*ms_deform_attn)();
-};
+// The place of the copy in use in DEFORMCONV_FOR_EACH_CPU_COPY's list (cpu_capability.cpp), its
+// branch recorded.
+std::size_t cpu_copy_in_use();
 
-// The copy in use (cpu_capability.cpp), its branch recorded.
-const CpuCopy& cpu_copy();
+template <typename Launchers, std::size_t copies>
+const Launchers& launchers_in_use(const Launchers& (*const (&tables)[copies])()) {
+  return tables[cpu_copy_in_use()]();
+}
+
+#define DEFORMCONV_CPU_COPY_TABLE(copy, name, table) copy::table,
+
+// The launcher table of the copy in use, of the tables that the function `table` returns in
+// each copy (defined in each copy's namespace by the op's kernel file's body). Each op's CPU
+// head names its own, so that a new op edits none of the CPU's shared files.
+#define DEFORMCONV_CPU_LAUNCHERS_IN_USE(table) \
+  launchers_in_use({DEFORMCONV_FOR_EACH_CPU_COPY(DEFORMCONV_CPU_COPY_TABLE, table)})
 
 }  // namespace deformconv

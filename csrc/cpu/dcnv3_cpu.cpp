@@ -16,7 +16,9 @@
 namespace deformconv {
 namespace {
 
-const Dcnv3Launchers& dcnv3_cpu_launchers_in_use() { return cpu_copy().dcnv3(); }
+const Dcnv3Launchers& dcnv3_cpu_launchers_in_use() {
+  return DEFORMCONV_CPU_LAUNCHERS_IN_USE(dcnv3_cpu_launchers);
+}
 
 }  // namespace
 
@@ -41,9 +43,10 @@ constexpr Dcnv3Launchers kCpuDcnv3Launchers{
     .gradients = dcnv3_gradients_cpu,
 };
 
-}  // namespace
 
 const Dcnv3Launchers& dcnv3_cpu_launchers() { return kCpuDcnv3Launchers; }
+
+}  // namespace
 
 }  // namespace deformconv::DEFORMCONV_CPU_COPY
 

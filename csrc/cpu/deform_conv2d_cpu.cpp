@@ -29,7 +29,7 @@ namespace deformconv {
 namespace {
 
 const DeformConv2dLaunchers& deform_conv2d_cpu_launchers_in_use() {
-  return cpu_copy().deform_conv2d();
+  return DEFORMCONV_CPU_LAUNCHERS_IN_USE(deform_conv2d_cpu_launchers);
 }
 
 }  // namespace
@@ -96,9 +96,10 @@ constexpr DeformConv2dLaunchers kCpuLaunchers{
     .fused_forward = fused_forward_cpu,
 };
 
-}  // namespace
 
 const DeformConv2dLaunchers& deform_conv2d_cpu_launchers() { return kCpuLaunchers; }
+
+}  // namespace
 
 }  // namespace deformconv::DEFORMCONV_CPU_COPY
 

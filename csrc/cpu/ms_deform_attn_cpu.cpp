@@ -32,7 +32,7 @@ namespace deformconv {
 namespace {
 
 const MsDeformAttnLaunchers& ms_deform_attn_cpu_launchers_in_use() {
-  return cpu_copy().ms_deform_attn();
+  return DEFORMCONV_CPU_LAUNCHERS_IN_USE(ms_deform_attn_cpu_launchers);
 }
 
 }  // namespace
@@ -345,9 +345,10 @@ constexpr MsDeformAttnLaunchers kCpuMsDeformAttnLaunchers{
     .gradients = ms_deform_attn_gradients_cpu,
 };
 
-}  // namespace
 
 const MsDeformAttnLaunchers& ms_deform_attn_cpu_launchers() { return kCpuMsDeformAttnLaunchers; }
+
+}  // namespace
 
 }  // namespace deformconv::DEFORMCONV_CPU_COPY
 

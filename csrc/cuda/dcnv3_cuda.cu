@@ -49,7 +49,6 @@
 #include "../infrastructure/optional_data.h"
 #include "channel_vectors.cuh"
 #include "cuda_device.h"
-#include "cuda_launchers.h"
 #include "launch.cuh"
 
 namespace deformconv {
@@ -560,8 +559,6 @@ void dcnv3_gradients_cuda(const Dcnv3Geometry& g, const Dcnv3Fields& f, int64_t 
   });
 }
 
-}  // namespace
-
 const Dcnv3Launchers& dcnv3_cuda_launchers() {
   static const Dcnv3Launchers launchers{
       .forward = dcnv3_forward_cuda,
@@ -569,6 +566,8 @@ const Dcnv3Launchers& dcnv3_cuda_launchers() {
   };
   return launchers;
 }
+
+}  // namespace
 
 // The kernels at the CUDA key: the drivers with these launchers. The test suite's emulation
 // build, which compiles this file as C++, registers them under its own namespace.

@@ -28,7 +28,6 @@
 #include "../infrastructure/tensor_views.h"
 #include "channel_vectors.cuh"
 #include "cuda_device.h"
-#include "cuda_launchers.h"
 #include "launch.cuh"
 
 namespace deformconv {
@@ -352,8 +351,6 @@ Tensor scratch_cuda(const Tensor& like, Sizes sizes, ScalarType dtype) {
   return new_contiguous(like, sizes, dtype);
 }
 
-}  // namespace
-
 const DeformConv2dLaunchers& deform_conv2d_cuda_launchers() {
   // 256 MiB of columns per window: whole feature maps at detection resolutions in one GEMM.
   static const DeformConv2dLaunchers launchers{
@@ -372,6 +369,8 @@ const DeformConv2dLaunchers& deform_conv2d_cuda_launchers() {
   };
   return launchers;
 }
+
+}  // namespace
 
 // The kernels at the CUDA key: the drivers with these launchers. The test suite's emulation
 // build, which compiles this file as C++, registers them under its own namespace.

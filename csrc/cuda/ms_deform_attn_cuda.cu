@@ -33,7 +33,6 @@
 #include "../infrastructure/optional_data.h"
 #include "channel_vectors.cuh"
 #include "cuda_device.h"
-#include "cuda_launchers.h"
 #include "launch.cuh"
 
 namespace deformconv {
@@ -322,8 +321,6 @@ void ms_deform_attn_gradients_cuda(const MsDeformAttnGeometry& g, const Tensor& 
   });
 }
 
-}  // namespace
-
 const MsDeformAttnLaunchers& ms_deform_attn_cuda_launchers() {
   static const MsDeformAttnLaunchers launchers{
       .forward = ms_deform_attn_forward_cuda,
@@ -331,6 +328,8 @@ const MsDeformAttnLaunchers& ms_deform_attn_cuda_launchers() {
   };
   return launchers;
 }
+
+}  // namespace
 
 // The kernels at the CUDA key: the drivers with these launchers. The test suite's emulation
 // build, which compiles this file as C++, registers them under its own namespace.
