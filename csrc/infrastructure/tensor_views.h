@@ -9,7 +9,6 @@
 
 #include <torch/csrc/inductor/aoti_torch/c/shim.h>
 #include <torch/csrc/stable/tensor.h>
-#include <torch/headeronly/util/HeaderOnlyArrayRef.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -20,9 +19,6 @@
 #include "stable_tensors.h"
 
 namespace deformconv::views {
-
-using torch::stable::Tensor;
-using Sizes = torch::headeronly::IntHeaderOnlyArrayRef;
 
 // `tensor`'s memory as `sizes` and `strides`, `offset` elements past where it starts (the shim's
 // storage_offset is added to the tensor's own, as torch's _reinterpret_tensor does). Unchecked:
