@@ -51,10 +51,15 @@ def test_benchmark_writes_json_and_chart(tmp_path):
     if "torchvision" in result["peak_forward_bytes"]:
         assert result["ratios"]["torchvision/deformconv peak forward+backward memory"] > 0
     assert chart.stat().st_size > 0
-    if importlib.util.find_spec("onnxruntime") is not None:
-        assert result["ratios"]["onnxruntime/deformconv forward"] > 0
-        # The same tensors through ONNX Runtime's own kernel: the same output.
-        assert result["agreement"]["onnxruntime max abs difference"] < 1e-4
+    runtimes = []
+    if all(importlib.util.find_spec(name) for name in ("onnxruntime", "onnxscript")):
+        runtimes = ["onnxruntime", "onnxruntime standard form"]
+        if importlib.util.find_spec("openvino") is not None:
+            runtimes.append("openvino standard form")
+    for runtime in runtimes:
+        assert result["ratios"][f"{runtime}/deformconv forward"] > 0
+        # The same tensors through the runtime: the same output.
+        assert result["agreement"][f"{runtime} max abs difference"] < 1e-4
 
 
 def test_benchmark_without_matplotlib_skips_the_chart_naming_the_extra(tmp_path, monkeypatch,

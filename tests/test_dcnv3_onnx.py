@@ -1,5 +1,5 @@
-"""ONNX export of DCNv3 and DCNv4: the standard-operator form (deformconv.onnx's
-dcnv3_with_grid_sample) against the ops over the geometry grid, and the modules and ops
+"""ONNX export of DCNv3 and DCNv4: the standard-operator forms (deformconv.decompositions')
+against the ops over the geometry grid, and the modules and ops
 exported by both exporters and run by onnxruntime against PyTorch."""
 
 import pytest
@@ -30,13 +30,11 @@ def test_standard_operator_form_matches_the_ops(geometry, scale, remove_center):
     scalars = (kh, kw, sh, sw, ph, pw, dh, dw, G, D, scale)
     expected = deformconv.dcnv3(input, offset, mask, *scalars, 0, remove_center)
     torch.testing.assert_close(
-        deformconv.onnx.dcnv3_in_standard_onnx_ops(input, offset, mask, *scalars,
-                                                   remove_center),
+        deformconv.decompositions.dcnv3(input, offset, mask, *scalars, 0, remove_center),
         expected, rtol=1e-11, atol=1e-11)
     offset_mask = pack_offset_mask(offset, mask, G)  # NaN padding
     torch.testing.assert_close(
-        deformconv.onnx.dcnv4_in_standard_onnx_ops(input, offset_mask, *scalars,
-                                                   remove_center),
+        deformconv.decompositions.dcnv4(input, offset_mask, *scalars, 0, remove_center),
         expected, rtol=1e-11, atol=1e-11)
 
 

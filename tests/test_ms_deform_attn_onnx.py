@@ -1,5 +1,5 @@
-"""ONNX export of multi-scale deformable attention: the standard-operator form (deformconv.onnx's
-ms_deform_attn_with_grid_sample) against the op, and both modules and the op exported by both
+"""ONNX export of multi-scale deformable attention: the standard-operator form
+(deformconv.decompositions.ms_deform_attn) against the op, and both modules and the op exported by both
 exporters, checked by onnx.checker and run by onnxruntime against PyTorch."""
 
 import inspect
@@ -27,7 +27,7 @@ LEVELS = [(6, 5), (3, 3), (2, 1), (1, 1)]
 def test_standard_operator_form_matches_the_op(shapes, heads, channels, points, spread):
     operands = make_operands(shapes, heads=heads, channels=channels, points=points,
                              spread=spread)
-    torch.testing.assert_close(deformconv.onnx.ms_deform_attn_with_grid_sample(*operands),
+    torch.testing.assert_close(deformconv.decompositions.ms_deform_attn(*operands),
                                call(operands), rtol=1e-11, atol=1e-11)
 
 
@@ -38,7 +38,7 @@ def test_standard_operator_form_on_level_borders():
     edges = torch.tensor([0.0, 1.0, 0.5, -0.5 / 6, 1 + 0.5 / 6], dtype=torch.float64)
     grid = torch.cartesian_prod(edges, edges)  # 25 (x, y) pairs
     operands[3] = grid[torch.randint(0, 25, operands[3].shape[:-1])]
-    torch.testing.assert_close(deformconv.onnx.ms_deform_attn_with_grid_sample(*operands),
+    torch.testing.assert_close(deformconv.decompositions.ms_deform_attn(*operands),
                                call(operands), rtol=1e-11, atol=1e-11)
 
 

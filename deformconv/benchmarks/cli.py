@@ -4,8 +4,9 @@ For each shape, in one process and interleaved (each repeat times every contende
 drifts in clock speed or load hit all of them alike), after warm-up: forward, and forward +
 backward, of deformconv, ``torchvision.ops.deform_conv2d`` on the same tensors (when installed)
 and a dense ``F.conv2d`` of the same geometry, and deformconv's GEMMs alone (gemm_steps); on the
-CPU in float32 also the forward of ONNX Runtime's own DeformConv kernel (when onnxruntime is
-installed), a one-node model given the same tensors and thread count. Reports medians, the
+CPU in float32 also the forwards of the inference runtimes that are installed, given the same
+tensors and thread count: ONNX Runtime's own DeformConv kernel (a one-node model), and the
+standard-operator ONNX form (deformconv.onnx) in ONNX Runtime and OpenVINO. Reports medians, the
 ratios, the GFLOP/s of the GEMM part, and the peak memory allocated during one forward and
 during one forward and backward, with the CPU's model and vector ISA. DCNv3 and DCNv4, and
 multi-scale deformable attention (Deformable DETR's encoder and decoder), run against their

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import deformconv
-from deformconv.onnx import dcnv3_in_standard_onnx_ops, ms_deform_attn_with_grid_sample
+from deformconv import decompositions
 
 from .shapes import Dcnv3Shape, Shape, pack_offset_mask
 
@@ -51,8 +51,8 @@ def dcnv3_contenders(shape: Dcnv3Shape, tensors) -> Dict[str, Tuple[Callable, li
         "dcnv4": (lambda input, offset_mask: deformconv.dcnv4(input, offset_mask, *geometry),
                   [input, pack_offset_mask(offset, mask, group)]),
         "grid_sample formulation": (
-            lambda input, offset, mask: dcnv3_in_standard_onnx_ops(input, offset, mask,
-                                                                   *geometry, False),
+            lambda input, offset, mask: decompositions.dcnv3(input, offset, mask, *geometry,
+                                                             0, False),
             [input, offset, mask]),
     }
 
@@ -61,21 +61,27 @@ def msda_contenders(tensors) -> Dict[str, Tuple[Callable, list]]:
     """deformconv's op and the per-level grid_sample formulation that Deformable DETR's and
     mmcv's pure-PyTorch fallbacks compute (deformconv.onnx's), on the same operands."""
     return {"ms_deform_attn": (deformconv.ms_deform_attn, tensors),
-            "grid_sample formulation": (ms_deform_attn_with_grid_sample, tensors)}
+            "grid_sample formulation": (decompositions.ms_deform_attn, tensors)}
 
 
-def onnxruntime_forward(shape: Shape, tensors) -> Optional[Callable[[], object]]:
-    """The forward of ONNX Runtime's DeformConv CPU kernel on the same float32 tensors, as a
-    one-node model (opset 19) with torch's thread count; None without onnx and onnxruntime."""
-    try:
-        import numpy as np
-        import onnxruntime
-        from onnx import TensorProto, helper
-    except ImportError:
-        return None
-    x, offset, weight, bias, mask = tensors
-    names = ["X", "W", "offset", "B"] + (["mask"] if mask is not None else [])
-    values = [x, weight, offset, bias] + ([mask] if mask is not None else [])
+def _onnxruntime_session(model):
+    """An ONNX Runtime CPU session of the ONNX model (bytes or a path) with torch's thread
+    count."""
+    import onnxruntime
+
+    options = onnxruntime.SessionOptions()
+    options.intra_op_num_threads = torch.get_num_threads()
+    options.inter_op_num_threads = 1
+    # Its pool's threads would otherwise spin for a while after each run, taking the cores from
+    # the contender timed next.
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    return onnxruntime.InferenceSession(model, options, providers=["CPUExecutionProvider"])
+
+
+def _deform_conv_node_model(shape: Shape, names, values) -> bytes:
+    """DCN v1/v2 of `shape` as ONNX's one DeformConv node (opset 19)."""
+    from onnx import TensorProto, helper
+
     node = helper.make_node(
         "DeformConv", names, ["Y"], kernel_shape=[shape.kernel, shape.kernel],
         strides=[shape.stride] * 2, pads=[shape.padding] * 4, dilations=[1, 1],
@@ -87,20 +93,60 @@ def onnxruntime_forward(shape: Shape, tensors) -> Optional[Callable[[], object]]
         [helper.make_tensor_value_info("Y", TensorProto.FLOAT, None)])
     # IR version 9 is the one of opset 19, which every onnxruntime since 1.15 reads.
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 19)], ir_version=9)
-    options = onnxruntime.SessionOptions()
-    options.intra_op_num_threads = torch.get_num_threads()
-    options.inter_op_num_threads = 1
-    # Its pool's threads would otherwise spin for a while after each run, taking the cores from
-    # the contender timed next.
-    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    session = onnxruntime.InferenceSession(model.SerializeToString(), options,
-                                           providers=["CPUExecutionProvider"])
+    return model.SerializeToString()
+
+
+class _DeformConv2d(torch.nn.Module):
+    def __init__(self, shape: Shape):
+        super().__init__()
+        self.shape = shape
+
+    def forward(self, x, offset, weight, bias, mask: Optional[torch.Tensor] = None):
+        return deformconv.deform_conv2d(x, offset, weight, bias, self.shape.stride,
+                                        self.shape.padding, mask=mask)
+
+
+def runtime_forwards(shape: Shape, tensors, folder: str) -> Dict[str, Callable[[], object]]:
+    """The forwards of DCN v1/v2 of `shape` in the inference runtimes that are installed, on the
+    same float32 tensors, with torch's thread count: ONNX Runtime's DeformConv kernel (a
+    one-node model), and the standard-operator ONNX form (deformconv.onnx's
+    deform_conv2d_form="standard", written into `folder`) in ONNX Runtime and in OpenVINO, in
+    float32."""
+    try:
+        import numpy as np
+        import onnx  # noqa: F401
+        import onnxruntime  # noqa: F401
+        import onnxscript  # noqa: F401  (the exporter's)
+    except ImportError:
+        return {}
+    import deformconv.onnx
+
+    x, offset, weight, bias, mask = tensors
+    names = ["X", "W", "offset", "B"] + (["mask"] if mask is not None else [])
+    values = [x, weight, offset, bias] + ([mask] if mask is not None else [])
     feeds = {name: np.ascontiguousarray(value.numpy()) for name, value in zip(names, values)}
-
-    def forward():
-        return session.run(None, feeds)[0]
-
-    return forward
+    node_session = _onnxruntime_session(_deform_conv_node_model(shape, names, values))
+    forwards = {"onnxruntime": lambda: node_session.run(None, feeds)[0]}
+    arguments = [t for t in (x, offset, weight, bias, mask) if t is not None]
+    path = f"{folder}/{shape.name}_standard.onnx"
+    deformconv.onnx.export_onnx(_DeformConv2d(shape).eval(), tuple(arguments), path,
+                                deform_conv2d_form="standard", verbose=False)
+    standard_feeds = [np.ascontiguousarray(t.numpy()) for t in arguments]
+    standard_session = _onnxruntime_session(path)
+    standard_names = [i.name for i in standard_session.get_inputs()]
+    forwards["onnxruntime standard form"] = lambda: standard_session.run(
+        None, dict(zip(standard_names, standard_feeds)))[0]
+    try:
+        import openvino
+    except ImportError:
+        return forwards
+    # In float32: its CPU plugin computes in bfloat16 where the CPU has it, unless told.
+    compiled = openvino.Core().compile_model(
+        openvino.Core().read_model(path), "CPU",
+        {"INFERENCE_PRECISION_HINT": "f32", "INFERENCE_NUM_THREADS": torch.get_num_threads()})
+    request = compiled.create_infer_request()
+    forwards["openvino standard form"] = lambda: request.infer(standard_feeds)[0]
+    return forwards
 
 
 def gemm_steps(shape: Shape, dtype: torch.dtype,

@@ -268,7 +268,37 @@ def kernels_table(report: dict) -> List[str]:
     return rows
 
 
-TABLES = {"deform_conv2d": deform_conv2d_table, "dcnv3": dcnv3_table, "msda": msda_table,
+RUNTIMES = {"onnxruntime": "ONNX Runtime, DeformConv",
+            "onnxruntime standard form": "ONNX Runtime, standard form",
+            "openvino standard form": "OpenVINO, standard form"}
+
+
+def runtimes_table(report: dict) -> List[str]:
+    """DCN v1/v2's forward in the inference runtimes (docs/deployment.md): each form's time, its
+    ratio to eager deformconv's and its largest difference from it."""
+    rows = ["| shape | N | C_in→C_out | H×W | deformconv fwd (ms) | "
+            + " | ".join(f"{label}: ms (÷ deformconv), max abs difference"
+                         for label in RUNTIMES.values()) + " |",
+            "|---" * (5 + len(RUNTIMES)) + "|"]
+    for result in report["results"]:
+        shape, medians = result["shape"], result["median_seconds"]
+        if "in_channels" not in shape:
+            continue
+        cells = []
+        for runtime in RUNTIMES:
+            if f"{runtime} forward" not in medians:
+                cells.append("–")
+                continue
+            cells.append(f"{medians[f'{runtime} forward'] * 1e3:.1f} "
+                         f"({result['ratios'][f'{runtime}/deformconv forward']:.2f}×), "
+                         f"{result['agreement'][f'{runtime} max abs difference']:.1e}")
+        rows.append(f"| {shape['name']} | {shape['batch']} | {shape['in_channels']}→"
+                    f"{shape['out_channels']} | {shape['height']}×{shape['width']} | "
+                    f"{medians['deformconv forward'] * 1e3:.1f} | " + " | ".join(cells) + " |")
+    return rows
+
+
+TABLES = {"deform_conv2d": deform_conv2d_table, "runtimes": runtimes_table, "dcnv3": dcnv3_table, "msda": msda_table,
           "originals": originals_table, "training": training_table,
           "internimage": internimage_table, "kernels": kernels_table}
 

@@ -2,13 +2,14 @@
 DCNv3/DCNv4 and multi-scale deformable attention against the memory roofline; and the scaling
 report."""
 
+import tempfile
 from dataclasses import asdict
 from typing import Dict, Optional
 
 import torch
 
 from .contenders import (contenders, dcnv3_contenders, dcnv3_geometry, gemm_steps,
-                         msda_contenders, onnxruntime_forward)
+                         msda_contenders, runtime_forwards)
 from .originals import PEERS, original_contenders
 from .shapes import (Dcnv3Shape, MsdaShape, Shape, make_dcnv3_tensors, make_msda_tensors,
                      make_tensors)
@@ -121,22 +122,25 @@ def benchmark_shape(shape: Shape, args, bandwidth: Optional[dict] = None) -> dic
         steps[f"{name} forward"] = forward_step(run, tensors)
         steps[f"{name} forward+backward"] = forward_backward_step(run, tensors)
     steps.update(gemm_steps(shape, dtype, args.device))
-    onnxruntime_step = (onnxruntime_forward(shape, tensors)
-                        if args.device == "cpu" and dtype == torch.float32 else None)
     agreement = {}
-    if onnxruntime_step is not None:
-        steps["onnxruntime forward"] = onnxruntime_step
-        with torch.no_grad():
-            ours = runs["deformconv"](*tensors)
-        agreement["onnxruntime max abs difference"] = (
-            torch.from_numpy(onnxruntime_step()) - ours).abs().max().item()
-    medians = time_interleaved(steps, args.repeats, args.warmup, args.device)
+    with tempfile.TemporaryDirectory() as folder:
+        runtimes = (runtime_forwards(shape, tensors, folder)
+                    if args.device == "cpu" and dtype == torch.float32 else {})
+        if runtimes:
+            with torch.no_grad():
+                ours = runs["deformconv"](*tensors)
+        for runtime, forward in runtimes.items():
+            steps[f"{runtime} forward"] = forward
+            agreement[f"{runtime} max abs difference"] = (
+                torch.from_numpy(forward()) - ours).abs().max().item()
+        medians = time_interleaved(steps, args.repeats, args.warmup, args.device)
     result = {"shape": asdict(shape), "describe": shape.describe(), "median_seconds": medians,
               "ratios": {}, "gemm_gflops_per_second": {}, "peak_forward_bytes": {},
               "agreement": agreement, "unsupported": unsupported}
     for phase in ("forward", "forward+backward"):
         ours = medians[f"deformconv {phase}"]
-        for other in ("torchvision", "dense", "GEMMs alone", "onnxruntime"):
+        for other in ("torchvision", "dense", "GEMMs alone", "onnxruntime",
+                      "onnxruntime standard form", "openvino standard form"):
             if f"{other} {phase}" in medians:
                 result["ratios"][f"{other}/deformconv {phase}"] = (
                     medians[f"{other} {phase}"] / ours)

@@ -10,6 +10,10 @@ import torch
 from torch import Tensor, nn
 from torch.nn.modules.utils import _pair
 
+from .. import decompositions
+from ..onnx import deform_conv2d_in_standard_ops
+from ..ops._common import _in_onnx_export
+
 IntOrPair = Union[int, Tuple[int, int]]
 
 
@@ -96,6 +100,12 @@ class _DeformConvBase(nn.Module):
 
     def _deform_conv(self, x: Tensor, offset: Tensor, mask: Optional[Tensor]) -> Tensor:
         # The op directly, with the module's own groups: scriptable, and no shape inference.
+        if not torch.jit.is_scripting():
+            if _in_onnx_export() and deform_conv2d_in_standard_ops():
+                return decompositions.deform_conv2d(
+                    x, offset, self.weight, mask, self.bias, list(self.stride),
+                    list(self.padding), list(self.dilation), self.groups, self.deform_groups,
+                    self.im2col_step)
         return torch.ops.deformconv.deform_conv2d(
             x, offset, self.weight, mask, self.bias, self.stride, self.padding, self.dilation,
             self.groups, self.deform_groups, self.im2col_step)

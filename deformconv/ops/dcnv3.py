@@ -5,7 +5,7 @@ and their ops' fake, Autograd and Autocast kernels."""
 import torch
 from torch import Tensor
 
-from ..onnx import dcnv3_in_standard_onnx_ops, dcnv4_in_standard_onnx_ops
+from .. import decompositions
 from ._autograd import register_gradients_and_autocast
 from ._common import (_check_cuda_kernels, _fake_gradients, _fake_output, _in_onnx_export,
                       _output_size)
@@ -57,9 +57,10 @@ def dcnv3(
     if not torch.jit.is_scripting():
         _check_cuda_kernels("dcnv3", input.device)
         if _in_onnx_export():
-            return dcnv3_in_standard_onnx_ops(
+            return decompositions.dcnv3(
                 input, offset, mask, kernel_h, kernel_w, stride_h, stride_w, pad_h, pad_w,
-                dilation_h, dilation_w, group, group_channels, offset_scale, remove_center)
+                dilation_h, dilation_w, group, group_channels, offset_scale, im2col_step,
+                remove_center)
     return torch.ops.deformconv.dcnv3(
         input, offset, mask, kernel_h, kernel_w, stride_h, stride_w, pad_h, pad_w, dilation_h,
         dilation_w, group, group_channels, float(offset_scale), im2col_step, bool(remove_center))
@@ -100,9 +101,10 @@ def dcnv4(
     if not torch.jit.is_scripting():
         _check_cuda_kernels("dcnv4", input.device)
         if _in_onnx_export():
-            return dcnv4_in_standard_onnx_ops(
+            return decompositions.dcnv4(
                 input, offset_mask, kernel_h, kernel_w, stride_h, stride_w, pad_h, pad_w,
-                dilation_h, dilation_w, group, group_channels, offset_scale, remove_center)
+                dilation_h, dilation_w, group, group_channels, offset_scale, im2col_step,
+                remove_center)
     return torch.ops.deformconv.dcnv4(
         input, offset_mask, kernel_h, kernel_w, stride_h, stride_w, pad_h, pad_w, dilation_h,
         dilation_w, group, group_channels, float(offset_scale), im2col_step,

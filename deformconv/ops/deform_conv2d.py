@@ -6,9 +6,11 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from .. import decompositions
+from ..onnx import deform_conv2d_in_standard_ops
 from ._autograd import register_gradients_and_autocast
-from ._common import (IntOrPair, _check_cuda_kernels, _fake_gradients, _fake_output, _output_size,
-                      _pair)
+from ._common import (IntOrPair, _check_cuda_kernels, _fake_gradients, _fake_output,
+                      _in_onnx_export, _output_size, _pair)
 
 
 def deform_conv2d(
@@ -46,8 +48,6 @@ def deform_conv2d(
     Returns:
         (N, C_out, H_out, W_out) with H_out = (H + 2 p_h - (d_h (kH - 1) + 1)) // s_h + 1.
     """
-    if not torch.jit.is_scripting():
-        _check_cuda_kernels("deform_conv2d", input.device)
     groups = 1
     offset_groups = 1
     if input.dim() == 4 and weight.dim() == 4 and offset.dim() == 4:
@@ -57,11 +57,18 @@ def deform_conv2d(
         taps = weight.shape[2] * weight.shape[3]
         if taps > 0:
             offset_groups = max(1, offset.shape[1] // (2 * taps))
-    return torch.ops.deformconv.deform_conv2d(
-        input, offset, weight, mask, bias,
-        _pair("stride", stride), _pair("padding", padding), _pair("dilation", dilation),
-        groups, offset_groups, im2col_step,
-    )
+    stride_pair = _pair("stride", stride)
+    padding_pair = _pair("padding", padding)
+    dilation_pair = _pair("dilation", dilation)
+    if not torch.jit.is_scripting():
+        _check_cuda_kernels("deform_conv2d", input.device)
+        if _in_onnx_export() and deform_conv2d_in_standard_ops():
+            return decompositions.deform_conv2d(input, offset, weight, mask, bias, stride_pair,
+                                                padding_pair, dilation_pair, groups,
+                                                offset_groups, im2col_step)
+    return torch.ops.deformconv.deform_conv2d(input, offset, weight, mask, bias, stride_pair,
+                                              padding_pair, dilation_pair, groups,
+                                              offset_groups, im2col_step)
 
 
 @torch.library.register_fake("deformconv::deform_conv2d")

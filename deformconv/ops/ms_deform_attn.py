@@ -5,7 +5,7 @@ Autocast kernels."""
 import torch
 from torch import Tensor
 
-from ..onnx import ms_deform_attn_with_grid_sample
+from .. import decompositions
 from ._autograd import register_gradients_and_autocast
 from ._common import _check_cuda_kernels, _fake_gradients, _fake_output, _in_onnx_export
 
@@ -47,8 +47,9 @@ def ms_deform_attn(
     if not torch.jit.is_scripting():
         _check_cuda_kernels("ms_deform_attn", value.device)
         if _in_onnx_export():
-            return ms_deform_attn_with_grid_sample(value, spatial_shapes, level_start_index,
-                                                   sampling_locations, attention_weights)
+            return decompositions.ms_deform_attn(value, spatial_shapes, level_start_index,
+                                                 sampling_locations, attention_weights,
+                                                 im2col_step)
     return torch.ops.deformconv.ms_deform_attn(value, spatial_shapes, level_start_index,
                                                sampling_locations, attention_weights,
                                                im2col_step)
