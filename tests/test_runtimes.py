@@ -1,8 +1,9 @@
 """Every op in the inference runtimes that read core ATen graphs or ONNX, in float32 at two
 shapes per op, against eager PyTorch: each op's decomposition (deformconv.decompositions)
 leaves no deformconv node in an exported program; OpenVINO converts that program, and reads
-the ONNX exports of every op, DCN v1/v2 in standard operators; ExecuTorch's portable runtime
-runs the program lowered to a .pte; ONNX Runtime runs DCN v1/v2's standard form.
+the ONNX exports of every op, DCN v1/v2 in standard operators, as ONNX Runtime does;
+ExecuTorch's portable runtime runs the program lowered to a .pte; ONNX Runtime runs DCN v1/v2's
+two forms with dynamic sizes.
 The tolerance is 1e-5 of the output's largest magnitude. And DCN v1/v2's form against the op
 in float64 over the geometry grid and on the border (the other ops' forms: test_dcnv3_onnx.py,
 test_ms_deform_attn_onnx.py)."""
@@ -134,14 +135,19 @@ def test_openvino_converts_the_decomposed_program(op, shape):
 
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("op", OPS)
-def test_openvino_reads_the_onnx_export(tmp_path, op, shape):
+def test_onnx_runtime_and_openvino_run_the_onnx_export(tmp_path, op, shape):
     ov = pytest.importorskip("openvino")
+    ort = pytest.importorskip("onnxruntime")
     pytest.importorskip("onnxscript")
     model, args = case(op, shape)
     path = tmp_path / "model.onnx"
     deformconv.onnx.export_onnx(model, args, str(path), deform_conv2d_form="standard")
+    feeds = [a.numpy() for a in args]
     compiled = openvino_in_float32(ov.Core().read_model(str(path)))
-    assert_close_to_eager(compiled([a.numpy() for a in args])[0], model, args)
+    assert_close_to_eager(compiled(feeds)[0], model, args)
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    names = [i.name for i in session.get_inputs()]
+    assert_close_to_eager(session.run(None, dict(zip(names, feeds)))[0], model, args)
 
 
 # ExecuTorch plans its memory from static sizes; multi-scale deformable attention's levels are
@@ -165,7 +171,8 @@ EXPORTERS = [pytest.param(True, id="dynamo"),
 
 
 @pytest.mark.parametrize("dynamo", EXPORTERS)
-def test_deform_conv2d_in_standard_operators_runs_in_onnxruntime(tmp_path, dynamo):
+@pytest.mark.parametrize("form", deformconv.onnx.DEFORM_CONV2D_FORMS)
+def test_deform_conv2d_in_both_forms_runs_in_onnxruntime(tmp_path, form, dynamo):
     onnx = pytest.importorskip("onnx")
     pytest.importorskip("onnxscript")
     ort = pytest.importorskip("onnxruntime")
@@ -179,11 +186,14 @@ def test_deform_conv2d_in_standard_operators_runs_in_onnxruntime(tmp_path, dynam
         sizes = dict(input_names=["x"],
                      dynamic_axes={"x": {0: "batch", 2: "height", 3: "width"}})
     deformconv.onnx.export_onnx(model, args, str(path), dynamo=dynamo,
-                                deform_conv2d_form="standard", **sizes)
+                                deform_conv2d_form=form, **sizes)
     proto = onnx.load(str(path))
     onnx.checker.check_model(proto, full_check=True)
     operators = {node.op_type for node in proto.graph.node}
-    assert "DeformConv" not in operators and "GridSample" in operators
+    if form == "DeformConv":
+        assert "DeformConv" in operators and "GridSample" not in operators
+    else:
+        assert "DeformConv" not in operators and "GridSample" in operators
     assert all(node.domain == "" for node in proto.graph.node)
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     for shape in SHAPES:
