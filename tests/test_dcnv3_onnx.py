@@ -8,15 +8,9 @@ import torch
 import deformconv
 import deformconv.onnx
 from dcnv3_reference import GEOMETRIES, pack_offset_mask, random_operands
+from export_models import EXPORTERS, Dcnv4Op
 
 pytestmark = pytest.mark.workflows
-
-
-# torch.export's exporter, and the legacy TorchScript one, which torch deprecates when asked
-# for it (dynamo=False): that warning is torch's answer to the request.
-EXPORTERS = [pytest.param(True, id="dynamo"),
-             pytest.param(False, id="torchscript", marks=pytest.mark.filterwarnings(
-                 "ignore:You are using the legacy TorchScript-based ONNX export"))]
 
 
 @pytest.mark.parametrize("geometry", GEOMETRIES)
@@ -48,14 +42,6 @@ class DCNv4OnImage(torch.nn.Module):
 
     def forward(self, x):
         return self.dcn(x, self.shape)
-
-
-class Dcnv4Op(torch.nn.Module):
-    """The functional op at a geometry the modules cannot have: stride 2, unequal padding,
-    a non-square kernel with dilation, remove_center."""
-
-    def forward(self, input, offset_mask):
-        return deformconv.dcnv4(input, offset_mask, 2, 3, 2, 1, 1, 2, 2, 1, 1, 2, 0.5, 0, True)
 
 
 def onnx_cases():

@@ -9,6 +9,7 @@ import torch
 
 import deformconv
 from deform_conv2d_cases import GEOMETRIES, make_operands
+from export_models import EXPORTERS, TwoLayerNet
 
 pytestmark = pytest.mark.workflows
 
@@ -19,13 +20,6 @@ MODULES = [
     (deformconv.DeformConv2dPack, 1),
     (deformconv.ModulatedDeformConv2dPack, 1),
 ]
-
-
-# torch.export's exporter, and the legacy TorchScript one, which torch deprecates when asked
-# for it (dynamo=False): that warning is torch's answer to the request.
-EXPORTERS = [pytest.param(True, id="dynamo"),
-             pytest.param(False, id="torchscript", marks=pytest.mark.filterwarnings(
-                 "ignore:You are using the legacy TorchScript-based ONNX export"))]
 
 
 def make_module(cls, seed=0):
@@ -210,24 +204,6 @@ def test_torch_export(cls, n_inputs):
     targets = [node.target for node in program.graph.nodes if node.op == "call_function"]
     assert torch.ops.deformconv.deform_conv2d.default in targets
     torch.testing.assert_close(program.module()(*inputs), module(*inputs))
-
-
-class TwoLayerNet(torch.nn.Module):
-    """v2 then v1, with groups, deform groups, stride, non-square padding and dilation."""
-
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.first = deformconv.ModulatedDeformConv2dPack(4, 6, 3, padding=1, deform_groups=2,
-                                                          bias=False)
-        self.second = deformconv.DeformConv2dPack(6, 4, (3, 2), stride=(2, 1), padding=(1, 0),
-                                                  dilation=(1, 2), groups=2, bias=True)
-        with torch.no_grad():
-            for layer in (self.first, self.second):
-                layer.conv_offset.weight.normal_(0, 0.3)
-
-    def forward(self, x):
-        return self.second(self.first(x))
 
 
 @pytest.mark.parametrize("dynamo", EXPORTERS)

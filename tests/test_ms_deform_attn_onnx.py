@@ -9,15 +9,10 @@ import torch
 
 import deformconv
 import deformconv.onnx
+from export_models import EXPORTERS
 from ms_deform_attn_reference import GRID, call, levels_of, make_operands
 
 pytestmark = pytest.mark.workflows
-
-# torch.export's exporter, and the legacy TorchScript one, which torch deprecates when asked
-# for it (dynamo=False): that warning is torch's answer to the request.
-EXPORTERS = [pytest.param(True, id="dynamo"),
-             pytest.param(False, id="torchscript", marks=pytest.mark.filterwarnings(
-                 "ignore:You are using the legacy TorchScript-based ONNX export"))]
 
 LEVELS = [(6, 5), (3, 3), (2, 1), (1, 1)]
 

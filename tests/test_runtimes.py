@@ -17,6 +17,7 @@ import deformconv
 import deformconv.onnx
 from dcnv3_reference import pack_offset_mask, random_operands
 from deform_conv2d_cases import GEOMETRIES, make_operands
+from export_models import EXPORTERS, Dcnv4Op, TwoLayerNet
 from ms_deform_attn_reference import levels_of
 from ms_deform_attn_reference import make_operands as attention_operands
 
@@ -24,28 +25,6 @@ pytestmark = pytest.mark.workflows
 
 OPS = ["deform_conv2d", "dcnv3", "dcnv4", "ms_deform_attn"]
 SHAPES = [0, 1]
-
-
-class TwoLayerDcn(torch.nn.Module):
-    """v2 then v1, with groups, deform groups, stride, non-square padding and dilation."""
-
-    def __init__(self):
-        super().__init__()
-        self.first = deformconv.ModulatedDeformConv2dPack(4, 6, 3, padding=1, deform_groups=2,
-                                                          bias=False)
-        self.second = deformconv.DeformConv2dPack(6, 4, (3, 2), stride=(2, 1), padding=(1, 0),
-                                                  dilation=(1, 2), groups=2)
-
-    def forward(self, x):
-        return self.second(self.first(x))
-
-
-class Dcnv4Op(torch.nn.Module):
-    """The functional op at a geometry the modules cannot have: stride 2, unequal padding,
-    a non-square kernel with dilation, remove_center."""
-
-    def forward(self, input, offset_mask):
-        return deformconv.dcnv4(input, offset_mask, 2, 3, 2, 1, 1, 2, 2, 1, 1, 2, 0.5, 0, True)
 
 
 class MsDeformAttnOp(torch.nn.Module):
@@ -67,7 +46,7 @@ def case(op, shape):
     that the samples fall away from the initial zero offsets."""
     generator = torch.Generator().manual_seed(shape)
     if op == "deform_conv2d":
-        model = TwoLayerDcn()
+        model = TwoLayerNet()
         args = (torch.randn((2, 4, 9, 8) if shape == 0 else (1, 4, 12, 11), generator=generator),)
     elif op == "dcnv3":
         model = deformconv.DCNv3(32, group=4, center_feature_scale=True, offset_scale=0.5)
@@ -161,13 +140,6 @@ def test_executorch_runs_the_decomposed_program(op, shape):
     lowered = exir.to_edge(program).to_executorch()
     method = runtime.Runtime.get().load_program(lowered.buffer).load_method("forward")
     assert_close_to_eager(method.execute(list(args))[0], model, args)
-
-
-# torch.export's exporter, and the legacy TorchScript one, which torch deprecates when asked
-# for it (dynamo=False): that warning is torch's answer to the request.
-EXPORTERS = [pytest.param(True, id="dynamo"),
-             pytest.param(False, id="torchscript", marks=pytest.mark.filterwarnings(
-                 "ignore:You are using the legacy TorchScript-based ONNX export"))]
 
 
 @pytest.mark.parametrize("dynamo", EXPORTERS)
