@@ -1,8 +1,10 @@
 """What deformconv is timed against: torchvision's op and a dense convolution of the same
-geometry for DCN v1/v2, ONNX Runtime's DeformConv kernel on the CPU, deformconv's GEMMs alone,
-and the grid_sample formulations of DCNv3/DCNv4 and of multi-scale deformable attention (the
-ones deformconv.onnx exports)."""
+geometry for DCN v1/v2, the inference runtimes on the CPU (ONNX Runtime's DeformConv kernel,
+and the standard-operator ONNX form in ONNX Runtime and OpenVINO), deformconv's GEMMs alone,
+and the grid_sample formulations of DCNv3/DCNv4 and of multi-scale deformable attention
+(deformconv.decompositions', which the ONNX exports write)."""
 
+import tempfile
 from typing import Callable, Dict, Optional, Tuple
 
 import torch
@@ -39,9 +41,10 @@ def dcnv3_geometry(shape: Dcnv3Shape) -> tuple:
 
 def dcnv3_contenders(shape: Dcnv3Shape, tensors) -> Dict[str, Tuple[Callable, list]]:
     """Each contender with the inputs its model feeds it: DCNv3 and the grid_sample formulation
-    (deformconv.onnx's, which samples with F.grid_sample as the originals' pure-PyTorch DCNv3
-    does) the offsets and mask that InternImage's DCNv3 makes, DCNv4 the packed offset_mask
-    that FlashInternImage's DCNv4 makes in one Linear layer (pack_offset_mask)."""
+    (deformconv.decompositions', which samples with F.grid_sample as the originals'
+    pure-PyTorch DCNv3 does) the offsets and mask that InternImage's DCNv3 makes, DCNv4 the
+    packed offset_mask that FlashInternImage's DCNv4 makes in one Linear layer
+    (pack_offset_mask)."""
     geometry = dcnv3_geometry(shape)
     group = shape.group
     input, offset, mask = tensors
@@ -59,7 +62,7 @@ def dcnv3_contenders(shape: Dcnv3Shape, tensors) -> Dict[str, Tuple[Callable, li
 
 def msda_contenders(tensors) -> Dict[str, Tuple[Callable, list]]:
     """deformconv's op and the per-level grid_sample formulation that Deformable DETR's and
-    mmcv's pure-PyTorch fallbacks compute (deformconv.onnx's), on the same operands."""
+    mmcv's pure-PyTorch fallbacks compute (deformconv.decompositions'), on the same operands."""
     return {"ms_deform_attn": (deformconv.ms_deform_attn, tensors),
             "grid_sample formulation": (decompositions.ms_deform_attn, tensors)}
 
@@ -106,12 +109,11 @@ class _DeformConv2d(torch.nn.Module):
                                         self.shape.padding, mask=mask)
 
 
-def runtime_forwards(shape: Shape, tensors, folder: str) -> Dict[str, Callable[[], object]]:
+def runtime_forwards(shape: Shape, tensors) -> Dict[str, Callable[[], object]]:
     """The forwards of DCN v1/v2 of `shape` in the inference runtimes that are installed, on the
     same float32 tensors, with torch's thread count: ONNX Runtime's DeformConv kernel (a
     one-node model), and the standard-operator ONNX form (deformconv.onnx's
-    deform_conv2d_form="standard", written into `folder`) in ONNX Runtime and in OpenVINO, in
-    float32."""
+    deform_conv2d_form="standard") in ONNX Runtime and in OpenVINO, in float32."""
     try:
         import numpy as np
         import onnx  # noqa: F401
@@ -128,24 +130,29 @@ def runtime_forwards(shape: Shape, tensors, folder: str) -> Dict[str, Callable[[
     node_session = _onnxruntime_session(_deform_conv_node_model(shape, names, values))
     forwards = {"onnxruntime": lambda: node_session.run(None, feeds)[0]}
     arguments = [t for t in (x, offset, weight, bias, mask) if t is not None]
-    path = f"{folder}/{shape.name}_standard.onnx"
-    deformconv.onnx.export_onnx(_DeformConv2d(shape).eval(), tuple(arguments), path,
-                                deform_conv2d_form="standard", verbose=False)
+    with tempfile.TemporaryDirectory() as folder:
+        # Both runtimes read the file whole when they load it.
+        path = f"{folder}/{shape.name}_standard.onnx"
+        deformconv.onnx.export_onnx(_DeformConv2d(shape).eval(), tuple(arguments), path,
+                                    deform_conv2d_form="standard", verbose=False)
+        standard_session = _onnxruntime_session(path)
+        try:
+            import openvino
+        except ImportError:
+            openvino = None
+        if openvino is not None:
+            # In float32: its CPU plugin computes in bfloat16 where the CPU has it, unless told.
+            compiled = openvino.Core().compile_model(
+                openvino.Core().read_model(path), "CPU",
+                {"INFERENCE_PRECISION_HINT": "f32",
+                 "INFERENCE_NUM_THREADS": torch.get_num_threads()})
     standard_feeds = [np.ascontiguousarray(t.numpy()) for t in arguments]
-    standard_session = _onnxruntime_session(path)
     standard_names = [i.name for i in standard_session.get_inputs()]
     forwards["onnxruntime standard form"] = lambda: standard_session.run(
         None, dict(zip(standard_names, standard_feeds)))[0]
-    try:
-        import openvino
-    except ImportError:
-        return forwards
-    # In float32: its CPU plugin computes in bfloat16 where the CPU has it, unless told.
-    compiled = openvino.Core().compile_model(
-        openvino.Core().read_model(path), "CPU",
-        {"INFERENCE_PRECISION_HINT": "f32", "INFERENCE_NUM_THREADS": torch.get_num_threads()})
-    request = compiled.create_infer_request()
-    forwards["openvino standard form"] = lambda: request.infer(standard_feeds)[0]
+    if openvino is not None:
+        request = compiled.create_infer_request()
+        forwards["openvino standard form"] = lambda: request.infer(standard_feeds)[0]
     return forwards
 
 

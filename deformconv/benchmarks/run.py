@@ -2,7 +2,6 @@
 DCNv3/DCNv4 and multi-scale deformable attention against the memory roofline; and the scaling
 report."""
 
-import tempfile
 from dataclasses import asdict
 from typing import Dict, Optional
 
@@ -123,17 +122,16 @@ def benchmark_shape(shape: Shape, args, bandwidth: Optional[dict] = None) -> dic
         steps[f"{name} forward+backward"] = forward_backward_step(run, tensors)
     steps.update(gemm_steps(shape, dtype, args.device))
     agreement = {}
-    with tempfile.TemporaryDirectory() as folder:
-        runtimes = (runtime_forwards(shape, tensors, folder)
-                    if args.device == "cpu" and dtype == torch.float32 else {})
-        if runtimes:
-            with torch.no_grad():
-                ours = runs["deformconv"](*tensors)
-        for runtime, forward in runtimes.items():
-            steps[f"{runtime} forward"] = forward
-            agreement[f"{runtime} max abs difference"] = (
-                torch.from_numpy(forward()) - ours).abs().max().item()
-        medians = time_interleaved(steps, args.repeats, args.warmup, args.device)
+    runtimes = (runtime_forwards(shape, tensors)
+                if args.device == "cpu" and dtype == torch.float32 else {})
+    if runtimes:
+        with torch.no_grad():
+            ours = runs["deformconv"](*tensors)
+    for runtime, forward in runtimes.items():
+        steps[f"{runtime} forward"] = forward
+        agreement[f"{runtime} max abs difference"] = (
+            torch.from_numpy(forward()) - ours).abs().max().item()
+    medians = time_interleaved(steps, args.repeats, args.warmup, args.device)
     result = {"shape": asdict(shape), "describe": shape.describe(), "median_seconds": medians,
               "ratios": {}, "gemm_gflops_per_second": {}, "peak_forward_bytes": {},
               "agreement": agreement, "unsupported": unsupported}

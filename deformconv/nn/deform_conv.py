@@ -101,7 +101,8 @@ class _DeformConvBase(nn.Module):
     def _deform_conv(self, x: Tensor, offset: Tensor, mask: Optional[Tensor]) -> Tensor:
         # The op directly, with the module's own groups: scriptable, and no shape inference.
         if not torch.jit.is_scripting():
-            if _in_onnx_export() and deform_conv2d_in_standard_ops():
+            # The export flag first: a global read, where the tracing checks call into torch.
+            if deform_conv2d_in_standard_ops() and _in_onnx_export():
                 return decompositions.deform_conv2d(
                     x, offset, self.weight, mask, self.bias, list(self.stride),
                     list(self.padding), list(self.dilation), self.groups, self.deform_groups,

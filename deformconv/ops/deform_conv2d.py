@@ -62,7 +62,8 @@ def deform_conv2d(
     dilation_pair = _pair("dilation", dilation)
     if not torch.jit.is_scripting():
         _check_cuda_kernels("deform_conv2d", input.device)
-        if _in_onnx_export() and deform_conv2d_in_standard_ops():
+        # The export flag first: a global read, where the tracing checks call into torch.
+        if deform_conv2d_in_standard_ops() and _in_onnx_export():
             return decompositions.deform_conv2d(input, offset, weight, mask, bias, stride_pair,
                                                 padding_pair, dilation_pair, groups,
                                                 offset_groups, im2col_step)
