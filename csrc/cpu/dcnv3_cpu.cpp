@@ -43,7 +43,6 @@ constexpr Dcnv3Launchers kCpuDcnv3Launchers{
     .gradients = dcnv3_gradients_cpu,
 };
 
-
 const Dcnv3Launchers& dcnv3_cpu_launchers() { return kCpuDcnv3Launchers; }
 
 }  // namespace

@@ -96,7 +96,6 @@ constexpr DeformConv2dLaunchers kCpuLaunchers{
     .fused_forward = fused_forward_cpu,
 };
 
-
 const DeformConv2dLaunchers& deform_conv2d_cpu_launchers() { return kCpuLaunchers; }
 
 }  // namespace

@@ -345,7 +345,6 @@ constexpr MsDeformAttnLaunchers kCpuMsDeformAttnLaunchers{
     .gradients = ms_deform_attn_gradients_cpu,
 };
 
-
 const MsDeformAttnLaunchers& ms_deform_attn_cpu_launchers() { return kCpuMsDeformAttnLaunchers; }
 
 }  // namespace

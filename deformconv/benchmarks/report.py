@@ -298,8 +298,8 @@ def runtimes_table(report: dict) -> List[str]:
     return rows
 
 
-TABLES = {"deform_conv2d": deform_conv2d_table, "runtimes": runtimes_table, "dcnv3": dcnv3_table, "msda": msda_table,
-          "originals": originals_table, "training": training_table,
+TABLES = {"deform_conv2d": deform_conv2d_table, "runtimes": runtimes_table, "dcnv3": dcnv3_table,
+          "msda": msda_table, "originals": originals_table, "training": training_table,
           "internimage": internimage_table, "kernels": kernels_table}
 
 
