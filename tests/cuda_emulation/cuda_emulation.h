@@ -8,7 +8,9 @@
 //   - launch() (what DEFORMCONV_LAUNCH expands to here) checks the launch against the CUDA
 //     runtime's limits, records its bookkeeping, then runs every block and thread in turn, in
 //     the order the settings ask for, on a grid that the settings may cap (grid-stride loops
-//     must cover any remainder);
+//     must cover any remainder); shuffled orders are seeded, the blocks' drawn once a launch and
+//     the threads' drawn again at every synchronisation point, so that the warps of a block
+//     interleave differently from one barrier or shuffle to the next, as a GPU's schedule may;
 //   - an invalid launch leaves a pending error, as cudaGetLastError would, which
 //     DEFORMCONV_CHECK_LAUNCH (csrc/cuda/launch.cuh) raises;
 //   - the threads of a block run as coroutines (ucontext) that meet at each __shfl_xor_sync,
@@ -155,10 +157,10 @@ constexpr int kWarpSize = 32;
 class Block {
  public:
   // Runs `body` once per thread, thread t with threadIdx `thread_indices[t]`, visiting the
-  // threads in `order` at each step. Returns the error that makes the block invalid, empty if
-  // none.
-  std::string run(const std::vector<dim3>& thread_indices, const std::vector<int64_t>& order,
-                  const std::function<void()>& body) {
+  // threads in `order` at each step, `order` shuffled again after each step by `reshuffle`
+  // where it is not null. Returns the error that makes the block invalid, empty if none.
+  std::string run(const std::vector<dim3>& thread_indices, std::vector<int64_t> order,
+                  const std::function<void()>& body, std::mt19937_64* reshuffle) {
     thread_count_ = static_cast<int>(thread_indices.size());
     if (threads_.size() < thread_indices.size()) {
       threads_.resize(thread_indices.size());
@@ -191,6 +193,9 @@ class Block {
       }
       if (!error_.empty() || !resolve_waits()) {
         break;
+      }
+      if (reshuffle != nullptr) {
+        std::shuffle(order.begin(), order.end(), *reshuffle);
       }
     }
     current_block() = outer;
@@ -442,8 +447,9 @@ std::string run(void (*kernel)(Parameters...), const dim3& grid, const dim3& blo
     blockIdx = dim3(static_cast<unsigned int>(b % grid_x),
                     static_cast<unsigned int>(b / grid_x % grid.y),
                     static_cast<unsigned int>(b / grid_x / grid.y));
-    std::string error = emulated_block.run(
-        thread_indices, visiting_order(threads, s.thread_order, random), body);
+    std::string error =
+        emulated_block.run(thread_indices, visiting_order(threads, s.thread_order, random), body,
+                           s.thread_order == Order::kShuffled ? &random : nullptr);
     if (!error.empty()) {
       return error;
     }
