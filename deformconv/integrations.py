@@ -75,10 +75,12 @@ def ms_deform_attn_backward(value: Tensor, spatial_shapes: Tensor, level_start_i
                             sampling_locations: Tensor, attention_weights: Tensor,
                             grad_output: Tensor, im2col_step: int) -> List[Tensor]:
     """The Deformable DETR extension's backward, in its argument order (grad_output after the
-    operands): the gradients of value, sampling_locations and attention_weights."""
+    operands): the gradients of value, sampling_locations and attention_weights, the same bits
+    from run to run under PyTorch's deterministic mode."""
     return list(torch.ops.deformconv.ms_deform_attn_backward(
         grad_output, value, spatial_shapes, level_start_index,
-        sampling_locations, attention_weights, im2col_step, [True, True, True]))
+        sampling_locations, attention_weights, im2col_step, [True, True, True],
+        torch.are_deterministic_algorithms_enabled()))
 
 
 def _package(name: str, **attributes) -> types.ModuleType:

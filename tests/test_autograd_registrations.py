@@ -1,7 +1,7 @@
 """The ops' autograd, registered from Python (deformconv/ops/_autograd.py): for every op and
 every subset of its differentiable operands, the backward op is called once, with the
 output_mask of exactly the gradients that autograd asks for, and those gradients arrive; and
-the backward alerts PyTorch's deterministic mode where it adds its first gradient atomically."""
+the backward op is told PyTorch's deterministic mode, whatever the gradients asked for."""
 
 import itertools
 
@@ -9,22 +9,27 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import deformconv.ops._autograd
 import dcnv3_reference
 import deform_conv2d_cases
 import ms_deform_attn_reference
 
 
 class BackwardOpCalls(TorchDispatchMode):
-    """Records the output_mask of every deformconv backward op called under it."""
+    """Records the output_mask and the deterministic flag (the last two arguments) of every
+    deformconv backward op called under it."""
 
     def __init__(self):
         super().__init__()
         self.output_masks = []
+        self.deterministic = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func.namespace == "deformconv" and func._opname.endswith("_backward"):
-            self.output_masks.append((func._opname, list(args[-1])))
+            # The dispatcher leaves out a trailing argument equal to its default.
+            names = [argument.name for argument in func._schema.arguments]
+            given = {**dict(zip(names, args)), **(kwargs or {})}
+            self.output_masks.append((func._opname, list(given["output_mask"])))
+            self.deterministic.append(given.get("deterministic", False))
         return func(*args, **(kwargs or {}))
 
 
@@ -93,6 +98,7 @@ def test_the_backward_op_computes_only_what_autograd_asks_for(op, wanted):
         output.backward(torch.ones_like(output))
     assert calls.output_masks == [(f"{op}_backward",
                                    [name in wanted for name in GRADIENTS[op]])]
+    assert calls.deterministic == [False]
     for name, tensor in operands.items():
         if name in wanted:
             assert tensor.grad is not None and tensor.grad.shape == tensor.shape, name
@@ -110,29 +116,19 @@ def test_no_graph_is_recorded_where_nothing_needs_a_gradient():
 
 
 @pytest.mark.parametrize("op", list(CASES))
-def test_the_atomic_backward_alerts_deterministic_mode_when_its_first_gradient_is_asked(
-        op, monkeypatch):
-    # The CUDA backward adds its first gradient with atomics; the CPU stands in for it here, the
-    # set of such devices patched, so that the alert runs without a GPU (the CUDA tests run it
-    # on the real device).
-    monkeypatch.setattr(deformconv.ops._autograd, "_ATOMIC_FIRST_GRADIENT_DEVICES",
-                        frozenset({"cpu"}))
-    first, second = GRADIENTS[op][:2]
+def test_deterministic_mode_reaches_the_backward_op_without_an_alert(op):
+    # On CUDA the flag takes the gathered input gradient (the emulated tests show its bits);
+    # here the op is only told, and nothing alerts, whichever gradients are asked for.
     previous = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
     try:
-        operands, call = CASES[op]()
-        operands[first].requires_grad_()
-        output = call(operands)
-        with pytest.raises(RuntimeError,
-                           match=rf"{op}_backward_cpu \({first} gradient\) does not have a "
-                                 "deterministic implementation"):
-            output.backward(torch.ones_like(output))
-        # Without the first gradient, nothing is added atomically: no alert.
-        operands, call = CASES[op]()
-        operands[second].requires_grad_()
-        output = call(operands)
-        output.backward(torch.ones_like(output))
-        assert operands[second].grad is not None
+        for wanted in GRADIENTS[op][:2]:
+            operands, call = CASES[op]()
+            operands[wanted].requires_grad_()
+            output = call(operands)
+            with BackwardOpCalls() as calls:
+                output.backward(torch.ones_like(output))
+            assert calls.deterministic == [True], wanted
+            assert operands[wanted].grad is not None
     finally:
         torch.use_deterministic_algorithms(previous)

@@ -65,22 +65,6 @@ def test_operands_on_another_device_raise():
                                   weights.cuda())
 
 
-def test_deterministic_algorithms_refuse_the_value_gradient():
-    operands = [t.cuda() for t in make_operands([(3, 4)])]
-    out = deformconv.ms_deform_attn(*operands)
-    previous = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
-    try:
-        with pytest.raises(RuntimeError, match="ms_deform_attn_backward_cuda"):
-            torch.ops.deformconv.ms_deform_attn_backward(torch.ones_like(out), *operands, 64,
-                                                         [True, False, False])
-        # The location and weight gradients write a value per sample: no atomics.
-        torch.ops.deformconv.ms_deform_attn_backward(torch.ones_like(out), *operands, 64,
-                                                     [False, True, True])
-    finally:
-        torch.use_deterministic_algorithms(previous)
-
-
 def test_levels_read_once_so_that_a_cuda_graph_captures_the_op():
     # Forward and backward of the op with index tensors the driver has checked before: no copy
     # to the host while the stream captures. The replays compute what eager calls do.

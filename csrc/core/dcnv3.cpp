@@ -172,7 +172,8 @@ std::tuple<Tensor, Tensor, Tensor> backward(const Dcnv3Launchers& launchers,
                                             const Tensor& grad_output_arg, const Tensor& input_arg,
                                             const Tensor& offset_arg, const Tensor& mask_arg,
                                             const Dcnv3Arguments& args,
-                                            const std::array<bool, 3>& output_mask) {
+                                            const std::array<bool, 3>& output_mask,
+                                            bool deterministic) {
   const Dcnv3Geometry g =
       check_dcnv3_arguments(grad_output_arg, input_arg, offset_arg, mask_arg, args);
   const bool packed = !mask_arg.defined();
@@ -208,7 +209,7 @@ std::tuple<Tensor, Tensor, Tensor> backward(const Dcnv3Launchers& launchers,
   }
   Tensor grad_mask_slots = packed && want_mask ? mask_slots(g, grad_offset, mask) : grad_mask;
   launchers.gradients(g, fields, batch, grad_output, input, offset, mask_slots(g, offset, mask),
-                     grad_input, grad_offset, grad_mask_slots);
+                      grad_input, grad_offset, grad_mask_slots, deterministic);
   return {grad_input, grad_offset, grad_mask};
 }
 
@@ -229,12 +230,12 @@ std::tuple<Tensor, Tensor, Tensor> dcnv3_backward(
     const Tensor& offset, const Tensor& mask, int64_t kernel_h, int64_t kernel_w, int64_t stride_h,
     int64_t stride_w, int64_t pad_h, int64_t pad_w, int64_t dilation_h, int64_t dilation_w,
     int64_t group, int64_t group_channels, double offset_scale, int64_t im2col_step,
-    bool remove_center, const std::vector<bool>& output_mask) {
+    bool remove_center, const std::vector<bool>& output_mask, bool deterministic) {
   check_output_mask("dcnv3_backward()", output_mask, 3);
   return backward(launchers, grad_output, input, offset, mask,
                   {kernel_h, kernel_w, stride_h, stride_w, pad_h, pad_w, dilation_h, dilation_w,
                    group, group_channels, offset_scale, im2col_step, remove_center},
-                  {output_mask[0], output_mask[1], output_mask[2]});
+                  {output_mask[0], output_mask[1], output_mask[2]}, deterministic);
 }
 
 Tensor dcnv4_forward(const Dcnv3Launchers& launchers, const Tensor& input,
@@ -252,13 +253,13 @@ std::tuple<Tensor, Tensor> dcnv4_backward(
     const Tensor& offset_mask, int64_t kernel_h, int64_t kernel_w, int64_t stride_h,
     int64_t stride_w, int64_t pad_h, int64_t pad_w, int64_t dilation_h, int64_t dilation_w,
     int64_t group, int64_t group_channels, double offset_scale, int64_t im2col_step,
-    bool remove_center, const std::vector<bool>& output_mask) {
+    bool remove_center, const std::vector<bool>& output_mask, bool deterministic) {
   check_output_mask("dcnv4_backward()", output_mask, 2);
   auto [grad_input, grad_offset_mask, no_mask_gradient] =
       backward(launchers, grad_output, input, offset_mask, Tensor(),
                {kernel_h, kernel_w, stride_h, stride_w, pad_h, pad_w, dilation_h, dilation_w, group,
                 group_channels, offset_scale, im2col_step, remove_center},
-               {output_mask[0], output_mask[1], false});
+               {output_mask[0], output_mask[1], false}, deterministic);
   return {grad_input, grad_offset_mask};
 }
 

@@ -36,10 +36,13 @@ struct Dcnv3Launchers {
                   const Tensor& input, const Tensor& offset, const Tensor& mask, Tensor& output);
   // grad_input, where asked for, comes uninitialised: the launcher writes all of it, zero
   // where no sample reaches (the CPU's, image by image just before the samples add into it,
-  // while it is in the cache).
+  // while it is in the cache). With `deterministic`, the results are the same bits from run to
+  // run (Note [Gathered input gradients], cuda/gathered_input_gradient.cuh); a device that is
+  // so anyway ignores it.
   void (*gradients)(const Dcnv3Geometry& geometry, const Dcnv3Fields& fields, int64_t batch,
                     const Tensor& grad_output, const Tensor& input, const Tensor& offset,
-                    const Tensor& mask, Tensor& grad_input, Tensor& grad_offset, Tensor& grad_mask);
+                    const Tensor& mask, Tensor& grad_input, Tensor& grad_offset, Tensor& grad_mask,
+                    bool deterministic);
 };
 
 // The scalar arguments of the op, in the originals' order.
@@ -73,7 +76,7 @@ std::tuple<Tensor, Tensor, Tensor> dcnv3_backward(
     const Tensor& offset, const Tensor& mask, int64_t kernel_h, int64_t kernel_w, int64_t stride_h,
     int64_t stride_w, int64_t pad_h, int64_t pad_w, int64_t dilation_h, int64_t dilation_w,
     int64_t group, int64_t group_channels, double offset_scale, int64_t im2col_step,
-    bool remove_center, const std::vector<bool>& output_mask);
+    bool remove_center, const std::vector<bool>& output_mask, bool deterministic);
 
 Tensor dcnv4_forward(const Dcnv3Launchers& launchers, const Tensor& input,
                      const Tensor& offset_mask, int64_t kernel_h, int64_t kernel_w,
@@ -81,14 +84,12 @@ Tensor dcnv4_forward(const Dcnv3Launchers& launchers, const Tensor& input,
                      int64_t dilation_h, int64_t dilation_w, int64_t group, int64_t group_channels,
                      double offset_scale, int64_t im2col_step, bool remove_center);
 
-std::tuple<Tensor, Tensor> dcnv4_backward(const Dcnv3Launchers& launchers,
-                                          const Tensor& grad_output, const Tensor& input,
-                                          const Tensor& offset_mask, int64_t kernel_h,
-                                          int64_t kernel_w, int64_t stride_h, int64_t stride_w,
-                                          int64_t pad_h, int64_t pad_w, int64_t dilation_h,
-                                          int64_t dilation_w, int64_t group, int64_t group_channels,
-                                          double offset_scale, int64_t im2col_step,
-                                          bool remove_center, const std::vector<bool>& output_mask);
+std::tuple<Tensor, Tensor> dcnv4_backward(
+    const Dcnv3Launchers& launchers, const Tensor& grad_output, const Tensor& input,
+    const Tensor& offset_mask, int64_t kernel_h, int64_t kernel_w, int64_t stride_h,
+    int64_t stride_w, int64_t pad_h, int64_t pad_w, int64_t dilation_h, int64_t dilation_w,
+    int64_t group, int64_t group_channels, double offset_scale, int64_t im2col_step,
+    bool remove_center, const std::vector<bool>& output_mask, bool deterministic);
 
 // The schema of the checks op of dcnv3 (grad_output absent) or dcnv3_backward (present), reading no tensor
 // data; returns the output shape. For the fake kernels. Without a mask, those of dcnv4, the
@@ -114,7 +115,8 @@ struct Dcnv3Op {
       "dcnv3_backward(Tensor grad_output, Tensor input, Tensor offset, Tensor mask, int kernel_h, "
       "int kernel_w, int stride_h, int stride_w, int pad_h, int pad_w, int dilation_h, "
       "int dilation_w, int group, int group_channels, float offset_scale, int im2col_step, "
-      "bool remove_center, bool[3] output_mask) -> (Tensor, Tensor, Tensor)";
+      "bool remove_center, bool[3] output_mask, bool deterministic=False) "
+      "-> (Tensor, Tensor, Tensor)";
   static constexpr const char* kName = "dcnv3";
   using Signature = Tensor(const Tensor& input, const Tensor& offset, const Tensor& mask,
                            int64_t kernel_h, int64_t kernel_w, int64_t stride_h, int64_t stride_w,
@@ -130,7 +132,7 @@ struct Dcnv3Op {
       int64_t kernel_h, int64_t kernel_w, int64_t stride_h, int64_t stride_w, int64_t pad_h,
       int64_t pad_w, int64_t dilation_h, int64_t dilation_w, int64_t group, int64_t group_channels,
       double offset_scale, int64_t im2col_step, bool remove_center,
-      const std::vector<bool>& output_mask);
+      const std::vector<bool>& output_mask, bool deterministic);
   static constexpr std::array<size_t, 3> kGradientArguments = {0, 1, 2};
   static constexpr std::array<size_t, 16> kBackwardArguments = {0, 1, 2,  3,  4,  5,  6,  7,
                                                                 8, 9, 10, 11, 12, 13, 14, 15};
@@ -152,7 +154,8 @@ struct Dcnv4Op {
       "dcnv4_backward(Tensor grad_output, Tensor input, Tensor offset_mask, int kernel_h, "
       "int kernel_w, int stride_h, int stride_w, int pad_h, int pad_w, int dilation_h, "
       "int dilation_w, int group, int group_channels, float offset_scale, int im2col_step, "
-      "bool remove_center, bool[2] output_mask) -> (Tensor, Tensor)";
+      "bool remove_center, bool[2] output_mask, bool deterministic=False) "
+      "-> (Tensor, Tensor)";
   static constexpr const char* kName = "dcnv4";
   using Signature = Tensor(const Tensor& input, const Tensor& offset_mask, int64_t kernel_h,
                            int64_t kernel_w, int64_t stride_h, int64_t stride_w, int64_t pad_h,
@@ -168,7 +171,7 @@ struct Dcnv4Op {
       int64_t kernel_w, int64_t stride_h, int64_t stride_w, int64_t pad_h, int64_t pad_w,
       int64_t dilation_h, int64_t dilation_w, int64_t group, int64_t group_channels,
       double offset_scale, int64_t im2col_step, bool remove_center,
-      const std::vector<bool>& output_mask);
+      const std::vector<bool>& output_mask, bool deterministic);
   static constexpr std::array<size_t, 2> kGradientArguments = {0, 1};
   static constexpr std::array<size_t, 15> kBackwardArguments = {0, 1, 2,  3,  4,  5,  6, 7,
                                                                 8, 9, 10, 11, 12, 13, 14};

@@ -46,7 +46,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> deform_conv2d_backward(
     const Tensor& offset, const Tensor& weight, const std::optional<Tensor>& mask,
     const std::vector<int64_t>& stride, const std::vector<int64_t>& padding,
     const std::vector<int64_t>& dilation, int64_t groups, int64_t offset_groups,
-    int64_t im2col_step, const std::vector<bool>& output_mask);
+    int64_t im2col_step, const std::vector<bool>& output_mask, bool deterministic);
 
 // The op's description (infrastructure/op_handles.h says what each member gives).
 struct DeformConv2dOp {
@@ -63,7 +63,7 @@ struct DeformConv2dOp {
   static constexpr const char* kBackwardSchema =
       "deform_conv2d_backward(Tensor grad_output, Tensor input, Tensor offset, Tensor weight, "
       "Tensor? mask, SymInt[2] stride, SymInt[2] padding, SymInt[2] dilation, int groups, "
-      "int offset_groups, int im2col_step, bool[5] output_mask) "
+      "int offset_groups, int im2col_step, bool[5] output_mask, bool deterministic=False) "
       "-> (Tensor, Tensor, Tensor, Tensor, Tensor)";
   // The checks of deform_conv2d (grad_output absent) or of deform_conv2d_backward (present),
   // reading no tensor data; returns the output shape. For the fake kernels.
@@ -84,7 +84,8 @@ struct DeformConv2dOp {
       const Tensor& grad_output, const Tensor& input, const Tensor& offset, const Tensor& weight,
       const std::optional<Tensor>& mask, const std::vector<int64_t>& stride,
       const std::vector<int64_t>& padding, const std::vector<int64_t>& dilation, int64_t groups,
-      int64_t offset_groups, int64_t im2col_step, const std::vector<bool>& output_mask);
+      int64_t offset_groups, int64_t im2col_step, const std::vector<bool>& output_mask,
+      bool deterministic);
   static constexpr std::array<size_t, 5> kGradientArguments = {0, 1, 2, 3, 4};
   // All but bias, whose gradient needs only grad_output.
   static constexpr std::array<size_t, 10> kBackwardArguments = {0, 1, 2, 3, 5, 6, 7, 8, 9, 10};

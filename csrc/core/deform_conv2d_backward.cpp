@@ -131,8 +131,8 @@ BackwardBlock backward_block(const DeformConv2dLaunchers& launchers, const Defor
 // The gradients of one window of a block: its columns (for the weight gradient), the GEMMs,
 // then the columns gradient taken back to the input, offset and mask.
 void backward_window(const DeformConv2dLaunchers& launchers, const DeformConv2dGeometry& g,
-                     const WantedGradients& want, BackwardScratch& scratch,
-                     BackwardBlock& block, const PixelWindow& window) {
+                     const WantedGradients& want, BackwardScratch& scratch, BackwardBlock& block,
+                     const PixelWindow& window, bool deterministic) {
   // (images, G, C_out / G, window) inside grad_output: rows P apart.
   const Tensor grad_output_window =
       views::narrow(block.grad_output, 3, window.begin, window.pixels);
@@ -150,7 +150,7 @@ void backward_window(const DeformConv2dLaunchers& launchers, const DeformConv2dG
                                scratch.weight, want.columns(), scratch.grad_weight_rows);
   if (want.columns()) {
     launchers.column_gradients(g, window, block.images, grad_columns, block.input, sampling,
-                               block.grad_input, block.grad_offset, block.grad_mask);
+                               block.grad_input, block.grad_offset, block.grad_mask, deterministic);
   }
 }
 
@@ -161,7 +161,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> deform_conv2d_backward(
     const Tensor& offset_arg, const Tensor& weight_arg, const std::optional<Tensor>& mask_arg,
     const std::vector<int64_t>& stride, const std::vector<int64_t>& padding,
     const std::vector<int64_t>& dilation, int64_t groups, int64_t offset_groups,
-    int64_t im2col_step, const std::vector<bool>& output_mask) {
+    int64_t im2col_step, const std::vector<bool>& output_mask, bool deterministic) {
   check_output_mask("deform_conv2d_backward()", output_mask, 5);
   const DeformConv2dGeometry g = check_deform_conv2d_backward_arguments(
       grad_output_arg, input_arg, offset_arg, weight_arg, mask_arg, stride, padding, dilation,
@@ -206,7 +206,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> deform_conv2d_backward(
         launchers, g, want, scratch.w, first, std::min(step, batch - first), grad_output,
         input_arg, offset, mask, grad_input_in_place, grad_input, grad_offset, grad_mask);
     for (const PixelWindow& window : windows_of(scratch.w)) {
-      backward_window(launchers, g, want, scratch, block, window);
+      backward_window(launchers, g, want, scratch, block, window, deterministic);
     }
     if (first + step >= batch) {
       scratch.release_window_buffers();

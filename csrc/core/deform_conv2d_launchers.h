@@ -101,11 +101,13 @@ struct DeformConv2dLaunchers {
   // What grad_columns gives back through the sampling: grad_input += the adjoint of im2col
   // applied to it, and grad_offset and grad_mask. Each gradient may be undefined (not asked
   // for), and `input` where neither grad_offset nor grad_mask is asked for. One entry, so that a
-  // device may read grad_columns and locate each sample once for all three.
+  // device may read grad_columns and locate each sample once for all three. With
+  // `deterministic`, the results are the same bits from run to run (Note [Gathered input
+  // gradients], cuda/gathered_input_gradient.cuh); a device that is so anyway ignores it.
   void (*column_gradients)(const DeformConv2dGeometry& geometry, const PixelWindow& window,
                            int64_t batch, const Tensor& grad_columns, const Tensor& input,
                            const WindowSampling& sampling, Tensor& grad_input, Tensor& grad_offset,
-                           Tensor& grad_mask);
+                           Tensor& grad_mask, bool deterministic);
   // dst (M, C, R) = src (M, R, C) with the last two dimensions swapped, both contiguous: the
   // copies between the (C_in, H * W) planes of the user's tensors and channels-last.
   void (*transpose)(const Tensor& src, Tensor& dst);

@@ -238,7 +238,8 @@ Tensor ms_deform_attn_forward(const MsDeformAttnLaunchers& launchers, const Tens
 std::tuple<Tensor, Tensor, Tensor> ms_deform_attn_backward(
     const MsDeformAttnLaunchers& launchers, const Tensor& grad_output, const Tensor& value,
     const Tensor& spatial_shapes, const Tensor& level_start_index, const Tensor& sampling_locations,
-    const Tensor& attention_weights, int64_t im2col_step, const std::vector<bool>& output_mask) {
+    const Tensor& attention_weights, int64_t im2col_step, const std::vector<bool>& output_mask,
+    bool deterministic) {
   check_output_mask("ms_deform_attn_backward()", output_mask, 3);
   const MsDeformAttnGeometry g = check_ms_deform_attn_arguments(
       grad_output, value, spatial_shapes, level_start_index, sampling_locations,
@@ -267,7 +268,7 @@ std::tuple<Tensor, Tensor, Tensor> ms_deform_attn_backward(
   launchers.gradients(g, as_contiguous(grad_output), as_contiguous(value),
                       as_contiguous(spatial_shapes), as_contiguous(level_start_index),
                       as_contiguous(sampling_locations), as_contiguous(attention_weights),
-                      grad_value, grad_locations, grad_weights);
+                      grad_value, grad_locations, grad_weights, deterministic);
   return {grad_value, grad_locations, grad_weights};
 }
 

@@ -27,12 +27,15 @@ struct MsDeformAttnLaunchers {
                   Tensor& output);
   // Any of the gradients may be undefined (not asked for), not all. grad_value comes
   // uninitialised: the launcher writes all of it, zero where no sample reaches; the other two
-  // are written in full, a value per sample.
+  // are written in full, a value per sample. With `deterministic`, the results are the same
+  // bits from run to run (Note [Gathered input gradients], cuda/gathered_input_gradient.cuh); a
+  // device that is so anyway ignores it.
   void (*gradients)(const MsDeformAttnGeometry& geometry, const Tensor& grad_output,
                     const Tensor& value, const Tensor& spatial_shapes,
                     const Tensor& level_start_index, const Tensor& sampling_locations,
                     const Tensor& attention_weights, Tensor& grad_value,
-                    Tensor& grad_sampling_locations, Tensor& grad_attention_weights);
+                    Tensor& grad_sampling_locations, Tensor& grad_attention_weights,
+                    bool deterministic);
 };
 
 // Checks the operands of ms_deform_attn (and grad_output, when given, of its backward); raises
@@ -55,7 +58,8 @@ Tensor ms_deform_attn_forward(const MsDeformAttnLaunchers& launchers, const Tens
 std::tuple<Tensor, Tensor, Tensor> ms_deform_attn_backward(
     const MsDeformAttnLaunchers& launchers, const Tensor& grad_output, const Tensor& value,
     const Tensor& spatial_shapes, const Tensor& level_start_index, const Tensor& sampling_locations,
-    const Tensor& attention_weights, int64_t im2col_step, const std::vector<bool>& output_mask);
+    const Tensor& attention_weights, int64_t im2col_step, const std::vector<bool>& output_mask,
+    bool deterministic);
 
 // The op's description (infrastructure/op_handles.h says what each member gives).
 struct MsDeformAttnOp {
@@ -73,7 +77,8 @@ struct MsDeformAttnOp {
   static constexpr const char* kBackwardSchema =
       "ms_deform_attn_backward(Tensor grad_output, Tensor value, Tensor spatial_shapes, "
       "Tensor level_start_index, Tensor sampling_locations, Tensor attention_weights, "
-      "int im2col_step, bool[3] output_mask) -> (Tensor, Tensor, Tensor)";
+      "int im2col_step, bool[3] output_mask, bool deterministic=False) "
+      "-> (Tensor, Tensor, Tensor)";
   // The checks of ms_deform_attn (grad_output absent) or its backward (present) that read no
   // floating-point data: on meta tensors, the shapes only; on others, spatial_shapes and
   // level_start_index too. Returns the output shape. For the fake kernels.
@@ -91,7 +96,8 @@ struct MsDeformAttnOp {
   using BackwardSignature = std::tuple<Tensor, Tensor, Tensor>(
       const Tensor& grad_output, const Tensor& value, const Tensor& spatial_shapes,
       const Tensor& level_start_index, const Tensor& sampling_locations,
-      const Tensor& attention_weights, int64_t im2col_step, const std::vector<bool>& output_mask);
+      const Tensor& attention_weights, int64_t im2col_step, const std::vector<bool>& output_mask,
+      bool deterministic);
   // spatial_shapes and level_start_index are integer tensors, without gradients.
   static constexpr std::array<size_t, 3> kGradientArguments = {0, 3, 4};
   static constexpr std::array<size_t, 6> kBackwardArguments = {0, 1, 2, 3, 4, 5};

@@ -181,7 +181,7 @@ void dcnv3_gradient_pixels(
 void dcnv3_gradients_cpu(const Dcnv3Geometry& g, const Dcnv3Fields& f, int64_t batch,
                          const Tensor& grad_output, const Tensor& input, const Tensor& offset,
                          const Tensor& mask, Tensor& grad_input, Tensor& grad_offset,
-                         Tensor& grad_mask) {
+                         Tensor& grad_mask, bool /*deterministic: always*/) {
   const bool want_input = grad_input.defined();
   const bool want_offset_or_mask = grad_offset.defined() || grad_mask.defined();
   DEFORMCONV_DISPATCH(input.scalar_type(), "dcnv3_gradients_cpu", [&] {

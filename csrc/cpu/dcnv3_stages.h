@@ -16,6 +16,6 @@ void dcnv3_forward_cpu(const Dcnv3Geometry& g, const Dcnv3Fields& f, int64_t bat
 void dcnv3_gradients_cpu(const Dcnv3Geometry& g, const Dcnv3Fields& f, int64_t batch,
                          const Tensor& grad_output, const Tensor& input, const Tensor& offset,
                          const Tensor& mask, Tensor& grad_input, Tensor& grad_offset,
-                         Tensor& grad_mask);
+                         Tensor& grad_mask, bool deterministic);
 
 }  // namespace deformconv::DEFORMCONV_CPU_COPY

@@ -183,11 +183,12 @@ void offset_mask_grad_cpu(const DeformConv2dGeometry& g, const PixelWindow& wind
 }  // namespace
 
 // Two passes over the columns gradient: col2im's tasks own bands of input rows, the offset and
-// mask gradients' own stretches of output pixels.
+// mask gradients' own stretches of output pixels. Deterministic whether asked or not: each
+// element is summed by one task, in the samples' order.
 void column_gradients_cpu(const DeformConv2dGeometry& g, const PixelWindow& window, int64_t batch,
                           const Tensor& grad_columns, const Tensor& input,
                           const WindowSampling& sampling, Tensor& grad_input, Tensor& grad_offset,
-                          Tensor& grad_mask) {
+                          Tensor& grad_mask, bool /*deterministic: always*/) {
   if (grad_input.defined()) {
     col2im_cpu(g, window, batch, grad_columns, sampling, grad_input);
   }

@@ -27,7 +27,7 @@ bool fused_forward_pays_cpu(const DeformConv2dGeometry& g, ScalarType dtype);
 void column_gradients_cpu(const DeformConv2dGeometry& g, const PixelWindow& window, int64_t batch,
                           const Tensor& grad_columns, const Tensor& input,
                           const WindowSampling& sampling, Tensor& grad_input, Tensor& grad_offset,
-                          Tensor& grad_mask);
+                          Tensor& grad_mask, bool deterministic);
 
 void transpose_cpu(const Tensor& src, Tensor& dst);
 

@@ -297,7 +297,8 @@ void ms_deform_attn_gradients_cpu(const MsDeformAttnGeometry& g, const Tensor& g
                                   const Tensor& value, const Tensor& spatial_shapes,
                                   const Tensor& level_start_index, const Tensor& sampling_locations,
                                   const Tensor& attention_weights, Tensor& grad_value,
-                                  Tensor& grad_sampling_locations, Tensor& grad_attention_weights) {
+                                  Tensor& grad_sampling_locations, Tensor& grad_attention_weights,
+                                  bool /*deterministic: always*/) {
   const std::vector<MsDeformAttnLevel> levels = levels_of(g, spatial_shapes, level_start_index);
   const int64_t D = g.channels;
   const int64_t whole_lanes = (D + kLanes - 1) / kLanes * kLanes;

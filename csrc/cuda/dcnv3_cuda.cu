@@ -49,6 +49,7 @@
 #include "../infrastructure/optional_data.h"
 #include "channel_vectors.cuh"
 #include "cuda_device.h"
+#include "gathered_input_gradient.cuh"
 #include "launch.cuh"
 
 namespace deformconv {
@@ -137,9 +138,10 @@ __global__ void dcnv3_forward_kernel(Dcnv3Geometry g, Dcnv3Divisors<Divisor> d, 
   }
 }
 
-// The backward of one item, all its points in rounds: add_input_gradient(sample, corner, vector,
-// at, weighted) adds kVector sums of the input gradient (`at`: their element index from the
-// batch's first pixel), where the input gradient is asked for; the offset and mask gradients
+// The backward of one item, all its points in rounds: add_input_gradient(sample, point, corner,
+// vector, at, weighted) adds kVector sums of the input gradient (`at`: their element index from
+// the batch's first pixel), for each corner of non-zero weight, where the input gradient is
+// asked for; the offset and mask gradients
 // are dot products over the item's lanes, written by lane 0, where asked for. Every thread of
 // the warp calls it, `active_item` where its item (`item`, split as `it`) is.
 template <typename scalar_t, int kVector, typename Divisor, typename AddInputGradient>
@@ -194,7 +196,7 @@ __device__ inline void backward_item(
               for (int e = 0; e < kVector; ++e) {
                 weighted[e] = weight * grad[e];
               }
-              add_input_gradient(sample, corner, vector, at, weighted);
+              add_input_gradient(sample, first_point + point, corner, vector, at, weighted);
             }
             if (position_grads && (sample.corners >> corner & 1)) {
               const auto read = load_vector<scalar_t, kVector>(input + at);
@@ -223,13 +225,14 @@ __device__ inline void backward_item(
 
 // grad_input (sums of opmath_type, Note [Input gradient sums in float32]), grad_offset and
 // grad_mask are null where not asked for. The input gradient adds atomically in global memory
-// (scatter_add_run).
+// (scatter_add_run), or, where `entries` records, is gathered after the kernel (Note [Gathered
+// input gradients]): sample item * P + point of the launch.
 template <typename scalar_t, int kVector, typename Divisor>
 __global__ void dcnv3_backward_kernel(Dcnv3Geometry g, Dcnv3Divisors<Divisor> d, Dcnv3Fields f,
                                       LaneTiling t, const scalar_t* grad_output,
-                                      const scalar_t* input,
-                                      const scalar_t* offset, const scalar_t* mask,
-                                      opmath_type<scalar_t>* grad_input,
+                                      const scalar_t* input, const scalar_t* offset,
+                                      const scalar_t* mask, opmath_type<scalar_t>* grad_input,
+                                      CornerEntries<opmath_type<scalar_t>> entries,
                                       scalar_t* grad_offset, scalar_t* grad_mask) {
   using opmath_t = opmath_type<scalar_t>;
   using index_t = typename Dcnv3Divisors<Divisor>::index_type;
@@ -237,18 +240,24 @@ __global__ void dcnv3_backward_kernel(Dcnv3Geometry g, Dcnv3Divisors<Divisor> d,
   const int slot = threadIdx.x / t.lanes;
   const int lane = threadIdx.x % t.lanes;
   SharedSample<opmath_t>* const samples = staged + slot * t.samples_per_round;
-  const auto add_input_gradient = [&](const SharedSample<opmath_t>&, int, index_t, index_t at,
-                                      const opmath_t* weighted) {
-    scatter_add_run<kVector>(grad_input + at, weighted);
-  };
   for (int64_t first_item = int64_t(blockIdx.x) * t.items_per_block; first_item < t.items;
        first_item += int64_t(gridDim.x) * t.items_per_block) {
     const int64_t item = first_item + slot;
     const bool active_item = item < t.items;
     const Dcnv3Item it = active_item ? dcnv3_item(d, item) : Dcnv3Item{};
-    backward_item<scalar_t, kVector>(g, d, f, t, lane, active_item, item, it, samples,
-                                     grad_output, input, offset, mask, grad_input != nullptr,
-                                     grad_offset, grad_mask, add_input_gradient);
+    const auto add_input_gradient = [&](const SharedSample<opmath_t>& sample, int64_t point,
+                                        int corner, index_t vector, index_t at,
+                                        const opmath_t* weighted) {
+      if (grad_input != nullptr) {
+        scatter_add_run<kVector>(grad_input + at, weighted);
+      } else if (vector == 0) {
+        entries.record(item * g.points() + point, corner, sample.weight[corner], at,
+                       item * g.group_channels);
+      }
+    };
+    backward_item<scalar_t, kVector>(
+        g, d, f, t, lane, active_item, item, it, samples, grad_output, input, offset, mask,
+        grad_input != nullptr || entries.recording(), grad_offset, grad_mask, add_input_gradient);
   }
 }
 
@@ -397,8 +406,9 @@ __global__ void dcnv3_backward_banded_kernel(Dcnv3Geometry g, Dcnv3Divisors<Divi
       it.pixel = n * g.out_pixels() + pixel;
       it.group = group;
     }
-    const auto add_input_gradient = [&](const SharedSample<opmath_t>& sample, int corner,
-                                        index_t vector, index_t at, const opmath_t* weighted) {
+    const auto add_input_gradient = [&](const SharedSample<opmath_t>& sample, int64_t /*point*/,
+                                        int corner, index_t vector, index_t at,
+                                        const opmath_t* weighted) {
       const index_t in_band = static_cast<index_t>(sample.top_left) + pixel_steps[corner] -
                               band_first;
       if (in_band >= 0 && in_band < band_pixels) {
@@ -500,9 +510,12 @@ void dcnv3_forward_cuda(const Dcnv3Geometry& g, const Dcnv3Fields& f, int64_t ba
 void dcnv3_gradients_cuda(const Dcnv3Geometry& g, const Dcnv3Fields& f, int64_t batch,
                           const Tensor& grad_output, const Tensor& input, const Tensor& offset,
                           const Tensor& mask, Tensor& grad_input, Tensor& grad_offset,
-                          Tensor& grad_mask) {
+                          Tensor& grad_mask, bool deterministic) {
+  const bool gathered = grad_input.defined() && deterministic;
   if (grad_input.defined()) {
     record_branch("dcnv3.cuda.backward.input_gradient");
+    record_branch(gathered ? "dcnv3.cuda.backward.input_gradient.gathered"
+                           : "dcnv3.cuda.backward.input_gradient.atomic_adds");
   }
   if (grad_offset.defined() || grad_mask.defined()) {
     record_branch("dcnv3.cuda.backward.offset_mask_gradients");
@@ -522,9 +535,9 @@ void dcnv3_gradients_cuda(const Dcnv3Geometry& g, const Dcnv3Fields& f, int64_t 
         kStagedSamples<opmath_t>,
         {&grad_output, &input, &sums_or_input}, kDcnv3Paths, [&](auto width, auto t) {
       constexpr int kVector = decltype(width)::value;
-      const std::optional<BandShape> bands = sums.defined() && input_gradient_bands_allowed()
-          ? band_shape<opmath_t>(g, t)
-          : std::nullopt;
+      const std::optional<BandShape> bands =
+          sums.defined() && !gathered && input_gradient_bands_allowed() ? band_shape<opmath_t>(g, t)
+                                                                        : std::nullopt;
       if (bands) {
         record_branch("dcnv3.cuda.backward.input_gradient_in_shared_memory");
       }
@@ -542,15 +555,26 @@ void dcnv3_gradients_cuda(const Dcnv3Geometry& g, const Dcnv3Fields& f, int64_t 
               g, d, f, t, GradientBands<Divisor>(*bands), grad_output_data, input_data,
               offset_data, mask_data, sums_data, mutable_data_or_null<scalar_t>(grad_offset),
               mutable_data_or_null<scalar_t>(grad_mask));
+          DEFORMCONV_CHECK_LAUNCH();
         } else {
+          // Rows of the map: (image, input pixel, group), of the group's channels.
+          std::optional<GatheredInputGradient<scalar_t>> gather;
+          if (gathered) {
+            gather.emplace(grad_output, t.items * g.points(), batch * g.in_pixels() * g.groups,
+                           g.group_channels);
+          }
           auto* kernel = dcnv3_backward_kernel<scalar_t, kVector, Divisor>;
-          DEFORMCONV_LAUNCH(kernel, blocks_of(t), kThreadsPerBlock,
-                            current_cuda_stream())(
-              g, d, f, t, grad_output_data, input_data, offset_data, mask_data, sums_data,
+          DEFORMCONV_LAUNCH(kernel, blocks_of(t), kThreadsPerBlock, current_cuda_stream())(
+              g, d, f, t, grad_output_data, input_data, offset_data, mask_data,
+              gathered ? nullptr : sums_data,
+              gather ? gather->entries() : CornerEntries<opmath_t>{},
               mutable_data_or_null<scalar_t>(grad_offset),
               mutable_data_or_null<scalar_t>(grad_mask));
+          DEFORMCONV_CHECK_LAUNCH();
+          if (gather) {
+            gather->add_to(grad_output, sums);
+          }
         }
-        DEFORMCONV_CHECK_LAUNCH();
       });
     });
     if (grad_input.defined()) {

@@ -4,7 +4,9 @@
 // (column_gradients_kernel), whose lanes add their vectors to the input gradient with atomics and
 // sum the offset and mask gradients by shuffles. Indices are int64 where they must be: a block's
 // columns buffer passes 2^31 elements at detection resolutions (C_in * K * H_out * W_out * images),
-// and int32 there gives wrong answers silently (torchvision issue 4269). Threads split their flat
+// and int32 there gives wrong answers silently (torchvision issue 4269). Under deterministic
+// mode the columns gradient records each sample's corners instead of adding them, and the input
+// gradient is gathered from that map (Note [Gathered input gradients]). Threads split their flat
 // index into image, group, tap, pixel and channel by divisions; each kernel is therefore built
 // twice, and the launcher takes the build that divides by InvariantDivisor (a multiply-high and a
 // shift) when every dividend of the launch is below 2^31, the one that divides in int64 otherwise.
@@ -17,6 +19,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <initializer_list>
+#include <optional>
 #include <type_traits>
 
 #include "../common/deform_conv2d_kernel.cuh"
@@ -28,6 +31,7 @@
 #include "../infrastructure/tensor_views.h"
 #include "channel_vectors.cuh"
 #include "cuda_device.h"
+#include "gathered_input_gradient.cuh"
 #include "launch.cuh"
 
 namespace deformconv {
@@ -165,16 +169,19 @@ constexpr LanePathNames kColumnGradientPaths{
 // opmath_type, Note [Input gradient sums in float32]). Lane l reads the columns gradient of
 // its vectors of each tap once; where the input gradient is asked for (grad_input not null) it
 // adds weight * that vector at each corner of non-zero weight, one vector atomic a corner
-// (scatter_add_run); where the offset or mask gradient is, it adds the vector's dot products
-// with each corner's values (corners in the image only), which the item's lanes sum by
-// shuffles into the sample's three sums (offset_mask_grad_sums_of_dots), written by lane 0.
-// Every thread of a warp runs every tap of its items, active or not, for those shuffles.
+// (scatter_add_run); where it is gathered instead, the lane of vector 0 records the sample's
+// corners, sample item * K + tap of the launch, in `entries`; where the offset or mask gradient is,
+// it adds the vector's dot products with each corner's values (corners in the image only), which
+// the item's lanes sum by shuffles into the sample's three sums (offset_mask_grad_sums_of_dots),
+// written by lane 0. Every thread of a warp runs every tap of its items, active or not, for those
+// shuffles.
 template <typename scalar_t, int kVector, typename Divisor>
 __global__ void column_gradients_kernel(DeformConv2dGeometry g, PixelWindow window,
                                         IndexDivisors<Divisor> d, LaneTiling t,
                                         const scalar_t* grad_columns, const scalar_t* input,
                                         const scalar_t* offset, const scalar_t* mask,
                                         opmath_type<scalar_t>* grad_input,
+                                        CornerEntries<opmath_type<scalar_t>> entries,
                                         scalar_t* grad_offset, scalar_t* grad_mask) {
   using opmath_t = opmath_type<scalar_t>;
   using index_t = typename IndexDivisors<Divisor>::index_type;
@@ -216,6 +223,8 @@ __global__ void column_gradients_kernel(DeformConv2dGeometry g, PixelWindow wind
                   weighted[e] = weight * grad[e];
                 }
                 scatter_add_run<kVector>(grad_input + at, weighted);
+              } else if (entries.recording() && vector == 0 && weight != opmath_t(0)) {
+                entries.record(item * g.taps() + tap, corner, weight, at, places.column);
               }
               if (position_grads && (sample.corners >> corner & 1)) {
                 const auto values = load_vector<scalar_t, kVector>(input + at);
@@ -291,9 +300,12 @@ void im2col_cuda(const DeformConv2dGeometry& g, const PixelWindow& window, int64
 void column_gradients_cuda(const DeformConv2dGeometry& g, const PixelWindow& window, int64_t batch,
                            const Tensor& grad_columns, const Tensor& input,
                            const WindowSampling& sampling, Tensor& grad_input, Tensor& grad_offset,
-                           Tensor& grad_mask) {
+                           Tensor& grad_mask, bool deterministic) {
+  const bool gathered = grad_input.defined() && deterministic;
   if (grad_input.defined()) {
     record_branch("deform_conv2d.cuda.column_gradients.input");
+    record_branch(gathered ? "deform_conv2d.cuda.column_gradients.input.gathered"
+                           : "deform_conv2d.cuda.column_gradients.input.atomic_adds");
   }
   const bool position_grads = grad_offset.defined() || grad_mask.defined();
   if (position_grads) {
@@ -315,14 +327,23 @@ void column_gradients_cuda(const DeformConv2dGeometry& g, const PixelWindow& win
         kColumnGradientPaths, [&](auto width, auto t, const auto& divisors) {
       using Divisor = typename std::decay_t<decltype(divisors)>::divisor_type;
       auto* kernel = column_gradients_kernel<scalar_t, decltype(width)::value, Divisor>;
-      DEFORMCONV_LAUNCH(kernel, blocks_of(t), kThreadsPerBlock,
-                        current_cuda_stream())(
+      // Rows of the map: (image, input pixel, deform group), of the group's channels.
+      std::optional<GatheredInputGradient<scalar_t>> gather;
+      if (gathered) {
+        gather.emplace(grad_columns, t.items * g.taps(), batch * g.in_pixels() * g.offset_groups,
+                       g.channels_per_offset_group());
+      }
+      DEFORMCONV_LAUNCH(kernel, blocks_of(t), kThreadsPerBlock, current_cuda_stream())(
           g, window, divisors, t, grad_columns.const_data_ptr<scalar_t>(),
           position_grads ? input.const_data_ptr<scalar_t>() : nullptr,
           sampling.offset.const_data_ptr<scalar_t>(), data_or_null<scalar_t>(sampling.mask),
-          sums.defined() ? sums.mutable_data_ptr<opmath_t>() : nullptr,
+          sums.defined() && !gathered ? sums.mutable_data_ptr<opmath_t>() : nullptr,
+          gather ? gather->entries() : CornerEntries<opmath_t>{},
           mutable_data_or_null<scalar_t>(grad_offset), mutable_data_or_null<scalar_t>(grad_mask));
       DEFORMCONV_CHECK_LAUNCH();
+      if (gather) {
+        gather->add_to(grad_columns, sums);
+      }
     });
     if (grad_input.defined()) {
       store_input_gradient_sums(sums, grad_input);

@@ -13,7 +13,8 @@
 // computes the value gradient (atomic adds of 16-byte vectors, scatter_add_run) and the
 // location and attention-weight gradients (dot products of the output's gradient with the
 // corners' values, summed over the item's lanes by warp shuffles and written by lane 0) in one
-// kernel.
+// kernel. Under deterministic mode the kernel records each sample's corners instead of adding
+// them, and the value gradient is gathered from that map (Note [Gathered input gradients]).
 
 #include <torch/csrc/stable/library.h>
 #include <torch/csrc/stable/ops.h>
@@ -21,6 +22,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <initializer_list>
+#include <optional>
 #include <type_traits>
 
 #include "../common/bilinear_sampling.cuh"
@@ -33,6 +35,7 @@
 #include "../infrastructure/optional_data.h"
 #include "channel_vectors.cuh"
 #include "cuda_device.h"
+#include "gathered_input_gradient.cuh"
 #include "launch.cuh"
 
 namespace deformconv {
@@ -163,13 +166,16 @@ __global__ void ms_deform_attn_forward_kernel(MsDeformAttnGeometry g, LaneTiling
 }
 
 // grad_sums (the value gradient's sums, opmath_type), grad_locations and grad_weights are
-// null where not asked for.
+// null where not asked for. Where `entries` records, the value gradient is gathered after the
+// kernel instead: sample item * L * P + l * P + p of the launch.
 template <typename scalar_t, int kVector>
-__global__ void ms_deform_attn_backward_kernel(
-    MsDeformAttnGeometry g, LaneTiling t, const int64_t* shapes, const int64_t* starts,
-    const scalar_t* grad_output, const scalar_t* value, const scalar_t* locations,
-    const scalar_t* weights, opmath_type<scalar_t>* grad_sums, scalar_t* grad_locations,
-    scalar_t* grad_weights) {
+__global__ void ms_deform_attn_backward_kernel(MsDeformAttnGeometry g, LaneTiling t,
+                                               const int64_t* shapes, const int64_t* starts,
+                                               const scalar_t* grad_output, const scalar_t* value,
+                                               const scalar_t* locations, const scalar_t* weights,
+                                               opmath_type<scalar_t>* grad_sums,
+                                               CornerEntries<opmath_type<scalar_t>> entries,
+                                               scalar_t* grad_locations, scalar_t* grad_weights) {
   using opmath_t = opmath_type<scalar_t>;
   __shared__ StagedSample<opmath_t> staged[kStagedSamplesPerBlock<opmath_t>];
   const bool position_grads = grad_locations != nullptr || grad_weights != nullptr;
@@ -214,6 +220,9 @@ __global__ void ms_deform_attn_backward_kernel(
                   weighted[e] = weight * grad[e];
                 }
                 scatter_add_run<kVector>(grad_sums + at, weighted);
+              } else if (entries.recording() && vector == 0 && weight != opmath_t(0)) {
+                entries.record(item * g.head_samples() + first + k, corner, weight, at,
+                               item * g.channels);
               }
               if (position_grads && (s.sample.corners >> corner & 1)) {
                 const auto read = load_vector<scalar_t, kVector>(value + at);
@@ -281,10 +290,13 @@ void ms_deform_attn_gradients_cuda(const MsDeformAttnGeometry& g, const Tensor& 
                                    const Tensor& level_start_index,
                                    const Tensor& sampling_locations,
                                    const Tensor& attention_weights, Tensor& grad_value,
-                                   Tensor& grad_sampling_locations,
-                                   Tensor& grad_attention_weights) {
+                                   Tensor& grad_sampling_locations, Tensor& grad_attention_weights,
+                                   bool deterministic) {
+  const bool gathered = grad_value.defined() && deterministic;
   if (grad_value.defined()) {
     record_branch("ms_deform_attn.cuda.backward.value_gradient");
+    record_branch(gathered ? "ms_deform_attn.cuda.backward.value_gradient.gathered"
+                           : "ms_deform_attn.cuda.backward.value_gradient.atomic_adds");
   }
   if (grad_sampling_locations.defined() || grad_attention_weights.defined()) {
     record_branch("ms_deform_attn.cuda.backward.location_weight_gradients");
@@ -303,17 +315,26 @@ void ms_deform_attn_gradients_cuda(const MsDeformAttnGeometry& g, const Tensor& 
         g.batch * g.queries * g.heads, g.channels, g.channels, g.head_samples(),
         kStagedSamplesPerBlock<opmath_t>, {&grad_output, &value, &sums_or_value},
         kMsDeformAttnPaths, [&](auto width, auto t) {
+          // Rows of the map: (image, pixel of value, head), of the head's channels.
+          std::optional<GatheredInputGradient<scalar_t>> gather;
+          if (gathered) {
+            gather.emplace(grad_output, t.items * g.head_samples(), g.batch * g.spatial * g.heads,
+                           g.channels);
+          }
           auto* kernel = ms_deform_attn_backward_kernel<scalar_t, decltype(width)::value>;
-          DEFORMCONV_LAUNCH(kernel, blocks_of(t), kThreadsPerBlock,
-                            current_cuda_stream())(
+          DEFORMCONV_LAUNCH(kernel, blocks_of(t), kThreadsPerBlock, current_cuda_stream())(
               g, t, spatial_shapes.const_data_ptr<int64_t>(),
               level_start_index.const_data_ptr<int64_t>(), grad_output.const_data_ptr<scalar_t>(),
               value.const_data_ptr<scalar_t>(), sampling_locations.const_data_ptr<scalar_t>(),
               attention_weights.const_data_ptr<scalar_t>(),
-              sums.defined() ? sums.mutable_data_ptr<opmath_t>() : nullptr,
+              sums.defined() && !gathered ? sums.mutable_data_ptr<opmath_t>() : nullptr,
+              gather ? gather->entries() : CornerEntries<opmath_t>{},
               mutable_data_or_null<scalar_t>(grad_sampling_locations),
               mutable_data_or_null<scalar_t>(grad_attention_weights));
           DEFORMCONV_CHECK_LAUNCH();
+          if (gather) {
+            gather->add_to(grad_output, sums);
+          }
         });
     if (grad_value.defined()) {
       store_input_gradient_sums(sums, grad_value);

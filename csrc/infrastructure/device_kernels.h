@@ -10,9 +10,8 @@
 // the device of the op's first tensor (the backward op's: of its first argument after grad_output),
 // naming the one that is not, before any memory is touched; then holds Device::Guard for that
 // device while the driver runs (the CUDA guard: without it, work on a second GPU runs on the
-// first). The deterministic-mode alert of the backward on a device that adds with atomics is raised
-// by the autograd kernels that call it (deformconv/ops/_autograd.py; in the LibTorch build,
-// op_autograd.h).
+// first). The autograd kernels that call the backward (deformconv/ops/_autograd.py; in the
+// LibTorch build, op_autograd.h) pass PyTorch's deterministic mode as its `deterministic`.
 
 #include <torch/csrc/stable/device.h>
 #include <torch/csrc/stable/library.h>
@@ -40,16 +39,17 @@ struct CpuDevice {
 
 namespace device_kernels_detail {
 
-// The names of the backward op's arguments: grad_output, those of the forward it takes, and
-// output_mask.
+// The names of the backward op's arguments: grad_output, those of the forward it takes,
+// output_mask and deterministic.
 template <typename Op>
 constexpr auto backward_argument_names() {
-  std::array<const char*, Op::kBackwardArguments.size() + 2> names{};
+  std::array<const char*, Op::kBackwardArguments.size() + 3> names{};
   names[0] = "grad_output";
   for (size_t index = 0; index < Op::kBackwardArguments.size(); ++index) {
     names[index + 1] = Op::kArgumentNames[Op::kBackwardArguments[index]];
   }
-  names[names.size() - 1] = "output_mask";
+  names[names.size() - 2] = "output_mask";
+  names[names.size() - 1] = "deterministic";
   return names;
 }
 

@@ -106,22 +106,16 @@ class ForwardFunction<Op, at::Tensor(Arguments...)>
       const auto& input = graph_input[Op::kGradientArguments[slot]];
       output_mask.push_back(input.has_value() && ctx->needs_input_grad(*input));
     }
-    // On CUDA the backward adds its first gradient (the input's or the value's) with atomic
-    // adds, whose order varies from run to run: it says so to PyTorch's deterministic mode, as
-    // the Python package's autograd does (deformconv/ops/_autograd.py).
-    if (output_mask[0] && grad_outputs[0].is_cuda() &&
-        at::globalContext().deterministicAlgorithms()) {
-      at::globalContext().alertNotDeterministic(
-          c10::str(Op::kName, "_backward_cuda (", Op::kArgumentNames[Op::kGradientArguments[0]],
-                   " gradient)"));
-    }
     torch::jit::Stack stack;
-    stack.reserve(2 + Op::kBackwardArguments.size());
+    stack.reserve(3 + Op::kBackwardArguments.size());
     stack.emplace_back(grad_outputs[0]);
     for (const size_t index : Op::kBackwardArguments) {
       stack.push_back(arguments[index]);
     }
     stack.emplace_back(std::move(output_mask));
+    // PyTorch's deterministic mode, as the Python package's autograd passes it
+    // (deformconv/ops/_autograd.py): on CUDA it takes the input gradient's gathered path.
+    stack.emplace_back(at::globalContext().deterministicAlgorithms());
     backward_handle<Op>().callBoxed(&stack);
     // One gradient per forward argument, undefined for those that have none.
     variable_list gradients(kArguments);

@@ -27,7 +27,8 @@ namespace deformconv {
 //   kName                the op's name in the deformconv namespace, and in messages;
 //   Signature            the op's C++ signature, in the stable ABI's types;
 //   kArgumentNames       its arguments' names, as the schema gives them;
-//   BackwardSignature    its backward op's: grad_output, kBackwardArguments, output_mask;
+//   BackwardSignature    its backward op's: grad_output, kBackwardArguments, output_mask,
+//                        deterministic;
 //   kGradientArguments   the places, among the op's arguments, of the tensors whose gradients
 //                        the backward op returns, in its output_mask's order;
 //   kBackwardArguments   the places of the arguments that the backward op takes after

@@ -16,14 +16,8 @@ the whole. The kernel below does what that one does, for schemas without default
 from typing import Sequence
 
 import torch
-import torch._prims_common
 
 _LIBRARY = torch.library.Library("deformconv", "IMPL")
-
-# The devices whose backward kernels add the first gradient (the input's, or the value's) with
-# atomic adds, whose order varies from run to run: there the backward says so to PyTorch's
-# deterministic mode, as PyTorch's own nondeterministic kernels do.
-_ATOMIC_FIRST_GRADIENT_DEVICES = frozenset({"cuda"})
 
 
 def _below_autograd(op: torch._ops.OpOverload, keyset, arguments):
@@ -36,7 +30,8 @@ def register_gradients_and_autocast(op: str, gradient_arguments: Sequence[int]) 
     and the forward op's autocast kernels.
 
     The backward op deformconv::`op`_backward takes grad_output, forward arguments by their
-    names, and an output_mask; it returns the gradients of the forward's arguments at the places
+    names, an output_mask and deterministic (PyTorch's deterministic mode, which on CUDA takes
+    the gathered input gradient in place of atomic adds); it returns the gradients of the forward's arguments at the places
     gradient_arguments, in the mask's order, computing only those that the mask asks for (None
     for the others).
     """
@@ -45,14 +40,14 @@ def register_gradients_and_autocast(op: str, gradient_arguments: Sequence[int]) 
     schema = forward_op._schema
     arguments = len(schema.arguments)
     places = {argument.name: place for place, argument in enumerate(schema.arguments)}
+    # Between grad_output and the two flags, output_mask and deterministic.
     backward_arguments = [places[argument.name]
-                          for argument in backward_op._schema.arguments[1:-1]]
+                          for argument in backward_op._schema.arguments[1:-2]]
     # Tensors go through save_for_backward (None keeps the place of an absent one), so that
     # autograd checks that they were not modified in place before the backward.
     tensor_places = [place for place in backward_arguments
                      if str(schema.arguments[place].type) in ("Tensor", "Optional[Tensor]")]
     other_places = [place for place in backward_arguments if place not in tensor_places]
-    first_gradient = schema.arguments[gradient_arguments[0]].name
 
     def forward(ctx, keyset, *inputs):
         output = _below_autograd(forward_op, keyset, inputs)
@@ -66,11 +61,8 @@ def register_gradients_and_autocast(op: str, gradient_arguments: Sequence[int]) 
         # The keyset comes first among the Function's inputs. needs_input_grad is False for an
         # absent tensor and for integer tensors.
         output_mask = [ctx.needs_input_grad[1 + place] for place in gradient_arguments]
-        device = grad_output.device.type
-        if output_mask[0] and device in _ATOMIC_FIRST_GRADIENT_DEVICES:
-            torch._prims_common.alert_not_deterministic(
-                f"{op}_backward_{device} ({first_gradient} gradient)")
-        call = (grad_output, *(saved[place] for place in backward_arguments), output_mask)
+        call = (grad_output, *(saved[place] for place in backward_arguments), output_mask,
+                torch.are_deterministic_algorithms_enabled())
         if torch.is_grad_enabled():
             # create_graph=True: through the backward op's autograd, which records the
             # gradients so that differentiating them is refused.

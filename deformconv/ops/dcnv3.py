@@ -118,8 +118,9 @@ def _dcnv3_fake(input, offset, mask, *others):
 
 
 @torch.library.register_fake("deformconv::dcnv3_backward")
-def _dcnv3_backward_fake(grad_output, input, offset, mask, *others_and_output_mask):
-    *others, output_mask = others_and_output_mask
+def _dcnv3_backward_fake(grad_output, input, offset, mask, *others_and_flags):
+    # The op's scalar arguments, then output_mask and deterministic (same shapes either way).
+    *others, output_mask, _ = others_and_flags
     return _fake_gradients(
         "dcnv3", grad_output, dict(input=input, offset=offset, mask=mask), others,
         [lambda t=t: torch.empty_like(t, memory_format=torch.contiguous_format)
@@ -143,8 +144,9 @@ def _dcnv4_fake(input, offset_mask, *others):
 
 
 @torch.library.register_fake("deformconv::dcnv4_backward")
-def _dcnv4_backward_fake(grad_output, input, offset_mask, *others_and_output_mask):
-    *others, output_mask = others_and_output_mask
+def _dcnv4_backward_fake(grad_output, input, offset_mask, *others_and_flags):
+    # The op's scalar arguments, then output_mask and deterministic (same shapes either way).
+    *others, output_mask, _ = others_and_flags
     return _fake_gradients(
         "dcnv4", grad_output, dict(input=input, offset_mask=offset_mask, mask=None), others,
         [lambda t=t: torch.empty_like(t, memory_format=torch.contiguous_format)

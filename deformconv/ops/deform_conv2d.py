@@ -88,7 +88,8 @@ def _deform_conv2d_fake(input, offset, weight, mask, bias, stride, padding, dila
 
 @torch.library.register_fake("deformconv::deform_conv2d_backward")
 def _deform_conv2d_backward_fake(grad_output, input, offset, weight, mask, stride, padding,
-                                 dilation, groups, offset_groups, im2col_step, output_mask):
+                                 dilation, groups, offset_groups, im2col_step, output_mask,
+                                 deterministic=False):
     # As the real kernel: grad_input and grad_weight keep the memory format of input and
     # weight, grad_offset and grad_mask are contiguous; no mask, no mask gradient.
     contiguous = torch.contiguous_format

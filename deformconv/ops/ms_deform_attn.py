@@ -71,7 +71,7 @@ def _ms_deform_attn_fake(value, spatial_shapes, level_start_index, sampling_loca
 @torch.library.register_fake("deformconv::ms_deform_attn_backward")
 def _ms_deform_attn_backward_fake(grad_output, value, spatial_shapes, level_start_index,
                                   sampling_locations, attention_weights, im2col_step,
-                                  output_mask):
+                                  output_mask, deterministic=False):
     return _fake_gradients(
         "ms_deform_attn", grad_output,
         dict(value=value, spatial_shapes=spatial_shapes, level_start_index=level_start_index,

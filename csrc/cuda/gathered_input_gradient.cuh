@@ -1,0 +1,179 @@
+#pragma once
+
+// Note [Gathered input gradients]
+// The input gradient of a deformable op (DCN v1/v2's col2im, DCNv3/DCNv4's input gradient,
+// MSDA's value gradient) is a scatter: each sample adds weight * its output gradient, a run of
+// channels, at each of its cell's four corners. With atomic adds the order of the adds into an
+// element follows the block schedule, and floating-point sums differ in their last bits from
+// run to run. Under PyTorch's deterministic mode the launchers take this path instead, in three
+// steps:
+//   1. The backward kernel itself, instead of adding, records each sample's four corners as
+//      entries 4 s + c (s the sample's number in the launch, c the corner): the row of the input
+//      gradient that the corner adds to, a row being the run of channels of one (image, pixel,
+//      group or head), and the corner's weight (zero-weight corners keep the row past the last,
+//      no_row, which the map is filled with first); and the sample's source, where its output
+//      gradient's run starts. The lane that has a sample's channel vector 0 records it. A sample's
+//      position and weights depend on (image, group, tap, output pixel), never on the channel:
+//      the map is built once for all of a group's channels.
+//   2. A stable sort of the entries by row (torch.sort(stable=True), deterministic on every
+//      device) gives each row's entries in the samples' order, whatever the schedule that
+//      recorded them; each row's list starts where a binary search of the sorted rows finds it.
+//   3. One thread per element of the input gradient sums its row's list in that order, in
+//      opmath_type (float32 for the half types), and adds the total to the sums once: no
+//      atomics.
+// The offset, mask, location and attention-weight gradients need nothing of this: each is
+// written by one lane of its sample, after warp shuffles in a fixed pattern.
+//
+// Memory beyond the atomic path, per sample of a launch: 4 entries of a row (8 bytes) and a
+// weight (sizeof(opmath_type)), the sorted rows and the sort's permutation (8 + 8 bytes each),
+// and the source (8 bytes): 4 * 28 + 8 = 120 bytes in float32 and the half types (136 in
+// float64); plus 8 bytes per row for the lists' starts, plus the sort's own scratch.
+
+#include <torch/csrc/stable/ops.h>
+#include <torch/csrc/stable/stableivalue_conversions.h>
+#include <torch/csrc/stable/tensor.h>
+#include <torch/headeronly/core/ScalarType.h>
+
+#include <algorithm>
+#include <array>
+#include <cstdint>
+#include <optional>
+#include <utility>
+
+#include "../common/bilinear_sampling.cuh"
+#include "../common/scalar_types.h"
+#include "../infrastructure/stable_tensors.h"
+#include "launch.cuh"
+
+namespace deformconv {
+
+// Where a backward kernel records its samples' corners (step 1 of the Note): null `rows` on the
+// atomic path.
+template <typename opmath_t>
+struct CornerEntries {
+  int64_t* rows = nullptr;      // 4 per sample
+  opmath_t* weights = nullptr;  // 4 per sample
+  int64_t* sources = nullptr;   // 1 per sample
+  int64_t run = 1;              // channels of a row
+  int64_t no_row = 0;           // the number of rows: past the last
+
+  __device__ bool recording() const { return rows != nullptr; }
+
+  // Corner `corner` of sample `sample`, of non-zero weight, adds to the run whose channel 0 is
+  // element `corner_element` of the input gradient; the sample's output gradient's run starts
+  // at element `source`. The corners of zero weight are not recorded: their rows stay no_row.
+  __device__ void record(int64_t sample, int corner, opmath_t weight, int64_t corner_element,
+                         int64_t source) const {
+    const int64_t entry = 4 * sample + corner;
+    rows[entry] = corner_element / run;
+    weights[entry] = weight;
+    sources[sample] = source;
+  }
+};
+
+// Step 2's starts: list_starts[row] is the first sorted entry of `row` or later (row in
+// [0, rows]), by binary search of the sorted rows. A template, as the other kernels, so that
+// each .cu that includes this header may define it.
+template <typename row_t>
+__global__ void list_starts_kernel(const row_t* sorted_rows, int64_t entries, int64_t rows,
+                                   int64_t* list_starts) {
+  for (int64_t row = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; row <= rows;
+       row += int64_t(gridDim.x) * blockDim.x) {
+    int64_t low = 0, high = entries;
+    while (low < high) {
+      const int64_t middle = low + (high - low) / 2;
+      if (sorted_rows[middle] < row) {
+        low = middle + 1;
+      } else {
+        high = middle;
+      }
+    }
+    list_starts[row] = low;
+  }
+}
+
+// Step 3: sums[row * run + channel] += the sum over its row's list of weight * the sample's
+// output gradient at that channel, a thread per element: a warp's threads take neighbouring
+// channels of one row, reading each entry once for all of them and the sources as runs.
+template <typename scalar_t>
+__global__ void gather_input_gradient_kernel(int64_t rows, int64_t run, const int64_t* list_starts,
+                                             const int64_t* order,
+                                             const opmath_type<scalar_t>* weights,
+                                             const int64_t* sources, const scalar_t* gradients,
+                                             opmath_type<scalar_t>* sums) {
+  using opmath_t = opmath_type<scalar_t>;
+  const int64_t elements = rows * run;
+  for (int64_t element = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; element < elements;
+       element += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t row = element / run;
+    const int64_t channel = element - row * run;
+    opmath_t total = 0;
+    for (int64_t place = list_starts[row]; place < list_starts[row + 1]; ++place) {
+      const int64_t entry = order[place];
+      total += weights[entry] * static_cast<opmath_t>(gradients[sources[entry / 4] + channel]);
+    }
+    sums[element] += total;
+  }
+}
+
+// torch.sort(keys, stable=True): (sorted keys, their places in `keys`), through the dispatcher.
+inline std::pair<Tensor, Tensor> stable_sort(const Tensor& keys) {
+  std::array<StableIValue, 4> stack{
+      torch::stable::detail::from(keys), torch::stable::detail::from(std::optional<bool>(true)),
+      torch::stable::detail::from(int64_t(0)), torch::stable::detail::from(false)};
+  STABLE_TORCH_ERROR_CODE_CHECK(
+      torch_call_dispatcher("aten::sort", "stable", stack.data(), TORCH_ABI_VERSION));
+  return {torch::stable::detail::to<Tensor>(stack[0]), torch::stable::detail::to<Tensor>(stack[1])};
+}
+
+inline int64_t gather_blocks(int64_t threads) {
+  return std::max<int64_t>(
+      1, std::min(kMaxBlocks, (threads + kThreadsPerBlock - 1) / kThreadsPerBlock));
+}
+
+// The map of one launch's samples (Note [Gathered input gradients]): entries() for the backward
+// kernel to record into, then add_to(sums) to gather.
+template <typename scalar_t>
+class GatheredInputGradient {
+ public:
+  using opmath_t = opmath_type<scalar_t>;
+
+  // `samples` samples, whose corners add to `rows` rows of `run` channels; `gradients` is
+  // the tensor (of scalar_t) whose runs the sources will name.
+  GatheredInputGradient(const Tensor& gradients, int64_t samples, int64_t rows, int64_t run)
+      : rows_(new_contiguous(gradients, {4 * samples}, ScalarType::Long)),
+        weights_(new_contiguous(gradients, {4 * samples}, opmath_dtype(gradients.scalar_type()))),
+        sources_(new_contiguous(gradients, {samples}, ScalarType::Long)),
+        row_count_(rows),
+        run_(run) {
+    torch::stable::fill_(rows_, static_cast<double>(rows));
+  }
+
+  CornerEntries<opmath_t> entries() {
+    return {rows_.mutable_data_ptr<int64_t>(), weights_.mutable_data_ptr<opmath_t>(),
+            sources_.mutable_data_ptr<int64_t>(), run_, row_count_};
+  }
+
+  // sums (rows x run, opmath_type) += the gathered gradient, once the backward kernel has
+  // recorded every sample.
+  void add_to(const Tensor& gradients, Tensor& sums) {
+    const auto [sorted_rows, order] = stable_sort(rows_);
+    Tensor list_starts = new_contiguous(rows_, {row_count_ + 1}, ScalarType::Long);
+    DEFORMCONV_LAUNCH(list_starts_kernel<int64_t>, gather_blocks(row_count_ + 1), kThreadsPerBlock,
+                      current_cuda_stream())(sorted_rows.const_data_ptr<int64_t>(), rows_.numel(),
+                                             row_count_, list_starts.mutable_data_ptr<int64_t>());
+    DEFORMCONV_CHECK_LAUNCH();
+    DEFORMCONV_LAUNCH(gather_input_gradient_kernel<scalar_t>, gather_blocks(row_count_ * run_),
+                      kThreadsPerBlock, current_cuda_stream())(
+        row_count_, run_, list_starts.const_data_ptr<int64_t>(), order.const_data_ptr<int64_t>(),
+        weights_.const_data_ptr<opmath_t>(), sources_.const_data_ptr<int64_t>(),
+        gradients.const_data_ptr<scalar_t>(), sums.mutable_data_ptr<opmath_t>());
+    DEFORMCONV_CHECK_LAUNCH();
+  }
+
+ private:
+  Tensor rows_, weights_, sources_;
+  int64_t row_count_, run_;
+};
+
+}  // namespace deformconv

@@ -1,0 +1,195 @@
+"""The CUDA backwards under PyTorch's deterministic mode (Note [Gathered input gradients],
+csrc/cuda/gathered_input_gradient.cuh), run by the emulator: under schedules that differ as a
+GPU's may (blocks in a seeded random order, the warps of a block interleaved anew at each
+synchronisation point), the atomic path's input gradient changes its bits, the gathered path's
+gradients do not, and they equal the float64 references; each path forced by the backward op's
+`deterministic` and seen in the branch trace, for every combination of requested gradients."""
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import pytest
+import torch
+
+import dcnv3_reference
+import deform_conv2d_cases
+import ms_deform_attn_reference
+from branching import assert_close_at, branch_trace, requested_subsets
+from deform_conv2d_reference import deform_conv2d_reference
+from emulation import FORWARD, REVERSE, SHUFFLED, set_emulator
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+# Five schedules: (block order, thread order, seed).
+ORDERS = [(FORWARD, FORWARD, 0), (REVERSE, REVERSE, 0), (SHUFFLED, SHUFFLED, 1),
+          (SHUFFLED, SHUFFLED, 2), (SHUFFLED, SHUFFLED, 3)]
+
+
+@dataclass
+class Case:
+    """An op's backward at a shape where many samples reach each input pixel: `backward(ops,
+    dtype, requested, deterministic)` calls ops.<op>_backward on the operands rounded to dtype;
+    `expected(dtype)` is the reference's gradients in float64 on those rounded operands."""
+    gradients: Sequence[str]
+    input_branch: str
+    backward: Callable
+    expected: Callable
+
+
+def deform_conv2d_case():
+    g = deform_conv2d_cases.Geometry("overlapping", 2, 4, 4, 6, 6, (3, 3), padding=(1, 1),
+                                      offset_groups=2)
+    input, offset, weight, _, mask = deform_conv2d_cases.make_operands(g, with_bias=False)
+    operands = (input, offset, weight, mask)
+    grad_output = torch.randn(2, 4, *g.output_size(), generator=torch.Generator().manual_seed(1),
+                              dtype=torch.float64)
+    arguments = (list(g.stride), list(g.padding), list(g.dilation), g.groups, g.offset_groups)
+
+    def backward(ops, dtype, requested, deterministic):
+        input, offset, weight, mask = (t.to(dtype) for t in operands)
+        return ops.deform_conv2d_backward(grad_output.to(dtype), input, offset, weight, mask,
+                                          *arguments, 0, list(requested), deterministic)
+
+    def expected(dtype):
+        input, offset, weight, mask = (t.to(dtype).double().requires_grad_() for t in operands)
+        output = deform_conv2d_reference(input, offset, weight, None, g.stride, g.padding,
+                                         g.dilation, mask)
+        bias = torch.zeros(4, dtype=torch.float64, requires_grad=True)
+        output = output + bias[None, :, None, None]
+        leaves = (input, offset, weight, mask, bias)
+        return torch.autograd.grad(output, leaves, grad_output.to(dtype).double())
+
+    return Case(("input", "offset", "weight", "mask", "bias"),
+                "deform_conv2d.cuda.column_gradients.input", backward, expected)
+
+
+def dcnv3_case(op):
+    geometry = ((3, 3), (1, 1), (1, 1), (1, 1), 2, 8)
+    input, offset, mask = dcnv3_reference.random_operands(2, 5, 6, geometry, spread=1.5)
+    (kh, kw), (sh, sw), (ph, pw), (dh, dw), group, group_channels = geometry
+    others = (kh, kw, sh, sw, ph, pw, dh, dw, group, group_channels, 1.0, 0, False)
+    grad_output = torch.randn(2, 5, 6, group * group_channels,
+                              generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+
+    def rounded(dtype):
+        return [t.to(dtype) for t in (input, offset, mask)]
+
+    if op == "dcnv3":
+        def backward(ops, dtype, requested, deterministic):
+            return ops.dcnv3_backward(grad_output.to(dtype), *rounded(dtype), *others,
+                                      list(requested), deterministic)
+
+        def expected(dtype):
+            leaves = [t.double().requires_grad_() for t in rounded(dtype)]
+            output = dcnv3_reference.dcnv3_reference(*leaves, *others[:-3], others[-3])
+            return torch.autograd.grad(output, leaves, grad_output.to(dtype).double())
+
+        return Case(("input", "offset", "mask"), "dcnv3.cuda.backward.input_gradient",
+                    backward, expected)
+
+    def packed(dtype):
+        x, o, m = rounded(dtype)
+        return x, dcnv3_reference.pack_offset_mask(o, m, group, padding_value=0.0)
+
+    def backward(ops, dtype, requested, deterministic):
+        return ops.dcnv4_backward(grad_output.to(dtype), *packed(dtype), *others,
+                                  list(requested), deterministic)
+
+    def expected(dtype):
+        x, offset_mask = (t.double().requires_grad_() for t in packed(dtype))
+        points = kh * kw
+        o, m, _ = dcnv3_reference.unpack_offset_mask(offset_mask, group, points)
+        output = dcnv3_reference.dcnv3_reference(x, o, m, *others[:-3], others[-3])
+        return torch.autograd.grad(output, (x, offset_mask), grad_output.to(dtype).double())
+
+    return Case(("input", "offset_mask"), "dcnv3.cuda.backward.input_gradient", backward,
+                expected)
+
+
+def ms_deform_attn_case():
+    # 24 queries of 2 heads, 4 points in each of two small levels: about 30 corners a pixel.
+    value, shapes, starts, locations, weights = ms_deform_attn_reference.make_operands(
+        [(4, 5), (2, 3)], batch=2, queries=24, heads=2, channels=8, points=4)
+    grad_output = torch.randn(2, 24, 16, generator=torch.Generator().manual_seed(1),
+                              dtype=torch.float64)
+
+    def rounded(dtype):
+        return [t.to(dtype) for t in (value, locations, weights)]
+
+    def backward(ops, dtype, requested, deterministic):
+        v, loc, w = rounded(dtype)
+        return ops.ms_deform_attn_backward(grad_output.to(dtype), v, shapes, starts, loc, w, 64,
+                                           list(requested), deterministic)
+
+    def expected(dtype):
+        leaves = [t.double().requires_grad_() for t in rounded(dtype)]
+        output = ms_deform_attn_reference.ms_deform_attn_reference(leaves[0], shapes, starts,
+                                                                   leaves[1], leaves[2])
+        return torch.autograd.grad(output, leaves, grad_output.to(dtype).double())
+
+    return Case(("value", "sampling_locations", "attention_weights"),
+                "ms_deform_attn.cuda.backward.value_gradient", backward, expected)
+
+
+CASES = {"deform_conv2d": deform_conv2d_case, "dcnv3": lambda: dcnv3_case("dcnv3"),
+         "dcnv4": lambda: dcnv3_case("dcnv4"), "ms_deform_attn": ms_deform_attn_case}
+
+
+def under_each_order(emulated, run):
+    results = []
+    try:
+        for block_order, thread_order, seed in ORDERS:
+            set_emulator(emulated, block_order=block_order, thread_order=thread_order, seed=seed)
+            results.append(run())
+    finally:
+        set_emulator(emulated)
+    return results
+
+
+@pytest.mark.parametrize("op", list(CASES))
+def test_the_atomic_input_gradient_changes_its_bits_with_the_schedule(emulated, op):
+    """Shows that the order test below can fail: the atomic path's float32 input gradient is
+    not the same bits under the five schedules."""
+    case = CASES[op]()
+    requested = [True] + [False] * (len(case.gradients) - 1)
+    grads = under_each_order(emulated,
+                             lambda: case.backward(emulated, torch.float32, requested, False)[0])
+    assert any(not torch.equal(grads[0], other) for other in grads[1:])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("op", list(CASES))
+def test_the_gathered_gradients_keep_their_bits_under_every_schedule(emulated, op, dtype):
+    """Every gradient of the gathered path: the same bits under the five schedules, and close to
+    the float64 reference at dtype's precision."""
+    case = CASES[op]()
+    requested = [True] * len(case.gradients)
+    runs = under_each_order(emulated, lambda: case.backward(emulated, dtype, requested, True))
+    for name, first, *others in zip(case.gradients, *runs):
+        for other in others:
+            assert torch.equal(first, other), name
+    for name, grad, expected in zip(case.gradients, runs[0], case.expected(dtype)):
+        assert_close_at(grad, expected, dtype, name)
+
+
+@pytest.mark.parametrize("op", list(CASES))
+def test_deterministic_takes_the_gathered_path_for_every_requested_subset(emulated, op):
+    """deterministic=True takes the gathered input gradient, False the atomic adds, whatever else
+    is asked; the gradients of both agree with the reference."""
+    case = CASES[op]()
+    expected = case.expected(torch.float32)
+    for requested in requested_subsets(len(case.gradients)):
+        for deterministic in (True, False):
+            with branch_trace(emulated) as taken:
+                grads = case.backward(emulated, torch.float32, requested, deterministic)
+            paths = {name for name in taken if name.startswith(case.input_branch + ".")}
+            if requested[0]:
+                path = "gathered" if deterministic else "atomic_adds"
+                assert paths == {f"{case.input_branch}.{path}"}, sorted(taken)
+            else:
+                assert paths == set(), sorted(taken)
+            for name, want, grad, full in zip(case.gradients, requested, grads, expected):
+                if want:
+                    assert_close_at(grad, full, torch.float32, f"{name} of {requested}")
+                else:
+                    assert grad is None, name
