@@ -117,10 +117,19 @@ def _dcnv3_fake(input, offset, mask, *others):
                         lambda: _dcnv3_output_shape(input, *others[:8]))
 
 
+def _scalars_and_output_mask(trailing):
+    """The backward op's scalar arguments and its output_mask, from its arguments after the
+    tensors: deterministic, last, is left out by the dispatcher where it has its default (the
+    shapes do not depend on it)."""
+    trailing = list(trailing)
+    if not isinstance(trailing[-1], (list, tuple)):
+        trailing.pop()
+    return trailing[:-1], trailing[-1]
+
+
 @torch.library.register_fake("deformconv::dcnv3_backward")
-def _dcnv3_backward_fake(grad_output, input, offset, mask, *others_and_flags):
-    # The op's scalar arguments, then output_mask and deterministic (same shapes either way).
-    *others, output_mask, _ = others_and_flags
+def _dcnv3_backward_fake(grad_output, input, offset, mask, *trailing):
+    others, output_mask = _scalars_and_output_mask(trailing)
     return _fake_gradients(
         "dcnv3", grad_output, dict(input=input, offset=offset, mask=mask), others,
         [lambda t=t: torch.empty_like(t, memory_format=torch.contiguous_format)
@@ -144,9 +153,8 @@ def _dcnv4_fake(input, offset_mask, *others):
 
 
 @torch.library.register_fake("deformconv::dcnv4_backward")
-def _dcnv4_backward_fake(grad_output, input, offset_mask, *others_and_flags):
-    # The op's scalar arguments, then output_mask and deterministic (same shapes either way).
-    *others, output_mask, _ = others_and_flags
+def _dcnv4_backward_fake(grad_output, input, offset_mask, *trailing):
+    others, output_mask = _scalars_and_output_mask(trailing)
     return _fake_gradients(
         "dcnv4", grad_output, dict(input=input, offset_mask=offset_mask, mask=None), others,
         [lambda t=t: torch.empty_like(t, memory_format=torch.contiguous_format)
