@@ -3,7 +3,8 @@ csrc/cuda/gathered_input_gradient.cuh), run by the emulator: under schedules tha
 GPU's may (blocks in a seeded random order, the warps of a block interleaved anew at each
 synchronisation point), the atomic path's input gradient changes its bits, the gathered path's
 gradients do not, and they equal the float64 references; each path forced by the backward op's
-`deterministic` and seen in the branch trace, for every combination of requested gradients."""
+`deterministic` and seen in the branch trace, for every combination of requested gradients;
+and a batch gathered in chunks of images gives the same bits as at once."""
 
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -29,11 +30,13 @@ ORDERS = [(FORWARD, FORWARD, 0), (REVERSE, REVERSE, 0), (SHUFFLED, SHUFFLED, 1),
 class Case:
     """An op's backward at a shape where many samples reach each input pixel: `backward(ops,
     dtype, requested, deterministic)` calls ops.<op>_backward on the operands rounded to dtype;
-    `expected(dtype)` is the reference's gradients in float64 on those rounded operands."""
+    `expected(dtype)` is the reference's gradients in float64 on those rounded operands;
+    `chunks_branch` the launcher's record of a batch gathered in chunks of images."""
     gradients: Sequence[str]
     input_branch: str
     backward: Callable
     expected: Callable
+    chunks_branch: str
 
 
 def deform_conv2d_case():
@@ -60,7 +63,8 @@ def deform_conv2d_case():
         return torch.autograd.grad(output, leaves, grad_output.to(dtype).double())
 
     return Case(("input", "offset", "weight", "mask", "bias"),
-                "deform_conv2d.cuda.column_gradients.input", backward, expected)
+                "deform_conv2d.cuda.column_gradients.input", backward, expected,
+                "deform_conv2d.cuda.column_gradients.input.image_chunks")
 
 
 def dcnv3_case(op):
@@ -85,7 +89,7 @@ def dcnv3_case(op):
             return torch.autograd.grad(output, leaves, grad_output.to(dtype).double())
 
         return Case(("input", "offset", "mask"), "dcnv3.cuda.backward.input_gradient",
-                    backward, expected)
+                    backward, expected, "dcnv3.cuda.backward.input_gradient.image_chunks")
 
     def packed(dtype):
         x, o, m = rounded(dtype)
@@ -103,7 +107,7 @@ def dcnv3_case(op):
         return torch.autograd.grad(output, (x, offset_mask), grad_output.to(dtype).double())
 
     return Case(("input", "offset_mask"), "dcnv3.cuda.backward.input_gradient", backward,
-                expected)
+                expected, "dcnv3.cuda.backward.input_gradient.image_chunks")
 
 
 def ms_deform_attn_case():
@@ -128,7 +132,8 @@ def ms_deform_attn_case():
         return torch.autograd.grad(output, leaves, grad_output.to(dtype).double())
 
     return Case(("value", "sampling_locations", "attention_weights"),
-                "ms_deform_attn.cuda.backward.value_gradient", backward, expected)
+                "ms_deform_attn.cuda.backward.value_gradient", backward, expected,
+                "ms_deform_attn.cuda.backward.value_gradient.image_chunks")
 
 
 CASES = {"deform_conv2d": deform_conv2d_case, "dcnv3": lambda: dcnv3_case("dcnv3"),
@@ -193,3 +198,24 @@ def test_deterministic_takes_the_gathered_path_for_every_requested_subset(emulat
                     assert_close_at(grad, full, torch.float32, f"{name} of {requested}")
                 else:
                     assert grad is None, name
+
+
+@pytest.mark.parametrize("op", list(CASES))
+def test_a_batch_gathered_in_chunks_of_images_keeps_its_bits(emulated, op):
+    """Where a batch's map would pass DEFORMCONV_GATHER_MAP_BYTES (lowered here below one
+    image's), the launcher gathers image by image: every gradient the same bits as the whole
+    batch's at once, in the samples' order either way."""
+    case = CASES[op]()
+    requested = [True] * len(case.gradients)
+    with branch_trace(emulated) as taken:
+        whole = case.backward(emulated, torch.float32, requested, True)
+    assert case.chunks_branch not in taken
+    emulated.set_gather_map_bytes(1)
+    try:
+        with branch_trace(emulated) as taken:
+            chunked = case.backward(emulated, torch.float32, requested, True)
+    finally:
+        set_emulator(emulated)
+    assert case.chunks_branch in taken
+    for name, at_once, by_image in zip(case.gradients, whole, chunked):
+        assert torch.equal(at_once, by_image), name

@@ -512,6 +512,21 @@ void dcnv3_gradients_cuda(const Dcnv3Geometry& g, const Dcnv3Fields& f, int64_t 
                           const Tensor& mask, Tensor& grad_input, Tensor& grad_offset,
                           Tensor& grad_mask, bool deterministic) {
   const bool gathered = grad_input.defined() && deterministic;
+  if (gathered &&
+      gather_in_image_chunks(
+          batch, g.out_pixels() * g.groups * g.points(), grad_output.scalar_type(),
+          "dcnv3.cuda.backward.input_gradient.image_chunks", [&](int64_t first, int64_t count) {
+            Tensor grad_input_chunk = narrow_images(grad_input, first, count);
+            Tensor grad_offset_chunk = narrow_images(grad_offset, first, count);
+            Tensor grad_mask_chunk = narrow_images(grad_mask, first, count);
+            dcnv3_gradients_cuda(g, f, count, narrow_images(grad_output, first, count),
+                                 narrow_images(input, first, count),
+                                 narrow_images(offset, first, count),
+                                 narrow_images(mask, first, count), grad_input_chunk,
+                                 grad_offset_chunk, grad_mask_chunk, true);
+          })) {
+    return;
+  }
   if (grad_input.defined()) {
     record_branch("dcnv3.cuda.backward.input_gradient");
     record_branch(gathered ? "dcnv3.cuda.backward.input_gradient.gathered"

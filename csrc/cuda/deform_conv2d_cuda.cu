@@ -302,6 +302,29 @@ void column_gradients_cuda(const DeformConv2dGeometry& g, const PixelWindow& win
                            const WindowSampling& sampling, Tensor& grad_input, Tensor& grad_offset,
                            Tensor& grad_mask, bool deterministic) {
   const bool gathered = grad_input.defined() && deterministic;
+  if (gathered && gather_in_image_chunks(
+                      batch, window.pixels * g.offset_groups * g.taps(), grad_columns.scalar_type(),
+                      "deform_conv2d.cuda.column_gradients.input.image_chunks",
+                      [&](int64_t first, int64_t count) {
+                        const WindowSampling chunk_sampling{
+                            narrow_images(sampling.offset, first, count),
+                            narrow_images(sampling.mask, first, count), sampling.prepared};
+                        Tensor grad_input_chunk = narrow_images(grad_input, first, count);
+                        Tensor grad_offset_chunk = narrow_images(grad_offset, first, count);
+                        Tensor grad_mask_chunk = narrow_images(grad_mask, first, count);
+                        // The columns' images, whatever the buffer's shape: C_in * K * window
+                        // entries each.
+                        const int64_t image_columns = columns_entries_in(g, window, 1);
+                        const Tensor columns_chunk =
+                            views::narrow(views::view(grad_columns, {grad_columns.numel()}), 0,
+                                          first * image_columns, count * image_columns);
+                        column_gradients_cuda(g, window, count, columns_chunk,
+                                              narrow_images(input, first, count), chunk_sampling,
+                                              grad_input_chunk, grad_offset_chunk, grad_mask_chunk,
+                                              true);
+                      })) {
+    return;
+  }
   if (grad_input.defined()) {
     record_branch("deform_conv2d.cuda.column_gradients.input");
     record_branch(gathered ? "deform_conv2d.cuda.column_gradients.input.gathered"

@@ -27,7 +27,10 @@
 // Memory beyond the atomic path, per sample of a launch: 4 entries of a row (8 bytes) and a
 // weight (sizeof(opmath_type)), the sorted rows and the sort's permutation (8 + 8 bytes each),
 // and the source (8 bytes): 4 * 28 + 8 = 120 bytes in float32 and the half types (136 in
-// float64); plus 8 bytes per row for the lists' starts, plus the sort's own scratch.
+// float64); plus 8 bytes per row for the lists' starts, plus the sort's own scratch. A
+// sample's corners reach its own image only, so the launchers bound the map by gathering a
+// batch in chunks of whole images (gather_in_image_chunks), each chunk's rows summing the same
+// lists as the whole batch's would: the same bits.
 
 #include <torch/csrc/stable/ops.h>
 #include <torch/csrc/stable/stableivalue_conversions.h>
@@ -42,8 +45,17 @@
 
 #include "../common/bilinear_sampling.cuh"
 #include "../common/scalar_types.h"
+#include "../infrastructure/branch_trace.h"
 #include "../infrastructure/stable_tensors.h"
+#include "../infrastructure/tensor_views.h"
 #include "launch.cuh"
+
+// The most bytes of map (less the sort's scratch) that a launcher builds at once: what DCN
+// v1/v2 sizes its blocks of columns to on a GPU. The emulated tests lower it to gather in
+// chunks.
+#ifndef DEFORMCONV_GATHER_MAP_BYTES
+#define DEFORMCONV_GATHER_MAP_BYTES (int64_t(64) << 20)
+#endif
 
 namespace deformconv {
 
@@ -129,6 +141,35 @@ inline std::pair<Tensor, Tensor> stable_sort(const Tensor& keys) {
 inline int64_t gather_blocks(int64_t threads) {
   return std::max<int64_t>(
       1, std::min(kMaxBlocks, (threads + kThreadsPerBlock - 1) / kThreadsPerBlock));
+}
+
+// Bytes of map per sample, opmath_type's size in the weights (the Note's count).
+inline int64_t map_bytes_per_sample(ScalarType dtype) {
+  return 4 * (8 + element_size(opmath_dtype(dtype)) + 8 + 8) + 8;
+}
+
+// `tensor`'s images [first, first + count), or undefined where it is.
+inline Tensor narrow_images(const Tensor& tensor, int64_t first, int64_t count) {
+  return tensor.defined() ? views::narrow(tensor, 0, first, count) : tensor;
+}
+
+// Where a batch's map would pass DEFORMCONV_GATHER_MAP_BYTES: calls gradients(first, count) for
+// chunks of as many whole images as fit (at least one), recording `branch`, and returns true;
+// false, having done nothing, where the whole batch fits.
+template <typename Gradients>
+bool gather_in_image_chunks(int64_t batch, int64_t samples_per_image, ScalarType dtype,
+                            const char* branch, const Gradients& gradients) {
+  const int64_t images = std::max<int64_t>(
+      1, DEFORMCONV_GATHER_MAP_BYTES /
+             std::max<int64_t>(1, samples_per_image * map_bytes_per_sample(dtype)));
+  if (images >= batch) {
+    return false;
+  }
+  record_branch(branch);
+  for (int64_t first = 0; first < batch; first += images) {
+    gradients(first, std::min(images, batch - first));
+  }
+  return true;
 }
 
 // The map of one launch's samples (Note [Gathered input gradients]): entries() for the backward

@@ -293,6 +293,24 @@ void ms_deform_attn_gradients_cuda(const MsDeformAttnGeometry& g, const Tensor& 
                                    Tensor& grad_sampling_locations, Tensor& grad_attention_weights,
                                    bool deterministic) {
   const bool gathered = grad_value.defined() && deterministic;
+  if (gathered &&
+      gather_in_image_chunks(
+          g.batch, g.queries * g.heads * g.head_samples(), value.scalar_type(),
+          "ms_deform_attn.cuda.backward.value_gradient.image_chunks",
+          [&](int64_t first, int64_t count) {
+            MsDeformAttnGeometry chunk = g;
+            chunk.batch = count;
+            Tensor grad_value_chunk = narrow_images(grad_value, first, count);
+            Tensor grad_locations_chunk = narrow_images(grad_sampling_locations, first, count);
+            Tensor grad_weights_chunk = narrow_images(grad_attention_weights, first, count);
+            ms_deform_attn_gradients_cuda(
+                chunk, narrow_images(grad_output, first, count), narrow_images(value, first, count),
+                spatial_shapes, level_start_index, narrow_images(sampling_locations, first, count),
+                narrow_images(attention_weights, first, count), grad_value_chunk,
+                grad_locations_chunk, grad_weights_chunk, true);
+          })) {
+    return;
+  }
   if (grad_value.defined()) {
     record_branch("ms_deform_attn.cuda.backward.value_gradient");
     record_branch(gathered ? "ms_deform_attn.cuda.backward.value_gradient.gathered"

@@ -78,6 +78,8 @@ struct Settings {
   // DEFORMCONV_NARROW_INDEX_LIMIT of the launchers: below the sizes of a launch, it takes the
   // 64-bit index arithmetic.
   int64_t narrow_index_limit = INT32_MAX;
+  // DEFORMCONV_GATHER_MAP_BYTES of the launchers: below a launch's map, it gathers in chunks.
+  int64_t gather_map_bytes = int64_t(64) << 20;
 };
 
 // What the launches did since the last reset: the test suite reads it after each op.

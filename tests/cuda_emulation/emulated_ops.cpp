@@ -9,6 +9,7 @@
 #include <torch/library.h>
 
 #define DEFORMCONV_NARROW_INDEX_LIMIT (::cuda_emulation::settings().narrow_index_limit)
+#define DEFORMCONV_GATHER_MAP_BYTES (::cuda_emulation::settings().gather_map_bytes)
 #include "../../csrc/core/dcnv3.h"
 #include "../../csrc/core/deform_conv2d.h"
 #include "../../csrc/core/ms_deform_attn.h"
@@ -38,6 +39,7 @@ void configure(int64_t block_order, int64_t thread_order, int64_t grid_cap, int6
   s.seed = static_cast<uint64_t>(seed);
   s.current_stream = current_stream;
   s.narrow_index_limit = wide_indices ? -1 : INT32_MAX;
+  s.gather_map_bytes = cuda_emulation::Settings().gather_map_bytes;
   emulated_launchers().columns_tile_bytes =
       columns_tile_bytes > 0 ? columns_tile_bytes
                              : deform_conv2d_cuda_launchers().columns_tile_bytes;
@@ -45,6 +47,9 @@ void configure(int64_t block_order, int64_t thread_order, int64_t grid_cap, int6
 
 // DEFORMCONV_NARROW_INDEX_LIMIT of the launchers, until the next configure().
 void set_narrow_index_limit(int64_t limit) { cuda_emulation::settings().narrow_index_limit = limit; }
+
+// DEFORMCONV_GATHER_MAP_BYTES of the launchers, until the next configure().
+void set_gather_map_bytes(int64_t bytes) { cuda_emulation::settings().gather_map_bytes = bytes; }
 
 // [launches, launch checks, launches off the current stream, launches outside a device guard,
 // invalid launches, launches not followed by their check], then cleared.
@@ -175,6 +180,7 @@ TORCH_LIBRARY(deformconv_emulated, m) {
         "int exiting_thread) -> int[]");
   m.def("probe_barrier(int threads, int exiting_thread) -> int[]");
   m.def("set_narrow_index_limit(int limit) -> ()");
+  m.def("set_gather_map_bytes(int bytes) -> ()");
   m.def("probe_warp_barrier(int threads, int exiting_thread, int shuffling_thread) -> int[]");
 }
 
@@ -199,6 +205,7 @@ TORCH_LIBRARY_IMPL(deformconv_emulated, CompositeExplicitAutograd, m) {
   m.impl("probe_barrier", TORCH_FN(probe_barrier));
   m.impl("probe_warp_barrier", TORCH_FN(probe_warp_barrier));
   m.impl("set_narrow_index_limit", TORCH_FN(set_narrow_index_limit));
+  m.impl("set_gather_map_bytes", TORCH_FN(set_gather_map_bytes));
 }
 
 }  // namespace deformconv
