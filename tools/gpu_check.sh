@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The one command for a machine with a GPU: from a bare checkout, with the torch that is there
-# and nothing installed, in stages of their own time budget (about 8.5 minutes in all):
+# and nothing installed, in stages of their own time budget (about 9 minutes in all):
 #   1. build   deformconv in place, for the visible GPU's architecture only, on every core;
 #              beside it, the originals' CUDA ops where originals/src holds their sources
 #              (tools/originals.py: copied there from clones, never committed);
@@ -11,12 +11,13 @@
 #   3. sanitizer  compute-sanitizer memcheck and racecheck over tools/gpu_kernels_once.py;
 #   4. benchmark  python -m deformconv benchmark --device cuda in float32 (TF32 off), float16
 #              and bfloat16, on its training batches (GPU_SHAPES) with DCNv3/DCNv4 against
-#              the memory roofline and the originals that built; and a ResNet-50 training step with DCN v2 (batch 32,
-#              bf16 autocast) against torchvision's op and the plain ResNet-50;
+#              the memory roofline and the originals that built; a ResNet-50 training step with DCN v2 (batch 32,
+#              bf16 autocast) against torchvision's op and the plain ResNet-50; and four shapes
+#              in float32 under deterministic mode (the gathered input gradients);
 #   5. ncu     Nsight Compute's achieved DRAM bandwidth and SM throughput of the main kernels,
 #              their executed instructions and issue statistics (tools/gpu_profile_once.py),
 #              clocks left as they are, into ncu.json.
-# Everything it writes goes into OUTDIR, at most 8 files: log.txt (every stage's output),
+# Everything it writes goes into OUTDIR, at most 9 files: log.txt (every stage's output),
 # summary.json (each stage's status and wall time, the GPU, torch, CUDA), benchmark-*.json, ncu.json
 # and one PNG. It always ends with a line "gpu_check: ..." that sums the stages up, and exits 0 only
 # if every stage passed.
@@ -166,6 +167,11 @@ benchmark() {
       ${originals[@]+"${originals[@]}"} \
       --output "$out/benchmark-$dtype.json" --plot "$plot" || return 1
   done
+  # The backwards' gathered input gradients (Note [Gathered input gradients]), against the
+  # atomic path of benchmark-float32.json.
+  "$python" -m deformconv benchmark --device cuda --deterministic --repeats 3 \
+    --shapes c3-batch8 batch32 fit-stage2-batch64 detr-encoder \
+    --output "$out/benchmark-float32-deterministic.json" --plot "" || return 1
 }
 
 # ncu's sections for the main kernels, one NVTX range per call (tools/gpu_profile_once.py), summed
@@ -199,7 +205,7 @@ scale=$(( rehearse && ! has_gpu ? 4 : 1 ))
 run_stage build $(( 240 * scale )) bash -ec build || exit 1
 run_stage tests $(( 60 * scale )) bash -ec gpu_tests
 run_stage sanitizer $(( 60 * scale )) bash -ec sanitizer
-run_stage benchmark $(( 120 * scale )) bash -ec benchmark
+run_stage benchmark $(( 150 * scale )) bash -ec benchmark
 run_stage ncu $(( 60 * scale )) bash -ec profile
 for stage in "${stages[@]}"; do
   [ "${status[$stage]}" = passed ] || exit 1

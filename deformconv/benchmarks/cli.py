@@ -16,13 +16,16 @@ default) steps are timed by the wall clock and memory by the profiler; with ``--
 by CUDA events around blocks of steps issued back to back (at least 2 ms of them, so that
 the host's launch latency is hidden as in a training loop) and by ``torch.cuda.max_memory_allocated``, on the training
 batches of GPU_SHAPES. ``--busy-core`` keeps one core busy with a spinning process for the
-run, as a data-loader worker would. ``--report`` writes the tables of docs/performance.md from
+run, as a data-loader worker would. ``--deterministic`` runs everything under PyTorch's
+deterministic mode (warnings only, so that contenders without a deterministic backward still
+run): deformconv's CUDA backwards then gather their input gradients. ``--report`` writes the tables of docs/performance.md from
 the JSON files of earlier runs instead. A benchmark, not a test: nothing here asserts a time.
 """
 
 import argparse
 import importlib.util
 import json
+import os
 from typing import List, Optional
 
 import torch
@@ -59,6 +62,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                         help="also report scaling with batch, area and im2col_step")
     parser.add_argument("--busy-core", action="store_true",
                         help="keep one core busy with a spinning process during the run")
+    parser.add_argument("--deterministic", action="store_true",
+                        help="torch.use_deterministic_algorithms(True, warn_only=True) for the "
+                        "run: deformconv's CUDA backwards gather their input gradients")
     parser.add_argument("--originals", metavar="DIR", default=None,
                         help="also time the originals' CUDA ops that tools/originals.py built "
                         "into DIR (DCNv3, DCNv4 and multi-scale deformable attention shapes)")
@@ -94,7 +100,7 @@ def main(argv: Optional[List[str]] = None) -> int:
              "threads": torch.get_num_threads(), "torch": torch.__version__,
              "deformconv": deformconv.__version__, "dtype": args.dtype,
              "modulated": not args.v1, "repeats": args.repeats, "warmup": args.warmup,
-             "im2col_step": args.im2col_step,
+             "im2col_step": args.im2col_step, "deterministic": args.deterministic,
              "tf32": ({"matmul": torch.backends.cuda.matmul.allow_tf32,
                        "cudnn": torch.backends.cudnn.allow_tf32}
                       if args.device == "cuda" else None),
@@ -108,6 +114,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     print("setup:", json.dumps(setup))
     results = []
     report = {"setup": setup, "results": results}
+    if args.deterministic:
+        # cuBLAS's GEMMs are deterministic with a fixed workspace only, which torch asks for.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)
     with busy_core(args.busy_core):
         for index, name in enumerate(shapes, 1):
             print(f"[{index}/{len(shapes)}] {name} ...", flush=True)
