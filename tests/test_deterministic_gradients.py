@@ -219,3 +219,43 @@ def test_a_batch_gathered_in_chunks_of_images_keeps_its_bits(emulated, op):
     assert case.chunks_branch in taken
     for name, at_once, by_image in zip(case.gradients, whole, chunked):
         assert torch.equal(at_once, by_image), name
+
+
+def test_deform_conv2d_gathers_over_several_blocks_and_windows(emulated):
+    """DCN v1/v2 gathers a window at a time, each adding into its block's input gradient: two
+    blocks (im2col_step 1) of 1,600 output pixels in windows of at least 512, against the
+    reference, the same bits under every schedule."""
+    g = deform_conv2d_cases.Geometry("windows", 2, 2, 2, 40, 40, (3, 3), padding=(1, 1))
+    input, offset, weight, _, mask = deform_conv2d_cases.make_operands(g, with_bias=False)
+    # Positions a quarter off the grid: among 28,800 samples some would otherwise fall within
+    # float32's rounding of an integer, where the offset's derivative is one-sided.
+    offset = torch.round(offset * 2) / 2 + 0.25
+    grad_output = torch.randn(2, 2, 40, 40, generator=torch.Generator().manual_seed(1),
+                              dtype=torch.float64)
+    leaves = [t.float().double().requires_grad_() for t in (input, offset, weight, mask)]
+    reference = deform_conv2d_reference(leaves[0], leaves[1], leaves[2], None, g.stride,
+                                        g.padding, g.dilation, leaves[3])
+    expected = torch.autograd.grad(reference, leaves, grad_output.float().double())
+    arguments = (list(g.stride), list(g.padding), list(g.dilation), g.groups, g.offset_groups)
+
+    def backward():
+        with branch_trace(emulated) as taken:
+            grads = emulated.deform_conv2d_backward(
+                grad_output.float(), input.float(), offset.float(), weight.float(), mask.float(),
+                *arguments, 1, [True, True, True, True, False], True)
+        assert {"deform_conv2d.backward.blocks", "deform_conv2d.backward.windows",
+                "deform_conv2d.cuda.column_gradients.input.gathered"} <= taken, sorted(taken)
+        return grads[:4]
+
+    runs = []
+    try:
+        for block_order, thread_order, seed in ORDERS:
+            set_emulator(emulated, block_order=block_order, thread_order=thread_order, seed=seed,
+                         columns_tile_bytes=1)
+            runs.append(backward())
+    finally:
+        set_emulator(emulated)
+    for name, first, *others in zip(("input", "offset", "weight", "mask"), *runs):
+        assert all(torch.equal(first, other) for other in others), name
+    for name, grad, full in zip(("input", "offset", "weight", "mask"), runs[0], expected):
+        assert_close_at(grad, full, torch.float32, name)
