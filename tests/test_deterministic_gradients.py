@@ -177,16 +177,17 @@ def test_the_gathered_gradients_keep_their_bits_under_every_schedule(emulated, o
         assert_close_at(grad, expected, dtype, name)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, *DTYPES], ids=str)
 @pytest.mark.parametrize("op", list(CASES))
-def test_deterministic_takes_the_gathered_path_for_every_requested_subset(emulated, op):
+def test_deterministic_takes_the_gathered_path_for_every_requested_subset(emulated, op, dtype):
     """deterministic=True takes the gathered input gradient, False the atomic adds, whatever else
-    is asked; the gradients of both agree with the reference."""
+    is asked, in every dtype; the gradients of both agree with the reference."""
     case = CASES[op]()
-    expected = case.expected(torch.float32)
+    expected = case.expected(dtype)
     for requested in requested_subsets(len(case.gradients)):
         for deterministic in (True, False):
             with branch_trace(emulated) as taken:
-                grads = case.backward(emulated, torch.float32, requested, deterministic)
+                grads = case.backward(emulated, dtype, requested, deterministic)
             paths = {name for name in taken if name.startswith(case.input_branch + ".")}
             if requested[0]:
                 path = "gathered" if deterministic else "atomic_adds"
@@ -195,7 +196,7 @@ def test_deterministic_takes_the_gathered_path_for_every_requested_subset(emulat
                 assert paths == set(), sorted(taken)
             for name, want, grad, full in zip(case.gradients, requested, grads, expected):
                 if want:
-                    assert_close_at(grad, full, torch.float32, f"{name} of {requested}")
+                    assert_close_at(grad, full, dtype, f"{name} of {requested}")
                 else:
                     assert grad is None, name
 
