@@ -224,14 +224,14 @@ def test_a_batch_gathered_in_chunks_of_images_keeps_its_bits(emulated, op):
 
 def test_deform_conv2d_gathers_over_several_blocks_and_windows(emulated):
     """DCN v1/v2 gathers a window at a time, each adding into its block's input gradient: two
-    blocks (im2col_step 1) of 1,600 output pixels in windows of at least 512, against the
-    reference, the same bits under every schedule."""
-    g = deform_conv2d_cases.Geometry("windows", 2, 2, 2, 40, 40, (3, 3), padding=(1, 1))
+    blocks (im2col_step 1) of 1,089 output pixels in two windows (of at least 512), against the
+    reference, the same bits under a shuffled schedule as in order."""
+    g = deform_conv2d_cases.Geometry("windows", 2, 2, 2, 33, 33, (3, 3), padding=(1, 1))
     input, offset, weight, _, mask = deform_conv2d_cases.make_operands(g, with_bias=False)
-    # Positions a quarter off the grid: among 28,800 samples some would otherwise fall within
+    # Positions a quarter off the grid: among 19,602 samples some would otherwise fall within
     # float32's rounding of an integer, where the offset's derivative is one-sided.
     offset = torch.round(offset * 2) / 2 + 0.25
-    grad_output = torch.randn(2, 2, 40, 40, generator=torch.Generator().manual_seed(1),
+    grad_output = torch.randn(2, 2, 33, 33, generator=torch.Generator().manual_seed(1),
                               dtype=torch.float64)
     leaves = [t.float().double().requires_grad_() for t in (input, offset, weight, mask)]
     reference = deform_conv2d_reference(leaves[0], leaves[1], leaves[2], None, g.stride,
@@ -250,7 +250,7 @@ def test_deform_conv2d_gathers_over_several_blocks_and_windows(emulated):
 
     runs = []
     try:
-        for block_order, thread_order, seed in ORDERS:
+        for block_order, thread_order, seed in (ORDERS[0], ORDERS[2]):
             set_emulator(emulated, block_order=block_order, thread_order=thread_order, seed=seed,
                          columns_tile_bytes=1)
             runs.append(backward())
