@@ -140,11 +140,13 @@ CASES = {"deform_conv2d": deform_conv2d_case, "dcnv3": lambda: dcnv3_case("dcnv3
          "dcnv4": lambda: dcnv3_case("dcnv4"), "ms_deform_attn": ms_deform_attn_case}
 
 
-def under_each_order(emulated, run):
+def under_each_order(emulated, run, orders=ORDERS, **settings):
+    """run()'s results under each of `orders`, the emulator's other `settings` beside them."""
     results = []
     try:
-        for block_order, thread_order, seed in ORDERS:
-            set_emulator(emulated, block_order=block_order, thread_order=thread_order, seed=seed)
+        for block_order, thread_order, seed in orders:
+            set_emulator(emulated, block_order=block_order, thread_order=thread_order, seed=seed,
+                         **settings)
             results.append(run())
     finally:
         set_emulator(emulated)
@@ -248,14 +250,8 @@ def test_deform_conv2d_gathers_over_several_blocks_and_windows(emulated):
                 "deform_conv2d.cuda.column_gradients.input.gathered"} <= taken, sorted(taken)
         return grads[:4]
 
-    runs = []
-    try:
-        for block_order, thread_order, seed in (ORDERS[0], ORDERS[2]):
-            set_emulator(emulated, block_order=block_order, thread_order=thread_order, seed=seed,
-                         columns_tile_bytes=1)
-            runs.append(backward())
-    finally:
-        set_emulator(emulated)
+    runs = under_each_order(emulated, backward, orders=(ORDERS[0], ORDERS[2]),
+                            columns_tile_bytes=1)
     for name, first, *others in zip(("input", "offset", "weight", "mask"), *runs):
         assert all(torch.equal(first, other) for other in others), name
     for name, grad, full in zip(("input", "offset", "weight", "mask"), runs[0], expected):

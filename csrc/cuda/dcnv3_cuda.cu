@@ -587,7 +587,7 @@ void dcnv3_gradients_cuda(const Dcnv3Geometry& g, const Dcnv3Fields& f, int64_t 
               mutable_data_or_null<scalar_t>(grad_mask));
           DEFORMCONV_CHECK_LAUNCH();
           if (gather) {
-            gather->add_to(grad_output, sums);
+            gather->add_to(sums);
           }
         }
       });

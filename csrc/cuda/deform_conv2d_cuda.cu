@@ -365,7 +365,7 @@ void column_gradients_cuda(const DeformConv2dGeometry& g, const PixelWindow& win
           mutable_data_or_null<scalar_t>(grad_offset), mutable_data_or_null<scalar_t>(grad_mask));
       DEFORMCONV_CHECK_LAUNCH();
       if (gather) {
-        gather->add_to(grad_columns, sums);
+        gather->add_to(sums);
       }
     });
     if (grad_input.defined()) {

@@ -173,7 +173,7 @@ bool gather_in_image_chunks(int64_t batch, int64_t samples_per_image, ScalarType
 }
 
 // The map of one launch's samples (Note [Gathered input gradients]): entries() for the backward
-// kernel to record into, then add_to(sums) to gather.
+// kernel to record into, then add_to(sums) to gather from `gradients`.
 template <typename scalar_t>
 class GatheredInputGradient {
  public:
@@ -185,6 +185,7 @@ class GatheredInputGradient {
       : rows_(new_contiguous(gradients, {4 * samples}, ScalarType::Long)),
         weights_(new_contiguous(gradients, {4 * samples}, opmath_dtype(gradients.scalar_type()))),
         sources_(new_contiguous(gradients, {samples}, ScalarType::Long)),
+        gradients_(gradients),
         row_count_(rows),
         run_(run) {
     torch::stable::fill_(rows_, static_cast<double>(rows));
@@ -197,7 +198,7 @@ class GatheredInputGradient {
 
   // sums (rows x run, opmath_type) += the gathered gradient, once the backward kernel has
   // recorded every sample.
-  void add_to(const Tensor& gradients, Tensor& sums) {
+  void add_to(Tensor& sums) {
     const auto [sorted_rows, order] = stable_sort(rows_);
     Tensor list_starts = new_contiguous(rows_, {row_count_ + 1}, ScalarType::Long);
     DEFORMCONV_LAUNCH(list_starts_kernel<int64_t>, gather_blocks(row_count_ + 1), kThreadsPerBlock,
@@ -208,12 +209,12 @@ class GatheredInputGradient {
                       kThreadsPerBlock, current_cuda_stream())(
         row_count_, run_, list_starts.const_data_ptr<int64_t>(), order.const_data_ptr<int64_t>(),
         weights_.const_data_ptr<opmath_t>(), sources_.const_data_ptr<int64_t>(),
-        gradients.const_data_ptr<scalar_t>(), sums.mutable_data_ptr<opmath_t>());
+        gradients_.const_data_ptr<scalar_t>(), sums.mutable_data_ptr<opmath_t>());
     DEFORMCONV_CHECK_LAUNCH();
   }
 
  private:
-  Tensor rows_, weights_, sources_;
+  Tensor rows_, weights_, sources_, gradients_;
   int64_t row_count_, run_;
 };
 

@@ -351,7 +351,7 @@ void ms_deform_attn_gradients_cuda(const MsDeformAttnGeometry& g, const Tensor& 
               mutable_data_or_null<scalar_t>(grad_attention_weights));
           DEFORMCONV_CHECK_LAUNCH();
           if (gather) {
-            gather->add_to(grad_output, sums);
+            gather->add_to(sums);
           }
         });
     if (grad_value.defined()) {
