@@ -225,9 +225,10 @@ __device__ inline void backward_item(
 
 // grad_input (sums of opmath_type, Note [Input gradient sums in float32]), grad_offset and
 // grad_mask are null where not asked for. The input gradient adds atomically in global memory
-// (scatter_add_run), or, where `entries` records, is gathered after the kernel (Note [Gathered
-// input gradients]): sample item * P + point of the launch.
-template <typename scalar_t, int kVector, typename Divisor>
+// (scatter_add_run), or, in the kGathered instance (of its own, so that the atomic one keeps its
+// registers), is recorded in `entries` and gathered after the kernel (Note [Gathered input
+// gradients]): sample item * P + point of the launch.
+template <typename scalar_t, int kVector, typename Divisor, bool kGathered>
 __global__ void dcnv3_backward_kernel(Dcnv3Geometry g, Dcnv3Divisors<Divisor> d, Dcnv3Fields f,
                                       LaneTiling t, const scalar_t* grad_output,
                                       const scalar_t* input, const scalar_t* offset,
@@ -248,16 +249,18 @@ __global__ void dcnv3_backward_kernel(Dcnv3Geometry g, Dcnv3Divisors<Divisor> d,
     const auto add_input_gradient = [&](const SharedSample<opmath_t>& sample, int64_t point,
                                         int corner, index_t vector, index_t at,
                                         const opmath_t* weighted) {
-      if (grad_input != nullptr) {
+      if constexpr (kGathered) {
+        if (vector == 0) {
+          entries.record(item * g.points() + point, corner, sample.weight[corner], at,
+                         item * g.group_channels);
+        }
+      } else {
         scatter_add_run<kVector>(grad_input + at, weighted);
-      } else if (vector == 0) {
-        entries.record(item * g.points() + point, corner, sample.weight[corner], at,
-                       item * g.group_channels);
       }
     };
-    backward_item<scalar_t, kVector>(
-        g, d, f, t, lane, active_item, item, it, samples, grad_output, input, offset, mask,
-        grad_input != nullptr || entries.recording(), grad_offset, grad_mask, add_input_gradient);
+    backward_item<scalar_t, kVector>(g, d, f, t, lane, active_item, item, it, samples, grad_output,
+                                     input, offset, mask, kGathered || grad_input != nullptr,
+                                     grad_offset, grad_mask, add_input_gradient);
   }
 }
 
@@ -578,7 +581,8 @@ void dcnv3_gradients_cuda(const Dcnv3Geometry& g, const Dcnv3Fields& f, int64_t 
             gather.emplace(grad_output, t.items * g.points(), batch * g.in_pixels() * g.groups,
                            g.group_channels);
           }
-          auto* kernel = dcnv3_backward_kernel<scalar_t, kVector, Divisor>;
+          auto* kernel = gathered ? dcnv3_backward_kernel<scalar_t, kVector, Divisor, true>
+                                  : dcnv3_backward_kernel<scalar_t, kVector, Divisor, false>;
           DEFORMCONV_LAUNCH(kernel, blocks_of(t), kThreadsPerBlock, current_cuda_stream())(
               g, d, f, t, grad_output_data, input_data, offset_data, mask_data,
               gathered ? nullptr : sums_data,

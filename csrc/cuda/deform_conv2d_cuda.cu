@@ -169,13 +169,14 @@ constexpr LanePathNames kColumnGradientPaths{
 // opmath_type, Note [Input gradient sums in float32]). Lane l reads the columns gradient of
 // its vectors of each tap once; where the input gradient is asked for (grad_input not null) it
 // adds weight * that vector at each corner of non-zero weight, one vector atomic a corner
-// (scatter_add_run); where it is gathered instead, the lane of vector 0 records the sample's
-// corners, sample item * K + tap of the launch, in `entries`; where the offset or mask gradient is,
+// (scatter_add_run); where it is gathered instead (kGathered, an instance of its own, so that
+// the atomic one keeps its registers), the lane of vector 0 records the sample's corners, sample
+// item * K + tap of the launch, in `entries`; where the offset or mask gradient is,
 // it adds the vector's dot products with each corner's values (corners in the image only), which
 // the item's lanes sum by shuffles into the sample's three sums (offset_mask_grad_sums_of_dots),
 // written by lane 0. Every thread of a warp runs every tap of its items, active or not, for those
 // shuffles.
-template <typename scalar_t, int kVector, typename Divisor>
+template <typename scalar_t, int kVector, typename Divisor, bool kGathered>
 __global__ void column_gradients_kernel(DeformConv2dGeometry g, PixelWindow window,
                                         IndexDivisors<Divisor> d, LaneTiling t,
                                         const scalar_t* grad_columns, const scalar_t* input,
@@ -217,14 +218,16 @@ __global__ void column_gradients_kernel(DeformConv2dGeometry g, PixelWindow wind
             for (int corner = 0; corner < 4; ++corner) {
               const index_t at = places.image + top_left + strides.corners.from_top_left[corner];
               const opmath_t weight = sample.weight[corner];
-              if (grad_input != nullptr && weight != opmath_t(0)) {
+              if constexpr (kGathered) {
+                if (vector == 0 && weight != opmath_t(0)) {
+                  entries.record(item * g.taps() + tap, corner, weight, at, places.column);
+                }
+              } else if (grad_input != nullptr && weight != opmath_t(0)) {
                 opmath_t weighted[kVector];
                 for (int e = 0; e < kVector; ++e) {
                   weighted[e] = weight * grad[e];
                 }
                 scatter_add_run<kVector>(grad_input + at, weighted);
-              } else if (entries.recording() && vector == 0 && weight != opmath_t(0)) {
-                entries.record(item * g.taps() + tap, corner, weight, at, places.column);
               }
               if (position_grads && (sample.corners >> corner & 1)) {
                 const auto values = load_vector<scalar_t, kVector>(input + at);
@@ -349,7 +352,9 @@ void column_gradients_cuda(const DeformConv2dGeometry& g, const PixelWindow& win
         g, window, batch, {&grad_columns, &input_or_columns, &sums_or_columns},
         kColumnGradientPaths, [&](auto width, auto t, const auto& divisors) {
       using Divisor = typename std::decay_t<decltype(divisors)>::divisor_type;
-      auto* kernel = column_gradients_kernel<scalar_t, decltype(width)::value, Divisor>;
+      auto* kernel =
+          gathered ? column_gradients_kernel<scalar_t, decltype(width)::value, Divisor, true>
+                   : column_gradients_kernel<scalar_t, decltype(width)::value, Divisor, false>;
       // Rows of the map: (image, input pixel, deform group), of the group's channels.
       std::optional<GatheredInputGradient<scalar_t>> gather;
       if (gathered) {

@@ -59,8 +59,8 @@
 
 namespace deformconv {
 
-// Where a backward kernel records its samples' corners (step 1 of the Note): null `rows` on the
-// atomic path.
+// Where a backward kernel's gathering instance records its samples' corners (step 1 of the
+// Note); empty for the atomic instance.
 template <typename opmath_t>
 struct CornerEntries {
   int64_t* rows = nullptr;      // 4 per sample
@@ -68,8 +68,6 @@ struct CornerEntries {
   int64_t* sources = nullptr;   // 1 per sample
   int64_t run = 1;              // channels of a row
   int64_t no_row = 0;           // the number of rows: past the last
-
-  __device__ bool recording() const { return rows != nullptr; }
 
   // Corner `corner` of sample `sample`, of non-zero weight, adds to the run whose channel 0 is
   // element `corner_element` of the input gradient; the sample's output gradient's run starts

@@ -166,9 +166,10 @@ __global__ void ms_deform_attn_forward_kernel(MsDeformAttnGeometry g, LaneTiling
 }
 
 // grad_sums (the value gradient's sums, opmath_type), grad_locations and grad_weights are
-// null where not asked for. Where `entries` records, the value gradient is gathered after the
-// kernel instead: sample item * L * P + l * P + p of the launch.
-template <typename scalar_t, int kVector>
+// null where not asked for. In the kGathered instance (of its own, so that the atomic one keeps
+// its registers) the value gradient is recorded in `entries` and gathered after the kernel
+// instead: sample item * L * P + l * P + p of the launch.
+template <typename scalar_t, int kVector, bool kGathered>
 __global__ void ms_deform_attn_backward_kernel(MsDeformAttnGeometry g, LaneTiling t,
                                                const int64_t* shapes, const int64_t* starts,
                                                const scalar_t* grad_output, const scalar_t* value,
@@ -214,15 +215,17 @@ __global__ void ms_deform_attn_backward_kernel(MsDeformAttnGeometry g, LaneTilin
             for (int corner = 0; corner < 4; ++corner) {
               const int64_t at = top_left + offset[corner] + vector * kVector;
               const opmath_t weight = s.sample.weight[corner];
-              if (grad_sums != nullptr && weight != opmath_t(0)) {
+              if constexpr (kGathered) {
+                if (vector == 0 && weight != opmath_t(0)) {
+                  entries.record(item * g.head_samples() + first + k, corner, weight, at,
+                                 item * g.channels);
+                }
+              } else if (grad_sums != nullptr && weight != opmath_t(0)) {
                 opmath_t weighted[kVector];
                 for (int e = 0; e < kVector; ++e) {
                   weighted[e] = weight * grad[e];
                 }
                 scatter_add_run<kVector>(grad_sums + at, weighted);
-              } else if (entries.recording() && vector == 0 && weight != opmath_t(0)) {
-                entries.record(item * g.head_samples() + first + k, corner, weight, at,
-                               item * g.channels);
               }
               if (position_grads && (s.sample.corners >> corner & 1)) {
                 const auto read = load_vector<scalar_t, kVector>(value + at);
@@ -339,7 +342,9 @@ void ms_deform_attn_gradients_cuda(const MsDeformAttnGeometry& g, const Tensor& 
             gather.emplace(grad_output, t.items * g.head_samples(), g.batch * g.spatial * g.heads,
                            g.channels);
           }
-          auto* kernel = ms_deform_attn_backward_kernel<scalar_t, decltype(width)::value>;
+          constexpr int kVector = decltype(width)::value;
+          auto* kernel = gathered ? ms_deform_attn_backward_kernel<scalar_t, kVector, true>
+                                  : ms_deform_attn_backward_kernel<scalar_t, kVector, false>;
           DEFORMCONV_LAUNCH(kernel, blocks_of(t), kThreadsPerBlock, current_cuda_stream())(
               g, t, spatial_shapes.const_data_ptr<int64_t>(),
               level_start_index.const_data_ptr<int64_t>(), grad_output.const_data_ptr<scalar_t>(),
