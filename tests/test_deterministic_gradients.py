@@ -7,7 +7,7 @@ gradients do not, and they equal the float64 references; each path forced by the
 and a batch gathered in chunks of images gives the same bits as at once."""
 
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Sequence, Tuple
 
 import pytest
 import torch
@@ -31,49 +31,67 @@ class Case:
     """An op's backward at a shape where many samples reach each input pixel: `backward(ops,
     dtype, requested, deterministic)` calls ops.<op>_backward on the operands rounded to dtype;
     `expected(dtype)` is the reference's gradients in float64 on those rounded operands;
-    `chunks_branch` the launcher's record of a batch gathered in chunks of images."""
+    `chunks_branch` the launcher's record of a batch gathered in chunks of images; an image's
+    samples and rows of the map, `map_per_image`."""
     gradients: Sequence[str]
     input_branch: str
     backward: Callable
     expected: Callable
     chunks_branch: str
+    map_per_image: Tuple[int, int]
 
 
-def deform_conv2d_case():
-    g = deform_conv2d_cases.Geometry("overlapping", 2, 4, 4, 6, 6, (3, 3), padding=(1, 1),
-                                      offset_groups=2)
-    input, offset, weight, _, mask = deform_conv2d_cases.make_operands(g, with_bias=False)
+def deform_conv2d_case(groups=1, offset_groups=2, channels=4, with_mask=True):
+    """DCN v2 (v1 without the mask) of 2 images of 6 x 6 pixels, 3 x 3 taps, `channels` in and
+    out in `groups` conv groups and `offset_groups` deform groups."""
+    g = deform_conv2d_cases.Geometry("overlapping", 2, channels, channels, 6, 6, (3, 3),
+                                      padding=(1, 1), groups=groups, offset_groups=offset_groups)
+    input, offset, weight, _, mask = deform_conv2d_cases.make_operands(g, with_bias=False,
+                                                                        with_mask=with_mask)
     operands = (input, offset, weight, mask)
-    grad_output = torch.randn(2, 4, *g.output_size(), generator=torch.Generator().manual_seed(1),
-                              dtype=torch.float64)
+    grad_output = torch.randn(2, channels, *g.output_size(),
+                              generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     arguments = (list(g.stride), list(g.padding), list(g.dilation), g.groups, g.offset_groups)
+    # The places of the case's gradients among the backward's five (v1 has no mask).
+    places = (0, 1, 2, 3, 4) if with_mask else (0, 1, 2, 4)
+
+    def rounded(dtype):
+        return [None if t is None else t.to(dtype) for t in operands]
 
     def backward(ops, dtype, requested, deterministic):
-        input, offset, weight, mask = (t.to(dtype) for t in operands)
-        return ops.deform_conv2d_backward(grad_output.to(dtype), input, offset, weight, mask,
-                                          *arguments, 0, list(requested), deterministic)
+        output_mask = [False] * 5
+        for place, want in zip(places, requested):
+            output_mask[place] = want
+        grads = ops.deform_conv2d_backward(grad_output.to(dtype), *rounded(dtype), *arguments,
+                                           0, output_mask, deterministic)
+        return [grads[place] for place in places]
 
     def expected(dtype):
-        input, offset, weight, mask = (t.to(dtype).double().requires_grad_() for t in operands)
+        input, offset, weight, mask = (None if t is None else t.double().requires_grad_()
+                                       for t in rounded(dtype))
         output = deform_conv2d_reference(input, offset, weight, None, g.stride, g.padding,
                                          g.dilation, mask)
-        bias = torch.zeros(4, dtype=torch.float64, requires_grad=True)
+        bias = torch.zeros(channels, dtype=torch.float64, requires_grad=True)
         output = output + bias[None, :, None, None]
-        leaves = (input, offset, weight, mask, bias)
+        leaves = [t for t in (input, offset, weight, mask, bias) if t is not None]
         return torch.autograd.grad(output, leaves, grad_output.to(dtype).double())
 
-    return Case(("input", "offset", "weight", "mask", "bias"),
+    gradients = ("input", "offset", "weight", "mask", "bias")
+    return Case(tuple(gradients[place] for place in places),
                 "deform_conv2d.cuda.column_gradients.input", backward, expected,
-                "deform_conv2d.cuda.column_gradients.input.image_chunks")
+                "deform_conv2d.cuda.column_gradients.input.image_chunks",
+                (36 * offset_groups * 9, 36 * offset_groups))
 
 
-def dcnv3_case(op):
-    geometry = ((3, 3), (1, 1), (1, 1), (1, 1), 2, 8)
+def dcnv3_case(op, group=2, group_channels=8):
+    geometry = ((3, 3), (1, 1), (1, 1), (1, 1), group, group_channels)
     input, offset, mask = dcnv3_reference.random_operands(2, 5, 6, geometry, spread=1.5)
     (kh, kw), (sh, sw), (ph, pw), (dh, dw), group, group_channels = geometry
     others = (kh, kw, sh, sw, ph, pw, dh, dw, group, group_channels, 1.0, 0, False)
     grad_output = torch.randn(2, 5, 6, group * group_channels,
                               generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    # 5 x 6 output pixels of 9 points a group; 5 x 6 input pixels.
+    map_per_image = (30 * group * 9, 30 * group)
 
     def rounded(dtype):
         return [t.to(dtype) for t in (input, offset, mask)]
@@ -89,7 +107,8 @@ def dcnv3_case(op):
             return torch.autograd.grad(output, leaves, grad_output.to(dtype).double())
 
         return Case(("input", "offset", "mask"), "dcnv3.cuda.backward.input_gradient",
-                    backward, expected, "dcnv3.cuda.backward.input_gradient.image_chunks")
+                    backward, expected, "dcnv3.cuda.backward.input_gradient.image_chunks",
+                    map_per_image)
 
     def packed(dtype):
         x, o, m = rounded(dtype)
@@ -107,14 +126,14 @@ def dcnv3_case(op):
         return torch.autograd.grad(output, (x, offset_mask), grad_output.to(dtype).double())
 
     return Case(("input", "offset_mask"), "dcnv3.cuda.backward.input_gradient", backward,
-                expected, "dcnv3.cuda.backward.input_gradient.image_chunks")
+                expected, "dcnv3.cuda.backward.input_gradient.image_chunks", map_per_image)
 
 
-def ms_deform_attn_case():
-    # 24 queries of 2 heads, 4 points in each of two small levels: about 30 corners a pixel.
+def ms_deform_attn_case(heads=2, channels=8):
+    # 24 queries, 4 points in each of two small levels: about 30 corners a pixel.
     value, shapes, starts, locations, weights = ms_deform_attn_reference.make_operands(
-        [(4, 5), (2, 3)], batch=2, queries=24, heads=2, channels=8, points=4)
-    grad_output = torch.randn(2, 24, 16, generator=torch.Generator().manual_seed(1),
+        [(4, 5), (2, 3)], batch=2, queries=24, heads=heads, channels=channels, points=4)
+    grad_output = torch.randn(2, 24, heads * channels, generator=torch.Generator().manual_seed(1),
                               dtype=torch.float64)
 
     def rounded(dtype):
@@ -133,11 +152,18 @@ def ms_deform_attn_case():
 
     return Case(("value", "sampling_locations", "attention_weights"),
                 "ms_deform_attn.cuda.backward.value_gradient", backward, expected,
-                "ms_deform_attn.cuda.backward.value_gradient.image_chunks")
+                "ms_deform_attn.cuda.backward.value_gradient.image_chunks",
+                (24 * heads * 2 * 4, (20 + 6) * heads))
 
 
-CASES = {"deform_conv2d": deform_conv2d_case, "dcnv3": lambda: dcnv3_case("dcnv3"),
-         "dcnv4": lambda: dcnv3_case("dcnv4"), "ms_deform_attn": ms_deform_attn_case}
+# Two deform groups in one conv group; conv groups within one deform group (ResNeXt-DCN: 32
+# conv groups, one deform group); deform groups that straddle conv groups (3 conv groups of 2
+# channels, 2 deform groups of 3).
+CASES = {"deform_conv2d": deform_conv2d_case,
+         "deform_conv2d-groups32": lambda: deform_conv2d_case(32, 1, 32),
+         "deform_conv2d-groups3-offset2": lambda: deform_conv2d_case(3, 2, 6),
+         "dcnv3": lambda: dcnv3_case("dcnv3"), "dcnv4": lambda: dcnv3_case("dcnv4"),
+         "ms_deform_attn": ms_deform_attn_case}
 
 
 def under_each_order(emulated, run, orders=ORDERS, **settings):
@@ -224,6 +250,26 @@ def test_a_batch_gathered_in_chunks_of_images_keeps_its_bits(emulated, op):
         assert torch.equal(at_once, by_image), name
 
 
+@pytest.mark.parametrize("op", list(CASES))
+def test_the_map_bound_counts_every_byte_of_the_map(emulated, op):
+    """DEFORMCONV_GATHER_MAP_BYTES bounds what Note [Gathered input gradients] counts: 120 bytes
+    a sample in float32, 8 a row, and the list starts' entry past the last row. A batch of two
+    images whose map is one byte over the bound is gathered image by image; at the bound, at
+    once."""
+    case = CASES[op]()
+    samples, rows = case.map_per_image
+    batch_bytes = 2 * (120 * samples + 8 * rows) + 8
+    requested = [True] * len(case.gradients)
+    for bound, chunked in ((batch_bytes, False), (batch_bytes - 1, True)):
+        emulated.set_gather_map_bytes(bound)
+        try:
+            with branch_trace(emulated) as taken:
+                case.backward(emulated, torch.float32, requested, True)
+        finally:
+            set_emulator(emulated)
+        assert (case.chunks_branch in taken) == chunked, bound
+
+
 def test_deform_conv2d_gathers_over_several_blocks_and_windows(emulated):
     """DCN v1/v2 gathers a window at a time, each adding into its block's input gradient: two
     blocks (im2col_step 1) of 1,089 output pixels in two windows (of at least 512), against the
@@ -256,3 +302,89 @@ def test_deform_conv2d_gathers_over_several_blocks_and_windows(emulated):
         assert all(torch.equal(first, other) for other in others), name
     for name, grad, full in zip(("input", "offset", "weight", "mask"), runs[0], expected):
         assert_close_at(grad, full, torch.float32, name)
+
+
+def assert_gathered_gradients_for_every_subset(emulated, case, dtype):
+    """For every combination of requested gradients, deterministic=True takes the gathered path
+    where the input gradient is asked for, and every gradient asked for equals the float64
+    reference at dtype's precision."""
+    expected = case.expected(dtype)
+    for requested in requested_subsets(len(case.gradients)):
+        with branch_trace(emulated) as taken:
+            grads = case.backward(emulated, dtype, requested, True)
+        assert (f"{case.input_branch}.gathered" in taken) == requested[0], sorted(taken)
+        for name, want, grad, full in zip(case.gradients, requested, grads, expected):
+            if want:
+                assert_close_at(grad, full, dtype, f"{name} of {requested}")
+            else:
+                assert grad is None, name
+
+
+# (groups, offset_groups, channels): each within the other, equal, one alone, and neither
+# within the other ((2, 3) and (3, 2) of 6 channels: a deform group's channels straddle a
+# conv group's end). The columns gradient is laid out by conv group, so a deform group's run
+# of channels is split there.
+GROUPINGS = [(1, 1, 4), (2, 1, 4), (4, 2, 8), (2, 2, 4), (1, 2, 4), (3, 1, 6), (32, 1, 32),
+             (2, 3, 6), (3, 2, 6)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, *DTYPES], ids=str)
+@pytest.mark.parametrize("version", ["v1", "v2"])
+@pytest.mark.parametrize("groups,offset_groups,channels", GROUPINGS,
+                         ids=[f"groups{g}-offset{o}" for g, o, _ in GROUPINGS])
+def test_deform_conv2d_gathered_gradients_over_conv_and_deform_groups(
+        emulated, groups, offset_groups, channels, version, dtype):
+    case = deform_conv2d_case(groups, offset_groups, channels, with_mask=version == "v2")
+    assert_gathered_gradients_for_every_subset(emulated, case, dtype)
+
+
+# DCNv3/DCNv4's groups and MSDA's heads, of 1 to 8 channels (a run of one channel, runs of
+# vectors, and runs that no vector width divides).
+GROUP_CHANNELS = [(1, 8), (2, 8), (3, 4), (4, 2), (8, 1), (2, 3)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, *DTYPES], ids=str)
+@pytest.mark.parametrize("op", ["dcnv3", "dcnv4"])
+@pytest.mark.parametrize("group,group_channels", GROUP_CHANNELS,
+                         ids=[f"group{g}x{c}" for g, c in GROUP_CHANNELS])
+def test_dcnv3_gathered_gradients_over_groups(emulated, group, group_channels, op, dtype):
+    assert_gathered_gradients_for_every_subset(emulated, dcnv3_case(op, group, group_channels),
+                                               dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, *DTYPES], ids=str)
+@pytest.mark.parametrize("heads,channels", GROUP_CHANNELS,
+                         ids=[f"heads{h}x{c}" for h, c in GROUP_CHANNELS])
+def test_ms_deform_attn_gathered_gradients_over_heads(emulated, heads, channels, dtype):
+    assert_gathered_gradients_for_every_subset(emulated, ms_deform_attn_case(heads, channels),
+                                               dtype)
+
+
+@pytest.mark.parametrize("groups,offset_groups,channels", GROUPINGS,
+                         ids=[f"groups{g}-offset{o}" for g, o, _ in GROUPINGS])
+def test_deform_conv2d_gathers_over_windows_at_every_grouping(emulated, groups, offset_groups,
+                                                              channels):
+    """The gathered input gradient of a block in two windows of its 1,089 output pixels, each
+    window's columns laid out by conv group, against the reference."""
+    g = deform_conv2d_cases.Geometry("windows", 1, channels, channels, 33, 33, (3, 3),
+                                      padding=(1, 1), groups=groups, offset_groups=offset_groups)
+    input, offset, weight, _, mask = deform_conv2d_cases.make_operands(g, with_bias=False)
+    offset = torch.round(offset * 2) / 2 + 0.25
+    grad_output = torch.randn(1, channels, 33, 33, generator=torch.Generator().manual_seed(1),
+                              dtype=torch.float64)
+    leaves = [t.float().double().requires_grad_() for t in (input, offset, weight, mask)]
+    reference = deform_conv2d_reference(leaves[0], leaves[1], leaves[2], None, g.stride,
+                                        g.padding, g.dilation, leaves[3])
+    (expected,) = torch.autograd.grad(reference, leaves[0], grad_output.float().double())
+    arguments = (list(g.stride), list(g.padding), list(g.dilation), g.groups, g.offset_groups)
+    set_emulator(emulated, columns_tile_bytes=1)
+    try:
+        with branch_trace(emulated) as taken:
+            grad_input = emulated.deform_conv2d_backward(
+                grad_output.float(), input.float(), offset.float(), weight.float(), mask.float(),
+                *arguments, 1, [True, False, False, False, False], True)[0]
+    finally:
+        set_emulator(emulated)
+    assert {"deform_conv2d.backward.windows",
+            "deform_conv2d.cuda.column_gradients.input.gathered"} <= taken, sorted(taken)
+    assert_close_at(grad_input, expected, torch.float32, "input")
