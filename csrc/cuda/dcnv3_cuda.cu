@@ -22,6 +22,9 @@
 // group's channels, summed over the item's lanes with warp shuffles and written by lane 0. Its
 // input gradient adds into a band of shared memory first where the rows fit (Note [Input
 // gradient in a band of shared memory]), a block then taking a strip of one group's pixels.
+// Under deterministic mode the input gradient is gathered instead (Note [Gathered input
+// gradients]): the backward kernel records each sample's corners, and the bands, whose adds
+// into shared memory are atomic, are not taken.
 //
 // A thread splits an item into image, row, column and group, and a point into kernel column and
 // row: each kernel is built twice, dividing by InvariantDivisor (a multiply-high and a shift)
@@ -517,7 +520,8 @@ void dcnv3_gradients_cuda(const Dcnv3Geometry& g, const Dcnv3Fields& f, int64_t 
   const bool gathered = grad_input.defined() && deterministic;
   if (gathered &&
       gather_in_image_chunks(
-          batch, g.out_pixels() * g.groups * g.points(), grad_output.scalar_type(),
+          batch, g.out_pixels() * g.groups * g.points(), g.in_pixels() * g.groups,
+          grad_output.scalar_type(),
           "dcnv3.cuda.backward.input_gradient.image_chunks", [&](int64_t first, int64_t count) {
             Tensor grad_input_chunk = narrow_images(grad_input, first, count);
             Tensor grad_offset_chunk = narrow_images(grad_offset, first, count);

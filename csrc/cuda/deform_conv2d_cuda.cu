@@ -306,7 +306,8 @@ void column_gradients_cuda(const DeformConv2dGeometry& g, const PixelWindow& win
                            Tensor& grad_mask, bool deterministic) {
   const bool gathered = grad_input.defined() && deterministic;
   if (gathered && gather_in_image_chunks(
-                      batch, window.pixels * g.offset_groups * g.taps(), grad_columns.scalar_type(),
+                      batch, window.pixels * g.offset_groups * g.taps(),
+                      g.in_pixels() * g.offset_groups, grad_columns.scalar_type(),
                       "deform_conv2d.cuda.column_gradients.input.image_chunks",
                       [&](int64_t first, int64_t count) {
                         const WindowSampling chunk_sampling{
@@ -355,11 +356,16 @@ void column_gradients_cuda(const DeformConv2dGeometry& g, const PixelWindow& win
       auto* kernel =
           gathered ? column_gradients_kernel<scalar_t, decltype(width)::value, Divisor, true>
                    : column_gradients_kernel<scalar_t, decltype(width)::value, Divisor, false>;
-      // Rows of the map: (image, input pixel, deform group), of the group's channels.
+      // Rows of the map: (image, input pixel, deform group), of the group's channels, which
+      // lie in the columns gradient by conv group (columns_entry): the next conv group's
+      // channels of a pixel and tap window.pixels * K * Cg entries past the one before's.
       std::optional<GatheredInputGradient<scalar_t>> gather;
       if (gathered) {
+        const int64_t conv_group_entries = window.pixels * g.taps() * g.channels_per_group();
         gather.emplace(grad_columns, t.items * g.taps(), batch * g.in_pixels() * g.offset_groups,
-                       g.channels_per_offset_group());
+                       g.channels_per_offset_group(),
+                       SourceRun{g.offset_groups, g.channels_per_group(),
+                                 conv_group_entries - g.channels_per_group()});
       }
       DEFORMCONV_LAUNCH(kernel, blocks_of(t), kThreadsPerBlock, current_cuda_stream())(
           g, window, divisors, t, grad_columns.const_data_ptr<scalar_t>(),

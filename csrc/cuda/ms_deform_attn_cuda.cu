@@ -298,7 +298,8 @@ void ms_deform_attn_gradients_cuda(const MsDeformAttnGeometry& g, const Tensor& 
   const bool gathered = grad_value.defined() && deterministic;
   if (gathered &&
       gather_in_image_chunks(
-          g.batch, g.queries * g.heads * g.head_samples(), value.scalar_type(),
+          g.batch, g.queries * g.heads * g.head_samples(), g.spatial * g.heads,
+          value.scalar_type(),
           "ms_deform_attn.cuda.backward.value_gradient.image_chunks",
           [&](int64_t first, int64_t count) {
             MsDeformAttnGeometry chunk = g;
