@@ -18,7 +18,7 @@ Only the forward is decomposed; autograd differentiates these forms where a back
 """
 
 import warnings
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -145,15 +145,27 @@ def dcnv4(input: Tensor, offset_mask: Tensor, kernel_h: int, kernel_w: int, stri
 
 def ms_deform_attn(value: Tensor, spatial_shapes: Tensor, level_start_index: Tensor,
                    sampling_locations: Tensor, attention_weights: Tensor,
-                   im2col_step: int = 64) -> Tensor:
+                   im2col_step: int = 64, points_per_level: Sequence[int] = ()) -> Tensor:
     """Multi-scale deformable attention (torch.ops.deformconv.ms_deform_attn's arguments;
     im2col_step has no effect; docs/ms_deform_attn.md): each level of each head an image of D
     channels, sampled at 2 loc - 1 (the op's locations are normalised already), weighted and
     summed over the levels and points. The levels' sizes and starts are read from the index
     tensors: torch.export makes them symbols of the graph, and a traced export (TorchScript's)
-    records the sizes it saw as constants."""
+    records the sizes it saw as constants. With points_per_level, level l's points are its
+    stretch of the locations' and weights' sample axis."""
     N, S, M, D = value.shape
-    Lq, L, P = sampling_locations.shape[1], sampling_locations.shape[3], sampling_locations.shape[4]
+    Lq, L = sampling_locations.shape[1], spatial_shapes.shape[0]
+    first_points = [sum(points_per_level[:level]) for level in range(len(points_per_level))]
+
+    def level_samples(level):
+        """The level's (locations, weights, points): a slice of the locations' level axis, or,
+        with points_per_level, of their sample axis."""
+        if len(points_per_level) == 0:
+            return (sampling_locations[:, :, :, level], attention_weights[:, :, :, level],
+                    sampling_locations.shape[4])
+        first, P = first_points[level], points_per_level[level]
+        return sampling_locations.narrow(3, first, P), attention_weights.narrow(3, first, P), P
+
     dtype = _compute_dtype(value.dtype)
     with warnings.catch_warnings():
         # torch.jit's tracer warns that the lists become constants: that is what the
@@ -174,9 +186,12 @@ def ms_deform_attn(value: Tensor, spatial_shapes: Tensor, level_start_index: Ten
             torch._check(start + height * width <= S)
         image = value.narrow(1, start, height * width).to(dtype).permute(0, 2, 3, 1)
         image = image.reshape(N * M, D, height, width)
-        grid = (2 * sampling_locations[:, :, :, level].to(dtype) - 1).transpose(1, 2)
+        locations, weights, P = level_samples(level)
+        if len(points_per_level) > 0 and P == 0:
+            continue
+        grid = (2 * locations.to(dtype) - 1).transpose(1, 2)
         samples = _sampled(image, grid.reshape(N * M, Lq, P, 2))  # (N M, D, Lq, P)
-        weights = attention_weights[:, :, :, level].to(dtype).transpose(1, 2)
+        weights = weights.to(dtype).transpose(1, 2)
         output = output + (samples * weights.reshape(N * M, 1, Lq, P)).sum(dim=-1)
     output = output.view(N, M, D, Lq).permute(0, 3, 1, 2).reshape(N, Lq, M * D)
     return output.to(value.dtype)

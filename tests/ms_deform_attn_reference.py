@@ -11,22 +11,31 @@ DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 
 
 def ms_deform_attn_reference(value, spatial_shapes, level_start_index, sampling_locations,
-                             attention_weights):
+                             attention_weights, points_per_level=None):
     """The op's definition written out: each level of each head sampled by grid_sample on
     2 * loc - 1 (align_corners=False, zeros outside), weighted, and summed over the levels and
-    points. Differentiable in every floating operand."""
+    points. With points_per_level, level l's points are its stretch of the sample axis of
+    sampling_locations (N, Lq, M, sum, 2) and attention_weights (N, Lq, M, sum). Differentiable
+    in every floating operand."""
     N, S, M, D = value.shape
-    _, Lq, _, L, P, _ = sampling_locations.shape
+    Lq = sampling_locations.shape[1]
+    if points_per_level is None:
+        L, P = sampling_locations.shape[3:5]
+        points_per_level = [P] * L
+        sampling_locations = sampling_locations.flatten(3, 4)
+        attention_weights = attention_weights.flatten(3, 4)
     out = value.new_zeros(N * M, D, Lq)
-    for level, ((H, W), start) in enumerate(zip(spatial_shapes.tolist(),
-                                                level_start_index.tolist())):
+    first = 0
+    for (H, W), start, P in zip(spatial_shapes.tolist(), level_start_index.tolist(),
+                                points_per_level):
         image = value[:, start:start + H * W].permute(0, 2, 3, 1).reshape(N * M, D, H, W)
-        grid = 2 * sampling_locations[:, :, :, level] - 1  # (N, Lq, M, P, 2)
+        grid = 2 * sampling_locations[:, :, :, first:first + P] - 1  # (N, Lq, M, P, 2)
         grid = grid.transpose(1, 2).reshape(N * M, Lq, P, 2)
         sampled = F.grid_sample(image, grid, mode="bilinear", padding_mode="zeros",
                                 align_corners=False)  # (N * M, D, Lq, P)
-        weights = attention_weights[:, :, :, level].transpose(1, 2).reshape(N * M, 1, Lq, P)
-        out = out + (sampled * weights).sum(-1)
+        weights = attention_weights[:, :, :, first:first + P].transpose(1, 2)
+        out = out + (sampled * weights.reshape(N * M, 1, Lq, P)).sum(-1)
+        first += P
     return out.view(N, M, D, Lq).permute(0, 3, 1, 2).reshape(N, Lq, M * D)
 
 
@@ -38,16 +47,18 @@ def levels_of(shapes):
 
 
 def make_operands(shapes, batch=2, queries=5, heads=2, channels=3, points=2, spread=1.4,
-                  dtype=torch.float64, seed=0):
+                  dtype=torch.float64, seed=0, points_per_level=None):
     """Random operands; locations in (-0.2, 1.2) by default, so that some samples fall off their
-    level on every side, and attention weights of both signs."""
+    level on every side, and attention weights of both signs. With points_per_level, in its
+    layout: (batch, queries, heads, sum of the points[, 2])."""
     generator = torch.Generator().manual_seed(seed)
     spatial_shapes, level_start_index, S = levels_of(shapes)
     L = spatial_shapes.shape[0]
+    samples = (L, points) if points_per_level is None else (sum(points_per_level),)
     value = torch.randn(batch, S, heads, channels, generator=generator, dtype=torch.float64)
-    locations = (torch.rand(batch, queries, heads, L, points, 2, generator=generator,
+    locations = (torch.rand(batch, queries, heads, *samples, 2, generator=generator,
                             dtype=torch.float64) - 0.5) * spread + 0.5
-    weights = torch.randn(batch, queries, heads, L, points, generator=generator,
+    weights = torch.randn(batch, queries, heads, *samples, generator=generator,
                           dtype=torch.float64)
     return (value.to(dtype), spatial_shapes, level_start_index, locations.to(dtype),
             weights.to(dtype))

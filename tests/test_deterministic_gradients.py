@@ -129,12 +129,15 @@ def dcnv3_case(op, group=2, group_channels=8):
                 expected, "dcnv3.cuda.backward.input_gradient.image_chunks", map_per_image)
 
 
-def ms_deform_attn_case(heads=2, channels=8):
-    # 24 queries, 4 points in each of two small levels: about 30 corners a pixel.
+def ms_deform_attn_case(heads=2, channels=8, points_per_level=None):
+    # 24 queries, 4 points in each of two small levels (or points_per_level's): about 30
+    # corners a pixel.
     value, shapes, starts, locations, weights = ms_deform_attn_reference.make_operands(
-        [(4, 5), (2, 3)], batch=2, queries=24, heads=heads, channels=channels, points=4)
+        [(4, 5), (2, 3)], batch=2, queries=24, heads=heads, channels=channels, points=4,
+        points_per_level=points_per_level)
     grad_output = torch.randn(2, 24, heads * channels, generator=torch.Generator().manual_seed(1),
                               dtype=torch.float64)
+    points = [] if points_per_level is None else points_per_level
 
     def rounded(dtype):
         return [t.to(dtype) for t in (value, locations, weights)]
@@ -142,18 +145,19 @@ def ms_deform_attn_case(heads=2, channels=8):
     def backward(ops, dtype, requested, deterministic):
         v, loc, w = rounded(dtype)
         return ops.ms_deform_attn_backward(grad_output.to(dtype), v, shapes, starts, loc, w, 64,
-                                           list(requested), deterministic)
+                                           points, list(requested), deterministic)
 
     def expected(dtype):
         leaves = [t.double().requires_grad_() for t in rounded(dtype)]
-        output = ms_deform_attn_reference.ms_deform_attn_reference(leaves[0], shapes, starts,
-                                                                   leaves[1], leaves[2])
+        output = ms_deform_attn_reference.ms_deform_attn_reference(
+            leaves[0], shapes, starts, leaves[1], leaves[2], points_per_level)
         return torch.autograd.grad(output, leaves, grad_output.to(dtype).double())
 
+    samples = 2 * 4 if points_per_level is None else sum(points_per_level)
     return Case(("value", "sampling_locations", "attention_weights"),
                 "ms_deform_attn.cuda.backward.value_gradient", backward, expected,
                 "ms_deform_attn.cuda.backward.value_gradient.image_chunks",
-                (24 * heads * 2 * 4, (20 + 6) * heads))
+                (24 * heads * samples, (20 + 6) * heads))
 
 
 # Two deform groups in one conv group; conv groups within one deform group (ResNeXt-DCN: 32
@@ -163,7 +167,8 @@ CASES = {"deform_conv2d": deform_conv2d_case,
          "deform_conv2d-groups32": lambda: deform_conv2d_case(32, 1, 32),
          "deform_conv2d-groups3-offset2": lambda: deform_conv2d_case(3, 2, 6),
          "dcnv3": lambda: dcnv3_case("dcnv3"), "dcnv4": lambda: dcnv3_case("dcnv4"),
-         "ms_deform_attn": ms_deform_attn_case}
+         "ms_deform_attn": ms_deform_attn_case,
+         "ms_deform_attn-points-per-level": lambda: ms_deform_attn_case(points_per_level=[6, 3])}
 
 
 def under_each_order(emulated, run, orders=ORDERS, **settings):

@@ -38,7 +38,7 @@ def test_cpu_backward_channel_loops(cpu_copy, channels, dtype):
         with branch_trace() as taken:
             grads = torch.ops.deformconv.ms_deform_attn_backward(
                 grad_output.to(dtype), rounded[0], operands[1], operands[2], rounded[1],
-                rounded[2], 64, list(requested))
+                rounded[2], 64, [], list(requested))
         names = set()
         if requested[0]:
             names |= channel_loops("ms_deform_attn.cpu.scatter", channels,
@@ -81,14 +81,14 @@ def test_emulated_levels_checked_once_while_unmodified(emulated, change):
     UNSEEN_CHANGES[change](shapes, starts)
     out = emulated.ms_deform_attn(*operands, 64)
     grad_output = torch.randn(out.shape, dtype=torch.float64)
-    grads = emulated.ms_deform_attn_backward(grad_output, *operands, 64, [True, True, True])
+    grads = emulated.ms_deform_attn_backward(grad_output, *operands, 64, [], [True, True, True])
     # Level 1 read as empty: the op on the valid levels with level 1's weights zero, and no
     # gradient for level 1's samples.
     without = weights.clone()
     without[:, :, :, 1] = 0
     reference = (value, valid_shapes, valid_starts, locations, without)
     torch.testing.assert_close(out, call(reference))
-    expected = torch.ops.deformconv.ms_deform_attn_backward(grad_output, *reference, 64,
+    expected = torch.ops.deformconv.ms_deform_attn_backward(grad_output, *reference, 64, [],
                                                             [True, True, True])
     torch.testing.assert_close(grads[0], expected[0])
     for grad, full in zip(grads[1:], expected[1:]):
@@ -157,7 +157,7 @@ def test_emulated_cuda_paths(emulated, channels, aligned, dtype):
     expected = call(exact)
     grad_output = torch.randn(expected.shape, generator=torch.Generator().manual_seed(1),
                               dtype=torch.float64)
-    expected_grads = torch.ops.deformconv.ms_deform_attn_backward(grad_output, *exact, 64,
+    expected_grads = torch.ops.deformconv.ms_deform_attn_backward(grad_output, *exact, 64, [],
                                                                   [True, True, True])
     samples = 3 * points
     with branch_trace(emulated) as taken:
@@ -168,7 +168,7 @@ def test_emulated_cuda_paths(emulated, channels, aligned, dtype):
     backward = expected_cuda_branches(channels, dtype, samples, aligned, backward=True)
     for requested in requested_subsets(3):
         with branch_trace(emulated) as taken:
-            grads = emulated.ms_deform_attn_backward(grad_output.to(dtype), *cuda_operands, 64,
+            grads = emulated.ms_deform_attn_backward(grad_output.to(dtype), *cuda_operands, 64, [],
                                                      list(requested))
         kernel = {"ms_deform_attn.cuda.backward.value_gradient"} if requested[0] else set()
         if any(requested[1:]):

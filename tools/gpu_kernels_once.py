@@ -79,7 +79,7 @@ def ms_deform_attn_once(dtype, channels=16, misaligned=False):
     out = torch.ops.deformconv.ms_deform_attn(*operands, 64)
     for output_mask in ([True, True, True], [True, False, False], [False, True, False],
                         [False, False, True]):
-        torch.ops.deformconv.ms_deform_attn_backward(torch.ones_like(out), *operands, 64,
+        torch.ops.deformconv.ms_deform_attn_backward(torch.ones_like(out), *operands, 64, [],
                                                      output_mask)
 
 

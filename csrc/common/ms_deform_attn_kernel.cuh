@@ -4,7 +4,8 @@
 // the CPU launchers and the CUDA kernels alike: where a sample lies in its level, and the
 // index maps of the op's tensors. The sampling itself is bilinear_sampling.cuh's.
 //
-// A query q of image n and head m takes P samples in each of L levels and returns
+// A query q of image n and head m takes P samples in each of L levels (or P_l in level l, where
+// points_per_level lists them) and returns
 //   out[n, q, m, :] = sum over l, p of  a[n, q, m, l, p] * bilinear(value level l, head m, at
 //                                        (x, y) = (loc_x * W_l - 0.5, loc_y * H_l - 0.5))
 // with (loc_x, loc_y) = sampling_locations[n, q, m, l, p, :]: F.grid_sample's bilinear
@@ -22,6 +23,10 @@
 
 namespace deformconv {
 
+// The most levels that points_per_level may list: the geometry holds where each level's points
+// start, by value, among the CUDA kernels' parameters.
+inline constexpr int64_t kMaxListedLevels = 16;
+
 struct MsDeformAttnGeometry {
   int64_t batch;     // N
   int64_t spatial;   // S = sum over the levels of H_l * W_l
@@ -29,10 +34,35 @@ struct MsDeformAttnGeometry {
   int64_t channels;  // D, per head
   int64_t queries;   // Lq
   int64_t levels;    // L
-  int64_t points;    // P, per level
+  // Each level's points: P on every level (Deformable DETR's layout, `listed` false), or a
+  // count per level (points_per_level: RT-DETRv2's and D-FINE's layout), level l's points
+  // being a (query, head)'s samples [level_first[l], level_first[l + 1]).
+  int64_t points;  // P where not listed
+  bool listed;
+  int64_t level_first[kMaxListedLevels + 1];
 
   // Samples of one (query, head): each level's points in turn.
-  C10_HOST_DEVICE int64_t head_samples() const { return levels * points; }
+  C10_HOST_DEVICE int64_t head_samples() const {
+    return listed ? level_first[levels] : levels * points;
+  }
+  // Level l's first sample among a (query, head)'s, and its number of points.
+  C10_HOST_DEVICE int64_t first_sample(int64_t l) const {
+    return listed ? level_first[l] : l * points;
+  }
+  C10_HOST_DEVICE int64_t level_points(int64_t l) const {
+    return listed ? level_first[l + 1] - level_first[l] : points;
+  }
+  // The level of a (query, head)'s sample s.
+  C10_HOST_DEVICE int64_t level_of(int64_t s) const {
+    if (!listed) {
+      return s / points;
+    }
+    int64_t l = 0;
+    while (s >= level_first[l + 1]) {
+      ++l;
+    }
+    return l;
+  }
   // Elements between neighbouring pixels of a level, and from one image to the next.
   C10_HOST_DEVICE int64_t pixel_stride() const { return heads * channels; }
   C10_HOST_DEVICE int64_t image_stride() const { return spatial * heads * channels; }
@@ -68,8 +98,9 @@ C10_HOST_DEVICE inline void ms_deform_attn_position(opmath_t loc_x, opmath_t loc
   y = loc_y * static_cast<opmath_t>(level.height) - opmath_t(0.5);
 }
 
-// Index of sample (n, q, m, s) in attention_weights, s = l * P + p over (N, Lq, M, L, P);
-// twice that is its x in sampling_locations, and y follows x.
+// Index of sample (n, q, m, s) in attention_weights, s = first_sample(l) + p over (N, Lq, M,
+// samples) (the layout (N, Lq, M, L, P) is the same where every level has P points); twice
+// that is its x in sampling_locations, and y follows x.
 C10_HOST_DEVICE inline int64_t ms_deform_attn_sample_index(const MsDeformAttnGeometry& g,
                                                            int64_t n, int64_t q, int64_t m,
                                                            int64_t s) {

@@ -11,6 +11,7 @@
 #include "../common/bilinear_sampling.cuh"
 #include "../common/scalar_types.h"
 #include "../infrastructure/argument_checks.h"
+#include "../infrastructure/branch_trace.h"
 #include "../infrastructure/tensor_text.h"
 
 namespace deformconv {
@@ -166,12 +167,39 @@ void check_levels_once(const Tensor& spatial_shapes, const Tensor& level_start_i
   }
 }
 
+// points_per_level, not empty: a count of at least 0 for each of the `levels` levels, at most
+// kMaxListedLevels of them; fills g's level_first.
+void check_points_per_level(const std::vector<int64_t>& points_per_level, int64_t levels,
+                            MsDeformAttnGeometry& g) {
+  const int64_t listed = static_cast<int64_t>(points_per_level.size());
+  DEFORMCONV_CHECK_ARGUMENT(listed == levels, kOp,
+                            ": expected points_per_level to give a count for each of the ",
+                            levels, " levels of spatial_shapes, but got ", listed, " counts");
+  DEFORMCONV_CHECK_ARGUMENT(levels <= kMaxListedLevels, kOp,
+                            ": expected points_per_level to list at most ", kMaxListedLevels,
+                            " levels, but got ", levels);
+  g.level_first[0] = 0;
+  for (int64_t l = 0; l < levels; ++l) {
+    const int64_t points = points_per_level[l];
+    DEFORMCONV_CHECK_ARGUMENT(points >= 0 && points <= kMaxImageSide, kOp,
+                              ": expected points_per_level[", l, "] to be 0 to ", kMaxImageSide,
+                              ", but got ", points);
+    g.level_first[l + 1] = g.level_first[l] + points;
+  }
+}
+
+// The launchers' layout of the samples: P points on every level, or a count per level.
+void record_points_layout(const MsDeformAttnGeometry& g) {
+  record_branch(g.listed ? "ms_deform_attn.points.per_level" : "ms_deform_attn.points.every_level");
+}
+
 }  // namespace
 
 MsDeformAttnGeometry check_ms_deform_attn_arguments(
     const std::optional<Tensor>& grad_output, const Tensor& value, const Tensor& spatial_shapes,
     const Tensor& level_start_index, const Tensor& sampling_locations,
-    const Tensor& attention_weights, int64_t im2col_step) {
+    const Tensor& attention_weights, int64_t im2col_step,
+    const std::vector<int64_t>& points_per_level) {
   DEFORMCONV_CHECK_ARGUMENT(is_op_dtype(value.scalar_type()), kOp,
                             ": expected value to have a floating point dtype (float16, bfloat16, "
                             "float32 or float64), but got ",
@@ -192,43 +220,69 @@ MsDeformAttnGeometry check_ms_deform_attn_arguments(
   const int64_t N = value.size(0), S = value.size(1), M = value.size(2), D = value.size(3);
   check_dtype("sampling_locations", sampling_locations, value.scalar_type(), "the dtype of value");
   check_dtype("attention_weights", attention_weights, value.scalar_type(), "the dtype of value");
-  DEFORMCONV_CHECK_ARGUMENT(sampling_locations.dim() == 6, kOp,
-                            ": expected sampling_locations to be "
-                            "a 6-D tensor (batch, queries, heads, levels, points, 2), but got a ",
-                            sampling_locations.dim(), "-D tensor of shape ",
-                            shape_text(sampling_locations.sizes()));
-  const int64_t Lq = sampling_locations.size(1), P = sampling_locations.size(4);
-  check_shape("sampling_locations", sampling_locations, {N, Lq, M, levels, P, 2},
-              "(batch, queries, heads, levels, points, 2)");
-  check_shape("attention_weights", attention_weights, {N, Lq, M, levels, P},
-              "(batch, queries, heads, levels, points)");
+  MsDeformAttnGeometry g{};
+  g.batch = N;
+  g.spatial = S;
+  g.heads = M;
+  g.channels = D;
+  g.levels = levels;
+  g.listed = !points_per_level.empty();
+  if (g.listed) {
+    check_points_per_level(points_per_level, levels, g);
+    const int64_t samples = g.head_samples();
+    DEFORMCONV_CHECK_ARGUMENT(sampling_locations.dim() == 5, kOp,
+                              ": expected sampling_locations to be a 5-D tensor (batch, queries, "
+                              "heads, sum of points_per_level, 2) with points_per_level, but got "
+                              "a ",
+                              sampling_locations.dim(), "-D tensor of shape ",
+                              shape_text(sampling_locations.sizes()));
+    g.queries = sampling_locations.size(1);
+    check_shape("sampling_locations", sampling_locations, {N, g.queries, M, samples, 2},
+                "(batch, queries, heads, sum of points_per_level, 2)");
+    check_shape("attention_weights", attention_weights, {N, g.queries, M, samples},
+                "(batch, queries, heads, sum of points_per_level)");
+  } else {
+    DEFORMCONV_CHECK_ARGUMENT(sampling_locations.dim() == 6, kOp,
+                              ": expected sampling_locations to be "
+                              "a 6-D tensor (batch, queries, heads, levels, points, 2), but got a ",
+                              sampling_locations.dim(), "-D tensor of shape ",
+                              shape_text(sampling_locations.sizes()));
+    g.queries = sampling_locations.size(1);
+    g.points = sampling_locations.size(4);
+    check_shape("sampling_locations", sampling_locations, {N, g.queries, M, levels, g.points, 2},
+                "(batch, queries, heads, levels, points, 2)");
+    check_shape("attention_weights", attention_weights, {N, g.queries, M, levels, g.points},
+                "(batch, queries, heads, levels, points)");
+  }
   DEFORMCONV_CHECK_ARGUMENT(im2col_step >= 0, kOp,
                             ": expected im2col_step to be at least 0, but got ", im2col_step);
   if (grad_output.has_value()) {
     check_dtype("grad_output", *grad_output, value.scalar_type(), "the dtype of value");
-    check_shape("grad_output", *grad_output, {N, Lq, M * D}, "(batch, queries, heads * channels)");
+    check_shape("grad_output", *grad_output, {N, g.queries, M * D},
+                "(batch, queries, heads * channels)");
   }
   if (!is_meta(spatial_shapes) && !is_meta(level_start_index)) {
     check_levels_once(spatial_shapes, level_start_index, S);
   }
-  return {N, S, M, D, Lq, levels, P};
+  return g;
 }
 
 Tensor ms_deform_attn_forward(const MsDeformAttnLaunchers& launchers, const Tensor& value,
                               const Tensor& spatial_shapes, const Tensor& level_start_index,
                               const Tensor& sampling_locations, const Tensor& attention_weights,
-                              int64_t im2col_step) {
-  const MsDeformAttnGeometry g =
-      check_ms_deform_attn_arguments(std::nullopt, value, spatial_shapes, level_start_index,
-                                     sampling_locations, attention_weights, im2col_step);
+                              int64_t im2col_step, const std::vector<int64_t>& points_per_level) {
+  const MsDeformAttnGeometry g = check_ms_deform_attn_arguments(
+      std::nullopt, value, spatial_shapes, level_start_index, sampling_locations,
+      attention_weights, im2col_step, points_per_level);
   Tensor output = new_contiguous(value, {g.batch, g.queries, g.heads * g.channels});
   if (output.numel() == 0) {
     return output;
   }
-  if (g.points == 0) {
+  if (g.head_samples() == 0) {
     // No samples: every query's sum is empty.
     return torch::stable::zero_(output);
   }
+  record_points_layout(g);
   launchers.forward(g, as_contiguous(value), as_contiguous(spatial_shapes),
                     as_contiguous(level_start_index), as_contiguous(sampling_locations),
                     as_contiguous(attention_weights), output);
@@ -238,12 +292,13 @@ Tensor ms_deform_attn_forward(const MsDeformAttnLaunchers& launchers, const Tens
 std::tuple<Tensor, Tensor, Tensor> ms_deform_attn_backward(
     const MsDeformAttnLaunchers& launchers, const Tensor& grad_output, const Tensor& value,
     const Tensor& spatial_shapes, const Tensor& level_start_index, const Tensor& sampling_locations,
-    const Tensor& attention_weights, int64_t im2col_step, const std::vector<bool>& output_mask,
+    const Tensor& attention_weights, int64_t im2col_step,
+    const std::vector<int64_t>& points_per_level, const std::vector<bool>& output_mask,
     bool deterministic) {
   check_output_mask("ms_deform_attn_backward()", output_mask, 3);
   const MsDeformAttnGeometry g = check_ms_deform_attn_arguments(
       grad_output, value, spatial_shapes, level_start_index, sampling_locations,
-      attention_weights, im2col_step);
+      attention_weights, im2col_step, points_per_level);
   const bool want_value = output_mask[0], want_locations = output_mask[1],
              want_weights = output_mask[2];
   // Contiguous whatever the operands' strides: the launchers index them so.
@@ -256,7 +311,7 @@ std::tuple<Tensor, Tensor, Tensor> ms_deform_attn_backward(
   if (!(want_value || want_locations || want_weights)) {
     return {grad_value, grad_locations, grad_weights};
   }
-  if (grad_output.numel() == 0 || g.points == 0) {
+  if (grad_output.numel() == 0 || g.head_samples() == 0) {
     // No sample, or none that carries a gradient (no channels): every gradient is 0.
     for (Tensor* grad : {&grad_value, &grad_locations, &grad_weights}) {
       if (grad->defined()) {
@@ -265,6 +320,7 @@ std::tuple<Tensor, Tensor, Tensor> ms_deform_attn_backward(
     }
     return {grad_value, grad_locations, grad_weights};
   }
+  record_points_layout(g);
   launchers.gradients(g, as_contiguous(grad_output), as_contiguous(value),
                       as_contiguous(spatial_shapes), as_contiguous(level_start_index),
                       as_contiguous(sampling_locations), as_contiguous(attention_weights),

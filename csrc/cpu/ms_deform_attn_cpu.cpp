@@ -62,8 +62,8 @@ std::vector<MsDeformAttnLevel> levels_of(const MsDeformAttnGeometry& g,
 }
 
 // Samples located level by level at once: one LocatedSamples per level, whose sample
-// j = group * P + p is point p of a group (the forward's groups are a query's heads, the
-// backward's a run of queries of one head). A sample's position
+// j = group * P_l + p is point p of a group (P_l the level's points; the forward's groups are a
+// query's heads, the backward's a run of queries of one head). A sample's position
 //   x = loc_x * W_l - 0.5 = base -0.5 + (grid 0 + offset loc_x * W_l) * scale 1
 // (and likewise y) is LocatedSamples' form, weighted by its attention weight. The samples are
 // padded to whole vectors: those past the groups of a locate (zeros, or what an earlier locate
@@ -71,10 +71,10 @@ std::vector<MsDeformAttnLevel> levels_of(const MsDeformAttnGeometry& g,
 template <typename opmath_t>
 class LevelSamples {
  public:
-  LevelSamples(const MsDeformAttnGeometry& g, const MsDeformAttnLevel* levels, int64_t groups)
-      : per_level_(padded(groups * g.points)) {
+  LevelSamples(const MsDeformAttnGeometry& g, const MsDeformAttnLevel* levels, int64_t groups) {
     for (int64_t l = 0; l < g.levels; ++l) {
-      located_.emplace_back(per_level_, levels[l].height, levels[l].width);
+      per_level_.push_back(padded(groups * g.level_points(l)));
+      located_.emplace_back(per_level_.back(), levels[l].height, levels[l].width);
     }
   }
 
@@ -88,16 +88,17 @@ class LevelSamples {
       LocatedSamples<opmath_t>& level = located_[l];
       const opmath_t height = static_cast<opmath_t>(levels[l].height);
       const opmath_t width = static_cast<opmath_t>(levels[l].width);
+      const int64_t points = g.level_points(l);
       for (int64_t group = 0; group < groups; ++group) {
-        for (int64_t p = 0; p < g.points; ++p) {
+        for (int64_t p = 0; p < points; ++p) {
           const int64_t sample = sample_index(group, l, p);
-          const int64_t j = group * g.points + p;
+          const int64_t j = group * points + p;
           level.dx[j] = static_cast<opmath_t>(locations[2 * sample]) * width;
           level.dy[j] = static_cast<opmath_t>(locations[2 * sample + 1]) * height;
           level.m[j] = static_cast<opmath_t>(weights[sample]);
         }
       }
-      level.locate(per_level_, opmath_t(-0.5), opmath_t(-0.5), opmath_t(1));
+      level.locate(per_level_[l], opmath_t(-0.5), opmath_t(-0.5), opmath_t(1));
     }
   }
 
@@ -112,7 +113,7 @@ class LevelSamples {
     return (samples + kWidest - 1) / kWidest * kWidest;
   }
 
-  int64_t per_level_;
+  std::vector<int64_t> per_level_;
   std::vector<LocatedSamples<opmath_t>> located_;
 };
 
@@ -134,18 +135,19 @@ void forward_queries(const MsDeformAttnGeometry& g,
     const int64_t n = task / g.queries, q = task % g.queries;
     samples.locate(g, levels, locations, weights, g.heads,
                    [&](int64_t m, int64_t l, int64_t p) DEFORMCONV_INLINE_LAMBDA {
-                     return ms_deform_attn_sample_index(g, n, q, m, l * g.points + p);
+                     return ms_deform_attn_sample_index(g, n, q, m, g.first_sample(l) + p);
                    });
     for (int64_t m = 0; m < g.heads; ++m) {
       std::fill_n(sum, D, opmath_t(0));
       const scalar_t* head = value + ms_deform_attn_head_start(g, n, m);
       for (int64_t l = 0; l < g.levels; ++l) {
         const scalar_t* level_pixels = head + levels[l].start * g.pixel_stride();
-        for (int64_t p = 0; p < g.points; ++p) {
+        const int64_t points = g.level_points(l);
+        for (int64_t p = 0; p < points; ++p) {
           opmath_t w[4];
           const scalar_t* rows[4];
-          samples.level(l).corner_rows(m * g.points + p, level_pixels, g.pixel_stride(), zeros,
-                                       w, rows);
+          samples.level(l).corner_rows(m * points + p, level_pixels, g.pixel_stride(), zeros, w,
+                                       rows);
           for (int64_t c = 0; c < D; ++c) {
             sum[c] += w[0] * static_cast<opmath_t>(rows[0][c]) +
                 w[1] * static_cast<opmath_t>(rows[1][c]) +
@@ -185,10 +187,14 @@ void ms_deform_attn_forward_cpu(const MsDeformAttnGeometry& g, const Tensor& val
   });
 }
 
-// Queries per LevelSamples in the backward: a level's points of this many queries fill a vector
-// of 16 floats (P = 4).
+// Queries per LevelSamples in the backward: the most points of a level, of this many queries,
+// fill a vector of 16 floats (P = 4).
 inline int64_t backward_queries_per_locate(const MsDeformAttnGeometry& g) {
-  return std::max<int64_t>(1, 16 / g.points);
+  int64_t most = 1;
+  for (int64_t l = 0; l < g.levels; ++l) {
+    most = std::max(most, g.level_points(l));
+  }
+  return std::max<int64_t>(1, 16 / most);
 }
 
 // The gradients of the samples of heads [begin, end), numbered n * M + m, the samples of a run
@@ -225,7 +231,8 @@ void backward_heads(
       const int64_t queries = std::min(run, g.queries - first);
       samples.locate(g, levels, locations, weights, queries,
                      [&](int64_t b, int64_t l, int64_t p) DEFORMCONV_INLINE_LAMBDA {
-                       return ms_deform_attn_sample_index(g, n, first + b, m, l * g.points + p);
+                       return ms_deform_attn_sample_index(g, n, first + b, m,
+                                                          g.first_sample(l) + p);
                      });
       for (int64_t b = 0; b < queries; ++b) {
         const scalar_t* grad_query =
@@ -234,10 +241,10 @@ void backward_heads(
           grad[c] = static_cast<opmath_t>(grad_query[c]);
         }
         for (int64_t s = 0; s < g.head_samples(); ++s) {
-          const int64_t l = s / g.points;
+          const int64_t l = g.level_of(s);
           const int64_t sample = ms_deform_attn_sample_index(g, n, first + b, m, s);
           const LocatedSamples<opmath_t>& located = samples.level(l);
-          const int64_t j = b * g.points + s % g.points;
+          const int64_t j = b * g.level_points(l) + s - g.first_sample(l);
           const BilinearCell<opmath_t> cell = located.cell(j);
           if (!cell.inside) {
             // A sample outside its level reads zeros wherever it moves a little: no gradients.

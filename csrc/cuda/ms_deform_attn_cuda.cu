@@ -6,7 +6,7 @@
 // DCNv3 kernels (dcnv3_cuda.cu), an item gets `lanes` consecutive threads of one warp, lane l
 // taking the vectors of kVector channels l, l + lanes, ... (a pass each): 16 bytes of the dtype
 // in the forward, 16 bytes of the float32 sums in the backward, where the head's channels and
-// the tensors' alignment allow, else one channel. An item's lanes locate its L * P samples
+// the tensors' alignment allow, else one channel. An item's lanes locate its samples
 // once, in shared memory (StagedSample), in rounds of as many as fit, lane l the samples l,
 // l + lanes, ...: each sample's position, corner weights (the attention weight folded in) and
 // its cell's place in value are computed once, not once per channel vector. The backward
@@ -77,7 +77,7 @@ __device__ inline int stage_round(const MsDeformAttnGeometry& g, const LaneTilin
   return stage_item_samples(t, lane, active_item, g.head_samples() - first_sample, samples,
                             [&](int k) {
     const int64_t index = first_index + k;
-    const int64_t l = (first_sample + k) / g.points;
+    const int64_t l = g.level_of(first_sample + k);
     MsDeformAttnLevel level{shapes[2 * l], shapes[2 * l + 1], starts[l]};
     const bool fits = ms_deform_attn_level_fits(level, g.spatial);
     if (!fits) {
@@ -244,7 +244,7 @@ __global__ void ms_deform_attn_backward_kernel(MsDeformAttnGeometry g, LaneTilin
             const StagedSample<opmath_t>& s = samples[k];
             const int64_t sample = first + k;
             const int64_t index = item * g.head_samples() + sample;
-            const int64_t l = sample / g.points;
+            const int64_t l = g.level_of(sample);
             // Outside its level (no corner inside) a sample has no gradients.
             const bool inside = s.sample.corners != 0;
             const OffsetMaskGradSums<opmath_t> sums = offset_mask_grad_sums_of_dots(

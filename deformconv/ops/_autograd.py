@@ -10,7 +10,8 @@ torch.library.register_autograd, whose kernel calls torch._library.utils.fill_de
 every call: it reads schema.arguments once per argument, and each read builds the list of all
 the arguments again, so at these ops' 6 to 16 arguments it cost about 40 us of the 550 us of a
 forward and backward at a small layer (batch 1, 16 channels, 16 x 16, on the CPU), a fifth of
-the whole. The kernel below does what that one does, for schemas without defaults.
+the whole. The kernel below does what that one does, filling in the defaults of trailing
+arguments that the dispatcher leaves out.
 """
 
 from typing import Sequence
@@ -79,10 +80,14 @@ def register_gradients_and_autocast(op: str, gradient_arguments: Sequence[int]) 
     function = type(f"deformconv_{op}", (torch.autograd.Function,),
                     {"forward": staticmethod(forward), "backward": staticmethod(backward)})
 
+    # The dispatcher leaves out the trailing arguments that equal their defaults (an op called
+    # without ms_deform_attn's points_per_level); the backward op takes them all.
+    defaults = [argument.default_value for argument in schema.arguments]
+
     def autograd_kernel(keyset, *inputs):
         if torch.is_grad_enabled() and any(isinstance(value, torch.Tensor) and value.requires_grad
                                            for value in inputs):
-            return function.apply(keyset, *inputs)
+            return function.apply(keyset, *inputs, *defaults[len(inputs):])
         return _below_autograd(forward_op, keyset, inputs)
 
     _LIBRARY.impl(op, autograd_kernel, "Autograd", with_keyset=True)

@@ -2,6 +2,8 @@
 Autocast kernels."""
 
 
+from typing import List, Optional
+
 import torch
 from torch import Tensor
 
@@ -17,6 +19,7 @@ def ms_deform_attn(
     sampling_locations: Tensor,
     attention_weights: Tensor,
     im2col_step: int = 64,
+    points_per_level: Optional[List[int]] = None,
 ) -> Tensor:
     r"""Multi-scale deformable attention, with the arguments of Deformable DETR's
     ``MSDeformAttnFunction.apply`` and mmcv's ``MultiScaleDeformableAttnFunction.apply``.
@@ -40,43 +43,48 @@ def ms_deform_attn(
         attention_weights: (N, Lq, M, L, P), used as given (the modules apply the softmax).
         im2col_step: accepted for the originals' signature; the result and the memory do not
             depend on it.
+        points_per_level: each level's number of points, where they differ (RT-DETRv2's,
+            D-FINE's and DEIMv2's decoders; transformers' ``num_points_list``), or None for P on
+            every level. With a list, sampling_locations is (N, Lq, M, sum(points_per_level), 2)
+            and attention_weights (N, Lq, M, sum(points_per_level)), level 0's points first.
 
     Returns:
         (N, Lq, M * D).
     """
+    points: List[int] = [] if points_per_level is None else points_per_level
     if not torch.jit.is_scripting():
         _check_cuda_kernels("ms_deform_attn", value.device)
         if _in_onnx_export():
             return decompositions.ms_deform_attn(value, spatial_shapes, level_start_index,
                                                  sampling_locations, attention_weights,
-                                                 im2col_step)
+                                                 im2col_step, points)
     return torch.ops.deformconv.ms_deform_attn(value, spatial_shapes, level_start_index,
                                                sampling_locations, attention_weights,
-                                               im2col_step)
+                                               im2col_step, points)
 
 
 @torch.library.register_fake("deformconv::ms_deform_attn")
 def _ms_deform_attn_fake(value, spatial_shapes, level_start_index, sampling_locations,
-                         attention_weights, im2col_step):
+                         attention_weights, im2col_step, points_per_level=()):
     # The checks read the levels' sizes and starts on real tensors only; on the meta copies,
     # the shapes and dtypes. The real kernel checks the sizes against value.
     return _fake_output(
         "ms_deform_attn",
         dict(value=value, spatial_shapes=spatial_shapes, level_start_index=level_start_index,
              sampling_locations=sampling_locations, attention_weights=attention_weights),
-        (im2col_step,),
+        (im2col_step, list(points_per_level)),
         lambda: (value.shape[0], sampling_locations.shape[1], value.shape[2] * value.shape[3]))
 
 
 @torch.library.register_fake("deformconv::ms_deform_attn_backward")
 def _ms_deform_attn_backward_fake(grad_output, value, spatial_shapes, level_start_index,
                                   sampling_locations, attention_weights, im2col_step,
-                                  output_mask, deterministic=False):
+                                  points_per_level, output_mask, deterministic=False):
     return _fake_gradients(
         "ms_deform_attn", grad_output,
         dict(value=value, spatial_shapes=spatial_shapes, level_start_index=level_start_index,
              sampling_locations=sampling_locations, attention_weights=attention_weights),
-        (im2col_step,),
+        (im2col_step, list(points_per_level)),
         [lambda t=t: torch.empty_like(t, memory_format=torch.contiguous_format)
          for t in (value, sampling_locations, attention_weights)],
         output_mask)
