@@ -61,6 +61,32 @@ def test_points_per_level_match_the_reference(layout):
         torch.testing.assert_close(got, want, msg=lambda m, name=name: f"{name}: {m}")
 
 
+@pytest.mark.parametrize("layout", LAYOUTS[:2], ids=LAYOUT_IDS[:2])
+def test_points_per_level_match_transformers(layout):
+    """transformers' own function (D-FINE's modeling file), a second oracle: its output and,
+    through autograd, its gradients."""
+    pytest.importorskip("transformers")
+    from transformers.models.d_fine.modeling_d_fine import multi_scale_deformable_attention_v2
+
+    operands, points_per_level = operands_of(layout)
+    value, shapes, starts, locations, weights = operands
+    grad_output = torch.randn(2, 5, layout[2] * layout[3], dtype=torch.float64)
+
+    def output_and_gradients(attend):
+        leaves = [t.clone().requires_grad_() for t in (value, locations, weights)]
+        output = attend(*leaves)
+        return output, torch.autograd.grad(output, leaves, grad_output)
+
+    ours = output_and_gradients(lambda v, loc, w: deformconv.ms_deform_attn(
+        v, shapes, starts, loc, w, points_per_level=points_per_level))
+    theirs = output_and_gradients(lambda v, loc, w: multi_scale_deformable_attention_v2(
+        v, shapes.tolist(), loc, w, points_per_level, "default"))
+    torch.testing.assert_close(ours[0], theirs[0])
+    for name, got, want in zip(("value", "sampling_locations", "attention_weights"), ours[1],
+                               theirs[1]):
+        torch.testing.assert_close(got, want, msg=lambda m, name=name: f"{name}: {m}")
+
+
 def test_equal_counts_give_the_bits_of_the_layout_by_level():
     """[P] * L in the flat layout computes what P points on every level in the (L, P) layout
     do, bit for bit."""
