@@ -180,3 +180,88 @@ def test_msdeformattn_compiles_fullgraph():
     compiled = torch.compile(module, fullgraph=True, backend="aot_eager")
     torch.testing.assert_close(compiled(query, reference, values, shapes, starts, padding),
                                module(query, reference, values, shapes, starts, padding))
+
+
+def listed_attention(state, heads, points_per_level, query, reference_points, values,
+                     spatial_shapes, level_start_index, padding_mask=None):
+    """originals_attention with a count of points per level (D-FINE's decoder), written out
+    level by level: a level's stretch of the offsets placed on its pixels or box (a box's
+    offsets divided by the level's count), the reference op with points_per_level."""
+    N, Lq, _ = query.shape
+    value = F.linear(values, state["value_proj.weight"], state["value_proj.bias"])
+    if padding_mask is not None:
+        value = value.masked_fill(padding_mask[..., None], 0.0)
+    value = value.view(N, values.shape[1], heads, -1)
+    offsets = F.linear(query, state["sampling_offsets.weight"], state["sampling_offsets.bias"])
+    offsets = offsets.view(N, Lq, heads, sum(points_per_level), 2)
+    weights = F.linear(query, state["attention_weights.weight"], state["attention_weights.bias"])
+    weights = weights.view(N, Lq, heads, -1).softmax(-1)
+    locations, first = [], 0
+    for level, points in enumerate(points_per_level):
+        level_offsets = offsets[:, :, :, first:first + points]
+        reference = reference_points[:, :, None, level, None, :]  # (N, Lq, 1, 1, 2 or 4)
+        if reference_points.shape[-1] == 2:
+            height, width = spatial_shapes[level].tolist()
+            pixel = torch.tensor([width, height], dtype=offsets.dtype)
+            locations.append(reference + level_offsets / pixel)
+        else:
+            locations.append(reference[..., :2]
+                             + level_offsets / points * reference[..., 2:] / 2)
+        first += points
+    sampled = ms_deform_attn_reference(value, spatial_shapes, level_start_index,
+                                       torch.cat(locations, 3), weights, points_per_level)
+    return F.linear(sampled, state["output_proj.weight"], state["output_proj.bias"])
+
+
+@pytest.mark.parametrize("box", [False, True], ids=["points", "boxes"])
+def test_points_per_level_in_both_modules(box):
+    """A list of points per level (D-FINE's [3, 6, 3]-style counts, a level of none among
+    them): the state_dict's shapes hold the counts' sum, and both modules give the attention
+    written out level by level."""
+    points = [3, 6, 0, 2]
+    state = originals_state_dict(16, 2, 1, sum(points))
+    query, reference, values, shapes, starts, padding = inputs(box=box)
+    expected = listed_attention(state, 2, points, query, reference, values, shapes, starts,
+                                padding)
+    module = deformconv.MSDeformAttn(d_model=16, n_levels=4, n_heads=2, n_points=points)
+    module.load_state_dict(state, strict=True)
+    torch.testing.assert_close(module(query, reference, values, shapes, starts, padding),
+                               expected)
+    mmcv_style = deformconv.MultiScaleDeformableAttention(
+        embed_dims=16, num_heads=2, num_levels=4, num_points=points, dropout=0.0,
+        batch_first=True)
+    mmcv_style.load_state_dict(state, strict=True)
+    out = mmcv_style(query, value=values, identity=torch.zeros_like(query),
+                     key_padding_mask=padding, reference_points=reference,
+                     spatial_shapes=shapes, level_start_index=starts)
+    torch.testing.assert_close(out, expected)
+
+
+def test_equal_counts_per_level_are_the_int():
+    """n_points=[3] * L loads the state_dict of n_points=3 and gives its output."""
+    state = originals_state_dict(16, 2, 4, 3)
+    query, reference, values, shapes, starts, padding = inputs(box=True)
+    outputs = []
+    for n_points in (3, [3, 3, 3, 3]):
+        module = deformconv.MSDeformAttn(d_model=16, n_levels=4, n_heads=2, n_points=n_points)
+        module.load_state_dict(state, strict=True)
+        outputs.append(module(query, reference, values, shapes, starts, padding))
+    torch.testing.assert_close(outputs[0], outputs[1], rtol=0, atol=1e-6)
+
+
+def test_points_per_level_initial_offsets():
+    """Each level's k-th point starts k + 1 steps along its head's direction, as with equal
+    counts."""
+    module = deformconv.MSDeformAttn(d_model=16, n_levels=3, n_heads=4, n_points=[1, 3, 2])
+    bias = module.sampling_offsets.bias.view(4, 6, 2)
+    steps = torch.tensor([1.0, 1, 2, 3, 1, 2])
+    torch.testing.assert_close(bias, bias[:, :1] * steps[None, :, None])
+    torch.testing.assert_close(bias[:, 0], torch.tensor([[1.0, 0], [0, 1], [-1, 0], [0, -1]]),
+                               atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("points", [[3, 6], [3, -1, 2, 1], [3.0, 1, 1, 1]])
+def test_bad_points_per_level_are_refused(points):
+    with pytest.raises(ValueError, match="expected the points to be an int or 4 counts of at "
+                                         "least 0, one per level"):
+        deformconv.MSDeformAttn(d_model=16, n_levels=4, n_heads=2, n_points=points)

@@ -4,7 +4,7 @@ state_dict keys and forward arguments, on deformconv.ms_deform_attn."""
 
 import math
 import warnings
-from typing import Optional
+from typing import List, Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
@@ -13,15 +13,29 @@ from torch import Tensor, nn
 from ..ops.ms_deform_attn import ms_deform_attn
 
 
-def _sampling_offset_bias(heads: int, levels: int, points: int) -> Tensor:
+def _points_per_level(points: Union[int, Sequence[int]], levels: int) -> List[int]:
+    """The modules' points: an int for as many on every level, or a count per level (as
+    D-FINE's decoder_n_points gives them)."""
+    if isinstance(points, int):
+        return [points] * levels
+    counts = list(points)
+    if len(counts) != levels or any(not isinstance(count, int) or count < 0 for count in counts):
+        raise ValueError(f"expected the points to be an int or {levels} counts of at least 0, "
+                         f"one per level, but got {points}")
+    return counts
+
+
+def _sampling_offset_bias(heads: int, points_per_level: Sequence[int]) -> Tensor:
     """The originals' initial sampling offsets: head h looks along the direction at angle
-    2 pi h / heads, scaled so that its larger coordinate is 1, and its k-th point k + 1 times
-    that far; the same for every level. Flattened as (heads, levels, points, 2)."""
+    2 pi h / heads, scaled so that its larger coordinate is 1, and a level's k-th point k + 1
+    times that far. Flattened as (heads, samples, 2), each level's points in turn (the
+    originals' (heads, levels, points, 2) where every level has as many)."""
     angles = torch.arange(heads, dtype=torch.float32) * (2.0 * math.pi / heads)
     directions = torch.stack([angles.cos(), angles.sin()], -1)
     directions = directions / directions.abs().max(-1, keepdim=True).values
-    steps = torch.arange(1, points + 1, dtype=torch.float32).view(1, 1, points, 1)
-    return (directions.view(heads, 1, 1, 2) * steps).expand(heads, levels, points, 2).flatten()
+    steps = torch.cat([torch.arange(1, count + 1, dtype=torch.float32)
+                       for count in points_per_level]).view(1, -1, 1)
+    return (directions.view(heads, 1, 2) * steps).flatten()
 
 
 def _last_size(tensor: Tensor) -> int:
@@ -54,12 +68,32 @@ def _sampling_locations(reference_points: Tensor, offsets: Tensor, spatial_shape
                      f"coordinates, but got shape {tuple(reference_points.shape)}")
 
 
-def _init_attention(module: nn.Module, heads: int, levels: int, points: int) -> None:
+def _listed_sampling_locations(reference_points: Tensor, offsets: Tensor,
+                               spatial_shapes: Tensor, points_per_level: List[int]) -> Tensor:
+    """_sampling_locations with a count of points per level: (N, Lq, M, samples, 2) from
+    offsets of that shape, each sample placed on its own level's pixels or box, a box's
+    offsets divided by its level's count of points (D-FINE's num_points_scale)."""
+    levels = torch.cat([torch.full((count,), level, dtype=torch.long)
+                        for level, count in enumerate(points_per_level)])
+    levels = levels.to(reference_points.device)
+    references = reference_points[:, :, None, levels]  # (N, Lq, 1, samples, 2 or 4)
+    coordinates = _last_size(reference_points)
+    if coordinates == 2:
+        pixels = torch.stack([spatial_shapes[:, 1], spatial_shapes[:, 0]], -1)[levels]
+        return references + offsets / pixels
+    if coordinates == 4:
+        counts = torch.tensor(points_per_level, dtype=offsets.dtype, device=offsets.device)
+        return references[..., :2] + offsets / counts[levels, None] * references[..., 2:] * 0.5
+    raise ValueError("expected reference_points to end in 2 (x, y) or 4 (x, y, w, h) "
+                     f"coordinates, but got shape {tuple(reference_points.shape)}")
+
+
+def _init_attention(module: nn.Module, heads: int, points_per_level: Sequence[int]) -> None:
     """The originals' initialisation, the same in both: zero offset weights and the fanned-out
     offset bias, zero attention logits (uniform weights), Xavier projections with zero bias."""
     nn.init.zeros_(module.sampling_offsets.weight)
     with torch.no_grad():
-        module.sampling_offsets.bias.copy_(_sampling_offset_bias(heads, levels, points))
+        module.sampling_offsets.bias.copy_(_sampling_offset_bias(heads, points_per_level))
     nn.init.zeros_(module.attention_weights.weight)
     nn.init.zeros_(module.attention_weights.bias)
     for projection in (module.value_proj, module.output_proj):
@@ -69,22 +103,32 @@ def _init_attention(module: nn.Module, heads: int, levels: int, points: int) -> 
 
 def _attend(module: nn.Module, query: Tensor, values: Tensor, reference_points: Tensor,
             spatial_shapes: Tensor, level_start_index: Tensor, padding_mask: Optional[Tensor],
-            heads: int, levels: int, points: int, im2col_step: int) -> Tensor:
+            heads: int, points_per_level: List[int], listed: bool,
+            im2col_step: int) -> Tensor:
     """Both originals' attention, batch first: the values projected (zero at padding) and split
     into heads, the offsets and softmax-ed weights from the query, the op (which checks the
-    values' rows against the levels' pixels), the output projection."""
+    values' rows against the levels' pixels), the output projection. `listed`: the points
+    given per level, in the op's flat layout of samples; else P on every level, in its
+    (L, P) layout."""
     N, queries, _ = query.shape
     value = module.value_proj(values)
     if padding_mask is not None:
         value = value.masked_fill(padding_mask[..., None], 0.0)
     value = value.view(N, values.shape[1], heads, -1)
-    shape = (N, queries, heads, levels, points)
-    offsets = module.sampling_offsets(query).view(*shape, 2)
-    weights = module.attention_weights(query).view(N, queries, heads, -1)
-    weights = F.softmax(weights, -1).view(shape)
-    locations = _sampling_locations(reference_points, offsets, spatial_shapes, points)
-    output = ms_deform_attn(value, spatial_shapes, level_start_index, locations, weights,
-                            im2col_step)
+    weights = F.softmax(module.attention_weights(query).view(N, queries, heads, -1), -1)
+    if listed:
+        offsets = module.sampling_offsets(query).view(N, queries, heads, -1, 2)
+        locations = _listed_sampling_locations(reference_points, offsets, spatial_shapes,
+                                               points_per_level)
+        output = ms_deform_attn(value, spatial_shapes, level_start_index, locations, weights,
+                                im2col_step, points_per_level)
+    else:
+        points = points_per_level[0]
+        shape = (N, queries, heads, len(points_per_level), points)
+        offsets = module.sampling_offsets(query).view(*shape, 2)
+        locations = _sampling_locations(reference_points, offsets, spatial_shapes, points)
+        output = ms_deform_attn(value, spatial_shapes, level_start_index, locations,
+                                weights.view(shape), im2col_step)
     return module.output_proj(output)
 
 
@@ -96,11 +140,12 @@ class MSDeformAttn(nn.Module):
         d_model: channels of the queries and values; a multiple of ``n_heads``.
         n_levels: feature levels sampled.
         n_heads: attention heads.
-        n_points: points sampled per head and level.
+        n_points: points sampled per head and level, or a list of them, one per level (as
+            D-FINE's ``decoder_n_points``; the op's points_per_level).
     """
 
     def __init__(self, d_model: int = 256, n_levels: int = 4, n_heads: int = 8,
-                 n_points: int = 4):
+                 n_points: Union[int, Sequence[int]] = 4):
         super().__init__()
         if d_model % n_heads != 0:
             raise ValueError(f"expected d_model ({d_model}) to be a multiple of n_heads "
@@ -115,14 +160,17 @@ class MSDeformAttn(nn.Module):
         self.n_levels = n_levels
         self.n_heads = n_heads
         self.n_points = n_points
-        self.sampling_offsets = nn.Linear(d_model, n_heads * n_levels * n_points * 2)
-        self.attention_weights = nn.Linear(d_model, n_heads * n_levels * n_points)
+        self.points_per_level = _points_per_level(n_points, n_levels)
+        self.listed_points = not isinstance(n_points, int)
+        samples = sum(self.points_per_level)
+        self.sampling_offsets = nn.Linear(d_model, n_heads * samples * 2)
+        self.attention_weights = nn.Linear(d_model, n_heads * samples)
         self.value_proj = nn.Linear(d_model, d_model)
         self.output_proj = nn.Linear(d_model, d_model)
         self._reset_parameters()
 
     def _reset_parameters(self) -> None:
-        _init_attention(self, self.n_heads, self.n_levels, self.n_points)
+        _init_attention(self, self.n_heads, self.points_per_level)
 
     def forward(self, query: Tensor, reference_points: Tensor, input_flatten: Tensor,
                 input_spatial_shapes: Tensor, input_level_start_index: Tensor,
@@ -132,8 +180,8 @@ class MSDeformAttn(nn.Module):
         input_spatial_shapes (L, 2) and input_level_start_index (L,) int64;
         input_padding_mask (N, S), True where a pixel is padding. Returns (N, Lq, C)."""
         return _attend(self, query, input_flatten, reference_points, input_spatial_shapes,
-                       input_level_start_index, input_padding_mask, self.n_heads, self.n_levels,
-                       self.n_points, self.im2col_step)
+                       input_level_start_index, input_padding_mask, self.n_heads,
+                       self.points_per_level, self.listed_points, self.im2col_step)
 
 
 class MultiScaleDeformableAttention(nn.Module):
@@ -145,7 +193,7 @@ class MultiScaleDeformableAttention(nn.Module):
     Args:
         embed_dims: channels of the queries and of the output.
         num_heads, num_levels, num_points: attention heads, feature levels, points per head
-            and level.
+            and level (or a list of them, one per level).
         im2col_step: passed to the op (changes nothing there).
         dropout: dropout on the output, before the residual.
         batch_first: (batch, queries, channels) tensors rather than (queries, batch, channels).
@@ -153,7 +201,8 @@ class MultiScaleDeformableAttention(nn.Module):
     """
 
     def __init__(self, embed_dims: int = 256, num_heads: int = 8, num_levels: int = 4,
-                 num_points: int = 4, im2col_step: int = 64, dropout: float = 0.1,
+                 num_points: Union[int, Sequence[int]] = 4, im2col_step: int = 64,
+                 dropout: float = 0.1,
                  batch_first: bool = False, norm_cfg: Optional[dict] = None,
                  init_cfg: Optional[dict] = None, value_proj_ratio: float = 1.0):
         super().__init__()
@@ -173,14 +222,17 @@ class MultiScaleDeformableAttention(nn.Module):
         self.num_levels = num_levels
         self.num_heads = num_heads
         self.num_points = num_points
-        self.sampling_offsets = nn.Linear(embed_dims, num_heads * num_levels * num_points * 2)
-        self.attention_weights = nn.Linear(embed_dims, num_heads * num_levels * num_points)
+        self.points_per_level = _points_per_level(num_points, num_levels)
+        self.listed_points = not isinstance(num_points, int)
+        samples = sum(self.points_per_level)
+        self.sampling_offsets = nn.Linear(embed_dims, num_heads * samples * 2)
+        self.attention_weights = nn.Linear(embed_dims, num_heads * samples)
         self.value_proj = nn.Linear(embed_dims, value_dims)
         self.output_proj = nn.Linear(value_dims, embed_dims)
         self.init_weights()
 
     def init_weights(self) -> None:
-        _init_attention(self, self.num_heads, self.num_levels, self.num_points)
+        _init_attention(self, self.num_heads, self.points_per_level)
 
     def forward(self, query: Tensor, key: Optional[Tensor] = None,
                 value: Optional[Tensor] = None, identity: Optional[Tensor] = None,
@@ -206,8 +258,8 @@ class MultiScaleDeformableAttention(nn.Module):
             query = query.transpose(0, 1)
             value = value.transpose(0, 1)
         output = _attend(self, query, value, reference_points, spatial_shapes,
-                         level_start_index, key_padding_mask, self.num_heads, self.num_levels,
-                         self.num_points, self.im2col_step)
+                         level_start_index, key_padding_mask, self.num_heads,
+                         self.points_per_level, self.listed_points, self.im2col_step)
         if not self.batch_first:
             output = output.transpose(0, 1)
         return self.dropout(output) + identity
