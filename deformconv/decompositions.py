@@ -145,14 +145,16 @@ def dcnv4(input: Tensor, offset_mask: Tensor, kernel_h: int, kernel_w: int, stri
 
 def ms_deform_attn(value: Tensor, spatial_shapes: Tensor, level_start_index: Tensor,
                    sampling_locations: Tensor, attention_weights: Tensor,
-                   im2col_step: int = 64, points_per_level: Sequence[int] = ()) -> Tensor:
+                   im2col_step: int = 64, points_per_level: Sequence[int] = (),
+                   sampling: str = "bilinear") -> Tensor:
     """Multi-scale deformable attention (torch.ops.deformconv.ms_deform_attn's arguments;
     im2col_step has no effect; docs/ms_deform_attn.md): each level of each head an image of D
     channels, sampled at 2 loc - 1 (the op's locations are normalised already), weighted and
     summed over the levels and points. The levels' sizes and starts are read from the index
     tensors: torch.export makes them symbols of the graph, and a traced export (TorchScript's)
     records the sizes it saw as constants. With points_per_level, level l's points are its
-    stretch of the locations' and weights' sample axis."""
+    stretch of the locations' and weights' sample axis. Sampling "nearest" gathers each
+    sample's pixel by its index instead (_nearest_samples): no GridSample."""
     N, S, M, D = value.shape
     Lq, L = sampling_locations.shape[1], spatial_shapes.shape[0]
     first_points = [sum(points_per_level[:level]) for level in range(len(points_per_level))]
@@ -189,12 +191,30 @@ def ms_deform_attn(value: Tensor, spatial_shapes: Tensor, level_start_index: Ten
         locations, weights, P = level_samples(level)
         if len(points_per_level) > 0 and P == 0:
             continue
-        grid = (2 * locations.to(dtype) - 1).transpose(1, 2)
-        samples = _sampled(image, grid.reshape(N * M, Lq, P, 2))  # (N M, D, Lq, P)
+        if sampling == "nearest":
+            samples = _nearest_samples(image, locations, spatial_shapes[level])
+        else:
+            grid = (2 * locations.to(dtype) - 1).transpose(1, 2)
+            samples = _sampled(image, grid.reshape(N * M, Lq, P, 2))  # (N M, D, Lq, P)
         weights = weights.to(dtype).transpose(1, 2)
         output = output + (samples * weights.reshape(N * M, 1, Lq, P)).sum(dim=-1)
     output = output.view(N, M, D, Lq).permute(0, 3, 1, 2).reshape(N, Lq, M * D)
     return output.to(value.dtype)
+
+
+def _nearest_samples(image: Tensor, locations: Tensor, shape: Tensor) -> Tensor:
+    """Sampling "nearest" of one level (N M, D, H, W) at locations (N, Lq, M, P, 2), as
+    transformers' multi_scale_deformable_attention_v2 with method="discrete": each axis's pixel
+    (loc * size + 0.5) in the locations' dtype, converted to int64 (toward zero) and clamped
+    into the level; (N M, D, Lq, P) gathered by index. `shape` is the level's (H, W)."""
+    N, Lq, M, P, _ = locations.shape
+    width_height = shape.flip(0)
+    pixel = (locations * width_height.to(locations.dtype) + 0.5).to(torch.int64)
+    pixel = torch.minimum(pixel.clamp_min(0), width_height - 1)
+    index = (pixel[..., 1] * width_height[0] + pixel[..., 0]).transpose(1, 2)  # (N, M, Lq, P)
+    flat = image.flatten(2)  # (N M, D, H W)
+    index = index.reshape(N * M, 1, Lq * P).expand(-1, flat.shape[1], -1)
+    return flat.gather(2, index).reshape(N * M, flat.shape[1], Lq, P)
 
 
 def table() -> Dict[Any, Callable]:

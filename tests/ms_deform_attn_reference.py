@@ -11,12 +11,13 @@ DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 
 
 def ms_deform_attn_reference(value, spatial_shapes, level_start_index, sampling_locations,
-                             attention_weights, points_per_level=None):
+                             attention_weights, points_per_level=None, sampling="bilinear"):
     """The op's definition written out: each level of each head sampled by grid_sample on
     2 * loc - 1 (align_corners=False, zeros outside), weighted, and summed over the levels and
     points. With points_per_level, level l's points are its stretch of the sample axis of
-    sampling_locations (N, Lq, M, sum, 2) and attention_weights (N, Lq, M, sum). Differentiable
-    in every floating operand."""
+    sampling_locations (N, Lq, M, sum, 2) and attention_weights (N, Lq, M, sum). Sampling
+    "nearest" reads each sample's pixel (nearest_rows) instead. Differentiable in every floating
+    operand (the locations of nearest sampling take no part in the graph)."""
     N, S, M, D = value.shape
     Lq = sampling_locations.shape[1]
     if points_per_level is None:
@@ -28,15 +29,30 @@ def ms_deform_attn_reference(value, spatial_shapes, level_start_index, sampling_
     first = 0
     for (H, W), start, P in zip(spatial_shapes.tolist(), level_start_index.tolist(),
                                 points_per_level):
-        image = value[:, start:start + H * W].permute(0, 2, 3, 1).reshape(N * M, D, H, W)
-        grid = 2 * sampling_locations[:, :, :, first:first + P] - 1  # (N, Lq, M, P, 2)
-        grid = grid.transpose(1, 2).reshape(N * M, Lq, P, 2)
-        sampled = F.grid_sample(image, grid, mode="bilinear", padding_mode="zeros",
-                                align_corners=False)  # (N * M, D, Lq, P)
+        locations = sampling_locations[:, :, :, first:first + P]  # (N, Lq, M, P, 2)
+        if sampling == "nearest":
+            rows = nearest_rows(locations, H, W, start)
+            picked = value[torch.arange(N).view(N, 1, 1, 1), rows,
+                           torch.arange(M).view(1, 1, M, 1)]  # (N, Lq, M, P, D)
+            sampled = picked.permute(0, 2, 4, 1, 3).reshape(N * M, D, Lq, P)
+        else:
+            image = value[:, start:start + H * W].permute(0, 2, 3, 1).reshape(N * M, D, H, W)
+            grid = (2 * locations - 1).transpose(1, 2).reshape(N * M, Lq, P, 2)
+            sampled = F.grid_sample(image, grid, mode="bilinear", padding_mode="zeros",
+                                    align_corners=False)  # (N * M, D, Lq, P)
         weights = attention_weights[:, :, :, first:first + P].transpose(1, 2)
         out = out + (sampled * weights.reshape(N * M, 1, Lq, P)).sum(-1)
         first += P
     return out.view(N, M, D, Lq).permute(0, 3, 1, 2).reshape(N, Lq, M * D)
+
+
+def nearest_rows(locations, height, width, start):
+    """transformers' method="discrete" (multi_scale_deformable_attention_v2): the pixel
+    int64(loc * size + 0.5) of each axis, in the locations' dtype, clamped into the level; as
+    rows of value's S."""
+    x = (locations[..., 0] * width + 0.5).to(torch.int64).clamp(0, width - 1)
+    y = (locations[..., 1] * height + 0.5).to(torch.int64).clamp(0, height - 1)
+    return start + y * width + x
 
 
 def levels_of(shapes):
@@ -73,6 +89,11 @@ def assert_requested_gradients(requested, grads, expected, dtype):
             assert_close_at(grad, full, dtype, f"{name} of {requested}")
         else:
             assert grad is None
+
+
+# The op's arguments after its tensors at their defaults (im2col_step, points_per_level,
+# sampling): what the backward op takes between them and output_mask.
+DEFAULT_OPTIONS = (64, [], "bilinear")
 
 
 def call(operands, im2col_step=64):

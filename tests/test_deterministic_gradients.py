@@ -129,7 +129,7 @@ def dcnv3_case(op, group=2, group_channels=8):
                 expected, "dcnv3.cuda.backward.input_gradient.image_chunks", map_per_image)
 
 
-def ms_deform_attn_case(heads=2, channels=8, points_per_level=None):
+def ms_deform_attn_case(heads=2, channels=8, points_per_level=None, sampling="bilinear"):
     # 24 queries, 4 points in each of two small levels (or points_per_level's): about 30
     # corners a pixel.
     value, shapes, starts, locations, weights = ms_deform_attn_reference.make_operands(
@@ -145,13 +145,20 @@ def ms_deform_attn_case(heads=2, channels=8, points_per_level=None):
     def backward(ops, dtype, requested, deterministic):
         v, loc, w = rounded(dtype)
         return ops.ms_deform_attn_backward(grad_output.to(dtype), v, shapes, starts, loc, w, 64,
-                                           points, list(requested), deterministic)
+                                           points, sampling, list(requested), deterministic)
 
     def expected(dtype):
-        leaves = [t.double().requires_grad_() for t in rounded(dtype)]
+        leaves = [t.double().detach().requires_grad_() for t in rounded(dtype)]
+        if sampling == "nearest":
+            # The pixels chosen in the locations' own dtype; no part in the graph.
+            leaves[1] = rounded(dtype)[1].detach()
         output = ms_deform_attn_reference.ms_deform_attn_reference(
-            leaves[0], shapes, starts, leaves[1], leaves[2], points_per_level)
-        return torch.autograd.grad(output, leaves, grad_output.to(dtype).double())
+            leaves[0], shapes, starts, leaves[1], leaves[2], points_per_level, sampling)
+        differentiated = [leaf for leaf in leaves if leaf.requires_grad]
+        grads = iter(torch.autograd.grad(output, differentiated,
+                                         grad_output.to(dtype).double()))
+        return [next(grads) if leaf.requires_grad else torch.zeros_like(leaf, dtype=torch.float64)
+                for leaf in leaves]
 
     samples = 2 * 4 if points_per_level is None else sum(points_per_level)
     return Case(("value", "sampling_locations", "attention_weights"),
@@ -168,7 +175,8 @@ CASES = {"deform_conv2d": deform_conv2d_case,
          "deform_conv2d-groups3-offset2": lambda: deform_conv2d_case(3, 2, 6),
          "dcnv3": lambda: dcnv3_case("dcnv3"), "dcnv4": lambda: dcnv3_case("dcnv4"),
          "ms_deform_attn": ms_deform_attn_case,
-         "ms_deform_attn-points-per-level": lambda: ms_deform_attn_case(points_per_level=[6, 3])}
+         "ms_deform_attn-points-per-level": lambda: ms_deform_attn_case(points_per_level=[6, 3]),
+         "ms_deform_attn-nearest": lambda: ms_deform_attn_case(sampling="nearest")}
 
 
 def under_each_order(emulated, run, orders=ORDERS, **settings):

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import deformconv
-from ms_deform_attn_reference import GRID, call, make_operands, ms_deform_attn_reference
+from ms_deform_attn_reference import (DEFAULT_OPTIONS, GRID, call, make_operands,
+                                      ms_deform_attn_reference)
 
 @pytest.mark.parametrize("shapes,heads,channels,points", GRID)
 def test_matches_reference_forward_and_gradients(shapes, heads, channels, points):
@@ -45,9 +46,9 @@ def test_gradcheck():
 def test_every_combination_of_requested_gradients(requested):
     operands = make_operands([(4, 5), (2, 2)], heads=2, channels=5, points=3)
     grad_output = torch.randn(2, 5, 10, dtype=torch.float64)
-    full = torch.ops.deformconv.ms_deform_attn_backward(grad_output, *operands, 64, [],
+    full = torch.ops.deformconv.ms_deform_attn_backward(grad_output, *operands, *DEFAULT_OPTIONS,
                                                         [True, True, True])
-    some = torch.ops.deformconv.ms_deform_attn_backward(grad_output, *operands, 64, [],
+    some = torch.ops.deformconv.ms_deform_attn_backward(grad_output, *operands, *DEFAULT_OPTIONS,
                                                         list(requested))
     for want, got, reference in zip(requested, some, full):
         if want:
@@ -68,10 +69,10 @@ def test_dtypes_against_float64(dtype, tolerance):
     out = call(operands)
     assert out.dtype == dtype
     torch.testing.assert_close(out.double(), call(exact), atol=tolerance, rtol=tolerance)
-    grads = torch.ops.deformconv.ms_deform_attn_backward(grad_output.to(dtype), *operands, 64, [],
-                                                         [True, True, True])
-    exact_grads = torch.ops.deformconv.ms_deform_attn_backward(grad_output, *exact, 64, [],
-                                                               [True, True, True])
+    grads = torch.ops.deformconv.ms_deform_attn_backward(grad_output.to(dtype), *operands,
+                                                         *DEFAULT_OPTIONS, [True, True, True])
+    exact_grads = torch.ops.deformconv.ms_deform_attn_backward(grad_output, *exact,
+                                                               *DEFAULT_OPTIONS, [True, True, True])
     for got, want in zip(grads, exact_grads):
         assert got.dtype == dtype
         scale = want.abs().max().item()
@@ -117,10 +118,10 @@ def test_infinite_values_in_rows_no_sample_reads_do_not_leak():
     out = call([poisoned, *operands])
     torch.testing.assert_close(out, call([clean, *operands]))
     grad_output = torch.randn_like(out)
-    grads = torch.ops.deformconv.ms_deform_attn_backward(grad_output, poisoned, *operands, 64, [],
-                                                         [True, True, True])
+    grads = torch.ops.deformconv.ms_deform_attn_backward(grad_output, poisoned, *operands,
+                                                         *DEFAULT_OPTIONS, [True, True, True])
     clean_grads = torch.ops.deformconv.ms_deform_attn_backward(grad_output, clean, *operands,
-                                                               64, [], [True, True, True])
+                                                               *DEFAULT_OPTIONS, [True, True, True])
     for got, want in zip(grads, clean_grads):
         torch.testing.assert_close(got, want)
 
@@ -135,7 +136,7 @@ def test_cpu_backward_is_deterministic_across_threads():
         for threads in (1, 2, 3):
             torch.set_num_threads(threads)
             results.append(torch.ops.deformconv.ms_deform_attn_backward(
-                grad_output, *operands, 64, [], [True, True, True]))
+                grad_output, *operands, *DEFAULT_OPTIONS, [True, True, True]))
     finally:
         torch.set_num_threads(before)
     for other in results[1:]:

@@ -9,8 +9,8 @@ import torch
 import deformconv
 from branching import (assert_close_at, branch_trace, channel_loops, cuda_lane_paths, misaligned,
                        opmath_bytes, requested_subsets, vector_bytes)
-from ms_deform_attn_reference import (DTYPES, assert_requested_gradients, call, make_operands,
-                                      ms_deform_attn_reference)
+from ms_deform_attn_reference import (DEFAULT_OPTIONS, DTYPES, assert_requested_gradients, call,
+                                      make_operands, ms_deform_attn_reference)
 
 LANES = 8  # kLanes of csrc/cpu/cpu_loops.h
 CPU_BRANCHES = ("ms_deform_attn.cpu.scatter.", "ms_deform_attn.cpu.dots.")
@@ -38,7 +38,7 @@ def test_cpu_backward_channel_loops(cpu_copy, channels, dtype):
         with branch_trace() as taken:
             grads = torch.ops.deformconv.ms_deform_attn_backward(
                 grad_output.to(dtype), rounded[0], operands[1], operands[2], rounded[1],
-                rounded[2], 64, [], list(requested))
+                rounded[2], *DEFAULT_OPTIONS, list(requested))
         names = set()
         if requested[0]:
             names |= channel_loops("ms_deform_attn.cpu.scatter", channels,
@@ -81,15 +81,16 @@ def test_emulated_levels_checked_once_while_unmodified(emulated, change):
     UNSEEN_CHANGES[change](shapes, starts)
     out = emulated.ms_deform_attn(*operands, 64)
     grad_output = torch.randn(out.shape, dtype=torch.float64)
-    grads = emulated.ms_deform_attn_backward(grad_output, *operands, 64, [], [True, True, True])
+    grads = emulated.ms_deform_attn_backward(grad_output, *operands, *DEFAULT_OPTIONS,
+                                             [True, True, True])
     # Level 1 read as empty: the op on the valid levels with level 1's weights zero, and no
     # gradient for level 1's samples.
     without = weights.clone()
     without[:, :, :, 1] = 0
     reference = (value, valid_shapes, valid_starts, locations, without)
     torch.testing.assert_close(out, call(reference))
-    expected = torch.ops.deformconv.ms_deform_attn_backward(grad_output, *reference, 64, [],
-                                                            [True, True, True])
+    expected = torch.ops.deformconv.ms_deform_attn_backward(grad_output, *reference,
+                                                            *DEFAULT_OPTIONS, [True, True, True])
     torch.testing.assert_close(grads[0], expected[0])
     for grad, full in zip(grads[1:], expected[1:]):
         assert grad[:, :, :, 1].abs().max() == 0
@@ -157,8 +158,8 @@ def test_emulated_cuda_paths(emulated, channels, aligned, dtype):
     expected = call(exact)
     grad_output = torch.randn(expected.shape, generator=torch.Generator().manual_seed(1),
                               dtype=torch.float64)
-    expected_grads = torch.ops.deformconv.ms_deform_attn_backward(grad_output, *exact, 64, [],
-                                                                  [True, True, True])
+    expected_grads = torch.ops.deformconv.ms_deform_attn_backward(
+        grad_output, *exact, *DEFAULT_OPTIONS, [True, True, True])
     samples = 3 * points
     with branch_trace(emulated) as taken:
         out = emulated.ms_deform_attn(*cuda_operands, 64)
@@ -168,8 +169,8 @@ def test_emulated_cuda_paths(emulated, channels, aligned, dtype):
     backward = expected_cuda_branches(channels, dtype, samples, aligned, backward=True)
     for requested in requested_subsets(3):
         with branch_trace(emulated) as taken:
-            grads = emulated.ms_deform_attn_backward(grad_output.to(dtype), *cuda_operands, 64, [],
-                                                     list(requested))
+            grads = emulated.ms_deform_attn_backward(grad_output.to(dtype), *cuda_operands,
+                                                     *DEFAULT_OPTIONS, list(requested))
         kernel = {"ms_deform_attn.cuda.backward.value_gradient"} if requested[0] else set()
         if any(requested[1:]):
             kernel.add("ms_deform_attn.cuda.backward.location_weight_gradients")

@@ -9,7 +9,7 @@ import torch
 
 import deformconv
 from branching import assert_close_at
-from ms_deform_attn_reference import GRID, make_operands
+from ms_deform_attn_reference import DEFAULT_OPTIONS, GRID, make_operands
 
 needs_cuda = pytest.mark.skipif(
     not (torch.cuda.is_available() and deformconv.cuda_compiled()),
@@ -30,13 +30,13 @@ def test_cuda_matches_cpu(shapes, heads, channels, points, dtype):
     expected = deformconv.ms_deform_attn(*exact)
     grad_output = torch.randn(expected.shape, generator=torch.Generator().manual_seed(2),
                               dtype=torch.float64)
-    expected_grads = torch.ops.deformconv.ms_deform_attn_backward(grad_output, *exact, 64, [],
-                                                                  [True, True, True])
+    expected_grads = torch.ops.deformconv.ms_deform_attn_backward(
+        grad_output, *exact, *DEFAULT_OPTIONS, [True, True, True])
     on_gpu = [low[0].cuda(), spatial_shapes.cuda(), starts.cuda(), low[1].cuda(),
               low[2].cuda()]
     out = deformconv.ms_deform_attn(*on_gpu)
     grads = torch.ops.deformconv.ms_deform_attn_backward(grad_output.to(dtype).cuda(), *on_gpu,
-                                                         64, [], [True, True, True])
+                                                         *DEFAULT_OPTIONS, [True, True, True])
     assert out.dtype == dtype and out.is_cuda
     assert_close_at(out.cpu(), expected, dtype, "output")
     for name, grad, full in zip(("value", "sampling_locations", "attention_weights"), grads,

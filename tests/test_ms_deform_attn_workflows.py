@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import deformconv
-from ms_deform_attn_reference import call, make_operands
+from ms_deform_attn_reference import DEFAULT_OPTIONS, call, make_operands
 
 pytestmark = pytest.mark.workflows
 
@@ -23,7 +23,7 @@ def test_opcheck_backward(output_mask):
     operands = make_operands([(4, 5), (2, 2)], dtype=torch.float32)
     grad_output = torch.randn_like(deformconv.ms_deform_attn(*operands))
     torch.library.opcheck(torch.ops.deformconv.ms_deform_attn_backward.default,
-                          (grad_output, *operands, 64, [], list(output_mask)))
+                          (grad_output, *operands, *DEFAULT_OPTIONS, list(output_mask)))
 
 
 def test_torch_compile_fullgraph_and_export():

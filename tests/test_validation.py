@@ -7,6 +7,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import deformconv
+from ms_deform_attn_reference import DEFAULT_OPTIONS
 
 OP = torch.ops.deformconv.deform_conv2d.default
 
@@ -111,7 +112,8 @@ def backward_calls_with_mask(mask):
     x = torch.randn(1, 5, 5, 8)
     return {
         "ms_deform_attn_backward": lambda: torch.ops.deformconv.ms_deform_attn_backward(
-            torch.randn(1, 3, 8), value, shapes, starts, locations, weights, 64, [], mask),
+            torch.randn(1, 3, 8), value, shapes, starts, locations, weights, *DEFAULT_OPTIONS,
+            mask),
         "dcnv3_backward": lambda: torch.ops.deformconv.dcnv3_backward(
             torch.randn(1, 5, 5, 8), x, torch.randn(1, 5, 5, 36), torch.rand(1, 5, 5, 18),
             *geometry, mask),

@@ -75,7 +75,8 @@ def ms_deform_attn_calls():
                               device="cuda")
     return [("ms_deform_attn float32 forward", lambda: ops.ms_deform_attn(*operands, 64)),
             ("ms_deform_attn float32 backward",
-             lambda: ops.ms_deform_attn_backward(grad_output, *operands, 64, [], [True] * 3))]
+             lambda: ops.ms_deform_attn_backward(grad_output, *operands, 64, [], "bilinear",
+                                                 [True] * 3))]
 
 
 def main():

@@ -17,9 +17,12 @@
 
 #include <torch/headeronly/macros/Macros.h>
 
+#include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "bilinear_sampling.cuh"
+#include "scalar_types.h"
 
 namespace deformconv {
 
@@ -40,6 +43,8 @@ struct MsDeformAttnGeometry {
   int64_t points;  // P where not listed
   bool listed;
   int64_t level_first[kMaxListedLevels + 1];
+  // Sampling "nearest" (ms_deform_attn_nearest_pixel) rather than bilinear.
+  bool nearest;
 
   // Samples of one (query, head): each level's points in turn.
   C10_HOST_DEVICE int64_t head_samples() const {
@@ -96,6 +101,64 @@ C10_HOST_DEVICE inline void ms_deform_attn_position(opmath_t loc_x, opmath_t loc
                                                     opmath_t& x) {
   x = loc_x * static_cast<opmath_t>(level.width) - opmath_t(0.5);
   y = loc_y * static_cast<opmath_t>(level.height) - opmath_t(0.5);
+}
+
+// Sampling "nearest", transformers' multi_scale_deformable_attention_v2 with
+// method="discrete" (RT-DETRv2, DEIM): along an axis of `size` pixels, the pixel
+// (int64)(loc * size + 0.5), clamped to [0, size - 1], the product and the sum rounded to
+// scalar_t as the original's tensor arithmetic rounds them (float16's and bfloat16's exactly:
+// their products and sums are exact in float32, then rounded once). The conversion truncates
+// toward zero; NaN takes pixel 0. The sample is then the bilinear one at that pixel's integer
+// position, (y, x) = the pixel, whose cell has all its weight at its top-left corner; its
+// location gets no gradient.
+// a * b rounded, never fused with an addition that follows: compilers contract a * b + c into
+// one fused multiply-add by default (GCC on x86 and aarch64, nvcc), which rounds once and can
+// put loc * size + 0.5 on the other side of an integer. fma(a, b, 0) is the product rounded
+// once; on a GPU, the intrinsics that are never contracted.
+template <typename opmath_t>
+C10_HOST_DEVICE inline opmath_t rounded_product(opmath_t a, opmath_t b) {
+#if defined(__CUDA_ARCH__)
+  if constexpr (std::is_same_v<opmath_t, double>) {
+    return __dmul_rn(a, b);
+  } else {
+    return __fmul_rn(a, b);
+  }
+#else
+  return std::fma(a, b, opmath_t(0));
+#endif
+}
+
+template <typename scalar_t>
+C10_HOST_DEVICE inline int64_t ms_deform_attn_nearest_pixel(scalar_t loc, int64_t size) {
+  using opmath_t = opmath_type<scalar_t>;
+  const opmath_t extent = static_cast<opmath_t>(static_cast<scalar_t>(size));
+  const scalar_t product =
+      static_cast<scalar_t>(rounded_product(static_cast<opmath_t>(loc), extent));
+  const opmath_t shifted =
+      static_cast<opmath_t>(static_cast<scalar_t>(static_cast<opmath_t>(product) + opmath_t(0.5)));
+  if (!(shifted >= opmath_t(1))) {
+    return 0;
+  }
+  if (shifted >= static_cast<opmath_t>(size)) {
+    return size - 1;
+  }
+  return static_cast<int64_t>(shifted);
+}
+
+// The sample's position in its level's pixel coordinates for the op's sampling: bilinear's
+// (ms_deform_attn_position), or the nearest pixel's (ms_deform_attn_nearest_pixel).
+template <typename scalar_t, typename opmath_t>
+C10_HOST_DEVICE inline void ms_deform_attn_sample_position(const MsDeformAttnGeometry& g,
+                                                           scalar_t loc_x, scalar_t loc_y,
+                                                           const MsDeformAttnLevel& level,
+                                                           opmath_t& y, opmath_t& x) {
+  if (g.nearest) {
+    x = static_cast<opmath_t>(ms_deform_attn_nearest_pixel(loc_x, level.width));
+    y = static_cast<opmath_t>(ms_deform_attn_nearest_pixel(loc_y, level.height));
+  } else {
+    ms_deform_attn_position(static_cast<opmath_t>(loc_x), static_cast<opmath_t>(loc_y), level, y,
+                            x);
+  }
 }
 
 // Index of sample (n, q, m, s) in attention_weights, s = first_sample(l) + p over (N, Lq, M,

@@ -6,6 +6,7 @@
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "../common/bilinear_sampling.cuh"
@@ -188,9 +189,11 @@ void check_points_per_level(const std::vector<int64_t>& points_per_level, int64_
   }
 }
 
-// The launchers' layout of the samples: P points on every level, or a count per level.
-void record_points_layout(const MsDeformAttnGeometry& g) {
+// The launchers' layout of the samples (P points on every level, or a count per level) and
+// their sampling.
+void record_samples(const MsDeformAttnGeometry& g) {
   record_branch(g.listed ? "ms_deform_attn.points.per_level" : "ms_deform_attn.points.every_level");
+  record_branch(g.nearest ? "ms_deform_attn.sampling.nearest" : "ms_deform_attn.sampling.bilinear");
 }
 
 }  // namespace
@@ -199,7 +202,7 @@ MsDeformAttnGeometry check_ms_deform_attn_arguments(
     const std::optional<Tensor>& grad_output, const Tensor& value, const Tensor& spatial_shapes,
     const Tensor& level_start_index, const Tensor& sampling_locations,
     const Tensor& attention_weights, int64_t im2col_step,
-    const std::vector<int64_t>& points_per_level) {
+    const std::vector<int64_t>& points_per_level, const std::string& sampling) {
   DEFORMCONV_CHECK_ARGUMENT(is_op_dtype(value.scalar_type()), kOp,
                             ": expected value to have a floating point dtype (float16, bfloat16, "
                             "float32 or float64), but got ",
@@ -226,6 +229,10 @@ MsDeformAttnGeometry check_ms_deform_attn_arguments(
   g.heads = M;
   g.channels = D;
   g.levels = levels;
+  DEFORMCONV_CHECK_ARGUMENT(sampling == "bilinear" || sampling == "nearest", kOp,
+                            ": expected sampling to be \"bilinear\" or \"nearest\", but got \"",
+                            sampling, "\"");
+  g.nearest = sampling == "nearest";
   g.listed = !points_per_level.empty();
   if (g.listed) {
     check_points_per_level(points_per_level, levels, g);
@@ -270,10 +277,11 @@ MsDeformAttnGeometry check_ms_deform_attn_arguments(
 Tensor ms_deform_attn_forward(const MsDeformAttnLaunchers& launchers, const Tensor& value,
                               const Tensor& spatial_shapes, const Tensor& level_start_index,
                               const Tensor& sampling_locations, const Tensor& attention_weights,
-                              int64_t im2col_step, const std::vector<int64_t>& points_per_level) {
+                              int64_t im2col_step, const std::vector<int64_t>& points_per_level,
+                              const std::string& sampling) {
   const MsDeformAttnGeometry g = check_ms_deform_attn_arguments(
       std::nullopt, value, spatial_shapes, level_start_index, sampling_locations,
-      attention_weights, im2col_step, points_per_level);
+      attention_weights, im2col_step, points_per_level, sampling);
   Tensor output = new_contiguous(value, {g.batch, g.queries, g.heads * g.channels});
   if (output.numel() == 0) {
     return output;
@@ -282,7 +290,7 @@ Tensor ms_deform_attn_forward(const MsDeformAttnLaunchers& launchers, const Tens
     // No samples: every query's sum is empty.
     return torch::stable::zero_(output);
   }
-  record_points_layout(g);
+  record_samples(g);
   launchers.forward(g, as_contiguous(value), as_contiguous(spatial_shapes),
                     as_contiguous(level_start_index), as_contiguous(sampling_locations),
                     as_contiguous(attention_weights), output);
@@ -293,12 +301,12 @@ std::tuple<Tensor, Tensor, Tensor> ms_deform_attn_backward(
     const MsDeformAttnLaunchers& launchers, const Tensor& grad_output, const Tensor& value,
     const Tensor& spatial_shapes, const Tensor& level_start_index, const Tensor& sampling_locations,
     const Tensor& attention_weights, int64_t im2col_step,
-    const std::vector<int64_t>& points_per_level, const std::vector<bool>& output_mask,
-    bool deterministic) {
+    const std::vector<int64_t>& points_per_level, const std::string& sampling,
+    const std::vector<bool>& output_mask, bool deterministic) {
   check_output_mask("ms_deform_attn_backward()", output_mask, 3);
   const MsDeformAttnGeometry g = check_ms_deform_attn_arguments(
       grad_output, value, spatial_shapes, level_start_index, sampling_locations,
-      attention_weights, im2col_step, points_per_level);
+      attention_weights, im2col_step, points_per_level, sampling);
   const bool want_value = output_mask[0], want_locations = output_mask[1],
              want_weights = output_mask[2];
   // Contiguous whatever the operands' strides: the launchers index them so.
@@ -320,7 +328,7 @@ std::tuple<Tensor, Tensor, Tensor> ms_deform_attn_backward(
     }
     return {grad_value, grad_locations, grad_weights};
   }
-  record_points_layout(g);
+  record_samples(g);
   launchers.gradients(g, as_contiguous(grad_output), as_contiguous(value),
                       as_contiguous(spatial_shapes), as_contiguous(level_start_index),
                       as_contiguous(sampling_locations), as_contiguous(attention_weights),

@@ -93,12 +93,21 @@ class LevelSamples {
         for (int64_t p = 0; p < points; ++p) {
           const int64_t sample = sample_index(group, l, p);
           const int64_t j = group * points + p;
-          level.dx[j] = static_cast<opmath_t>(locations[2 * sample]) * width;
-          level.dy[j] = static_cast<opmath_t>(locations[2 * sample + 1]) * height;
+          if (g.nearest) {
+            level.dx[j] = static_cast<opmath_t>(
+                ms_deform_attn_nearest_pixel(locations[2 * sample], levels[l].width));
+            level.dy[j] = static_cast<opmath_t>(
+                ms_deform_attn_nearest_pixel(locations[2 * sample + 1], levels[l].height));
+          } else {
+            level.dx[j] = static_cast<opmath_t>(locations[2 * sample]) * width;
+            level.dy[j] = static_cast<opmath_t>(locations[2 * sample + 1]) * height;
+          }
           level.m[j] = static_cast<opmath_t>(weights[sample]);
         }
       }
-      level.locate(per_level_[l], opmath_t(-0.5), opmath_t(-0.5), opmath_t(1));
+      // Bilinear: x = loc_x * W - 0.5; nearest: the pixel itself.
+      const opmath_t base = g.nearest ? opmath_t(0) : opmath_t(-0.5);
+      level.locate(per_level_[l], base, base, opmath_t(1));
     }
   }
 
@@ -284,7 +293,10 @@ void backward_heads(
             // over the channels; the position is loc * W - 0.5, so d/d(loc_x) = W d/dx.
             const OffsetMaskGradSums<opmath_t> sums = offset_mask_grad_sums_of_dots(cell, dot);
             const opmath_t attention = located.mask(j);
-            if (grad_locations != nullptr) {
+            if (grad_locations != nullptr && g.nearest) {
+              // A nearest pixel is a step function of the location: no gradient.
+              grad_locations[2 * sample] = grad_locations[2 * sample + 1] = scalar_t(0);
+            } else if (grad_locations != nullptr) {
               grad_locations[2 * sample] = static_cast<scalar_t>(
                   attention * sums.x * static_cast<opmath_t>(levels[l].width));
               grad_locations[2 * sample + 1] = static_cast<scalar_t>(

@@ -84,8 +84,8 @@ __device__ inline int stage_round(const MsDeformAttnGeometry& g, const LaneTilin
       level = {1, 1, 0};
     }
     opmath_t y, x;
-    ms_deform_attn_position(static_cast<opmath_t>(locations[2 * index]),
-                            static_cast<opmath_t>(locations[2 * index + 1]), level, y, x);
+    ms_deform_attn_sample_position(g, locations[2 * index], locations[2 * index + 1], level, y,
+                                   x);
     if (!fits) {
       // Outside (-1, 1) x (-1, 1): no corner is read, and the sample has no gradients.
       y = x = opmath_t(-2);
@@ -245,17 +245,19 @@ __global__ void ms_deform_attn_backward_kernel(MsDeformAttnGeometry g, LaneTilin
             const int64_t sample = first + k;
             const int64_t index = item * g.head_samples() + sample;
             const int64_t l = g.level_of(sample);
-            // Outside its level (no corner inside) a sample has no gradients.
+            // Outside its level (no corner inside) a sample has no gradients; a nearest
+            // pixel's location none either (a step function of it).
             const bool inside = s.sample.corners != 0;
+            const bool moves = inside && !g.nearest;
             const OffsetMaskGradSums<opmath_t> sums = offset_mask_grad_sums_of_dots(
                 s.sample.ly, s.sample.lx, dots[0], dots[1], dots[2], dots[3]);
             if (grad_locations != nullptr) {
               // The position is loc * W - 0.5: d/d(loc_x) = W d/dx.
               const opmath_t attention = s.sample.mask;
               grad_locations[2 * index] = static_cast<scalar_t>(
-                  inside ? attention * sums.x * static_cast<opmath_t>(shapes[2 * l + 1]) : 0);
+                  moves ? attention * sums.x * static_cast<opmath_t>(shapes[2 * l + 1]) : 0);
               grad_locations[2 * index + 1] = static_cast<scalar_t>(
-                  inside ? attention * sums.y * static_cast<opmath_t>(shapes[2 * l]) : 0);
+                  moves ? attention * sums.y * static_cast<opmath_t>(shapes[2 * l]) : 0);
             }
             if (grad_weights != nullptr) {
               grad_weights[index] = static_cast<scalar_t>(inside ? sums.m : 0);

@@ -45,8 +45,9 @@ constexpr bool is_optional_tensor_argument =
 
 // The signatures in libtorch's C++ types, for the typed handles: a description's signatures in
 // the stable ABI's types (torch::stable::Tensor, std::vector<bool> for the output mask,
-// std::vector<int64_t> for an int[] or SymInt[]) mapped to the dispatcher's (at::Tensor,
-// std::array<bool, N>, c10::IntArrayRef); the others unchanged.
+// std::vector<int64_t> for an int[] or SymInt[], std::string for a str) mapped to the
+// dispatcher's (at::Tensor, std::array<bool, N>, c10::IntArrayRef, c10::string_view); the
+// others unchanged.
 namespace op_handles_detail {
 
 template <typename Op, typename Type>
@@ -77,6 +78,11 @@ struct Libtorch<Op, const std::vector<bool>&> {
 template <typename Op>
 struct Libtorch<Op, const std::vector<int64_t>&> {
   using type = c10::IntArrayRef;
+};
+
+template <typename Op>
+struct Libtorch<Op, const std::string&> {
+  using type = c10::string_view;
 };
 
 template <typename Op, typename... Types>

@@ -20,6 +20,7 @@ def ms_deform_attn(
     attention_weights: Tensor,
     im2col_step: int = 64,
     points_per_level: Optional[List[int]] = None,
+    sampling: str = "bilinear",
 ) -> Tensor:
     r"""Multi-scale deformable attention, with the arguments of Deformable DETR's
     ``MSDeformAttnFunction.apply`` and mmcv's ``MultiScaleDeformableAttnFunction.apply``.
@@ -47,6 +48,10 @@ def ms_deform_attn(
             D-FINE's and DEIMv2's decoders; transformers' ``num_points_list``), or None for P on
             every level. With a list, sampling_locations is (N, Lq, M, sum(points_per_level), 2)
             and attention_weights (N, Lq, M, sum(points_per_level)), level 0's points first.
+        sampling: ``"bilinear"``, or ``"nearest"``: transformers'
+            ``multi_scale_deformable_attention_v2(..., method="discrete")`` (RT-DETRv2, DEIM),
+            each axis's pixel ``int64(loc * W + 0.5)`` clamped into the level, the locations
+            getting no gradient (value and attention_weights do).
 
     Returns:
         (N, Lq, M * D).
@@ -57,34 +62,36 @@ def ms_deform_attn(
         if _in_onnx_export():
             return decompositions.ms_deform_attn(value, spatial_shapes, level_start_index,
                                                  sampling_locations, attention_weights,
-                                                 im2col_step, points)
+                                                 im2col_step, points, sampling)
     return torch.ops.deformconv.ms_deform_attn(value, spatial_shapes, level_start_index,
                                                sampling_locations, attention_weights,
-                                               im2col_step, points)
+                                               im2col_step, points, sampling)
 
 
 @torch.library.register_fake("deformconv::ms_deform_attn")
 def _ms_deform_attn_fake(value, spatial_shapes, level_start_index, sampling_locations,
-                         attention_weights, im2col_step, points_per_level=()):
+                         attention_weights, im2col_step, points_per_level=(),
+                         sampling="bilinear"):
     # The checks read the levels' sizes and starts on real tensors only; on the meta copies,
     # the shapes and dtypes. The real kernel checks the sizes against value.
     return _fake_output(
         "ms_deform_attn",
         dict(value=value, spatial_shapes=spatial_shapes, level_start_index=level_start_index,
              sampling_locations=sampling_locations, attention_weights=attention_weights),
-        (im2col_step, list(points_per_level)),
+        (im2col_step, list(points_per_level), sampling),
         lambda: (value.shape[0], sampling_locations.shape[1], value.shape[2] * value.shape[3]))
 
 
 @torch.library.register_fake("deformconv::ms_deform_attn_backward")
 def _ms_deform_attn_backward_fake(grad_output, value, spatial_shapes, level_start_index,
                                   sampling_locations, attention_weights, im2col_step,
-                                  points_per_level, output_mask, deterministic=False):
+                                  points_per_level, sampling, output_mask,
+                                  deterministic=False):
     return _fake_gradients(
         "ms_deform_attn", grad_output,
         dict(value=value, spatial_shapes=spatial_shapes, level_start_index=level_start_index,
              sampling_locations=sampling_locations, attention_weights=attention_weights),
-        (im2col_step, list(points_per_level)),
+        (im2col_step, list(points_per_level), sampling),
         [lambda t=t: torch.empty_like(t, memory_format=torch.contiguous_format)
          for t in (value, sampling_locations, attention_weights)],
         output_mask)
