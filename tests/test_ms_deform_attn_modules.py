@@ -183,10 +183,11 @@ def test_msdeformattn_compiles_fullgraph():
 
 
 def listed_attention(state, heads, points_per_level, query, reference_points, values,
-                     spatial_shapes, level_start_index, padding_mask=None):
+                     spatial_shapes, level_start_index, padding_mask=None, sampling="bilinear"):
     """originals_attention with a count of points per level (D-FINE's decoder), written out
     level by level: a level's stretch of the offsets placed on its pixels or box (a box's
-    offsets divided by the level's count), the reference op with points_per_level."""
+    offsets divided by the level's count), the reference op with points_per_level and
+    `sampling`."""
     N, Lq, _ = query.shape
     value = F.linear(values, state["value_proj.weight"], state["value_proj.bias"])
     if padding_mask is not None:
@@ -209,27 +210,30 @@ def listed_attention(state, heads, points_per_level, query, reference_points, va
                              + level_offsets / points * reference[..., 2:] / 2)
         first += points
     sampled = ms_deform_attn_reference(value, spatial_shapes, level_start_index,
-                                       torch.cat(locations, 3), weights, points_per_level)
+                                       torch.cat(locations, 3), weights, points_per_level,
+                                       sampling)
     return F.linear(sampled, state["output_proj.weight"], state["output_proj.bias"])
 
 
+@pytest.mark.parametrize("sampling", ["bilinear", "nearest"])
 @pytest.mark.parametrize("box", [False, True], ids=["points", "boxes"])
-def test_points_per_level_in_both_modules(box):
+def test_points_per_level_in_both_modules(box, sampling):
     """A list of points per level (D-FINE's [3, 6, 3]-style counts, a level of none among
-    them): the state_dict's shapes hold the counts' sum, and both modules give the attention
-    written out level by level."""
+    them), each sampling: the state_dict's shapes hold the counts' sum, and both modules give
+    the attention written out level by level."""
     points = [3, 6, 0, 2]
     state = originals_state_dict(16, 2, 1, sum(points))
     query, reference, values, shapes, starts, padding = inputs(box=box)
     expected = listed_attention(state, 2, points, query, reference, values, shapes, starts,
-                                padding)
-    module = deformconv.MSDeformAttn(d_model=16, n_levels=4, n_heads=2, n_points=points)
+                                padding, sampling)
+    module = deformconv.MSDeformAttn(d_model=16, n_levels=4, n_heads=2, n_points=points,
+                                     sampling=sampling)
     module.load_state_dict(state, strict=True)
     torch.testing.assert_close(module(query, reference, values, shapes, starts, padding),
                                expected)
     mmcv_style = deformconv.MultiScaleDeformableAttention(
         embed_dims=16, num_heads=2, num_levels=4, num_points=points, dropout=0.0,
-        batch_first=True)
+        batch_first=True, sampling=sampling)
     mmcv_style.load_state_dict(state, strict=True)
     out = mmcv_style(query, value=values, identity=torch.zeros_like(query),
                      key_padding_mask=padding, reference_points=reference,
@@ -265,3 +269,25 @@ def test_bad_points_per_level_are_refused(points):
     with pytest.raises(ValueError, match="expected the points to be an int or 4 counts of at "
                                          "least 0, one per level"):
         deformconv.MSDeformAttn(d_model=16, n_levels=4, n_heads=2, n_points=points)
+
+
+def test_nearest_sampling_with_points_on_every_level():
+    """sampling="nearest" with an int of points: the originals' forward on the reference op's
+    nearest pixels."""
+    state = originals_state_dict(16, 2, 4, 3)
+    query, reference, values, shapes, starts, padding = inputs(box=True)
+    module = deformconv.MSDeformAttn(d_model=16, n_levels=4, n_heads=2, n_points=3,
+                                     sampling="nearest")
+    module.load_state_dict(state, strict=True)
+    expected = listed_attention(state, 2, [3] * 4, query, reference, values, shapes, starts,
+                                padding, "nearest")
+    torch.testing.assert_close(module(query, reference, values, shapes, starts, padding),
+                               expected)
+
+
+def test_unknown_sampling_is_refused():
+    for make in (lambda: deformconv.MSDeformAttn(sampling="bicubic"),
+                 lambda: deformconv.MultiScaleDeformableAttention(sampling="bicubic")):
+        with pytest.raises(ValueError, match='expected sampling to be "bilinear" or "nearest", '
+                                             "but got 'bicubic'"):
+            make()

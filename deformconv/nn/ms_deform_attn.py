@@ -88,6 +88,12 @@ def _listed_sampling_locations(reference_points: Tensor, offsets: Tensor,
                      f"coordinates, but got shape {tuple(reference_points.shape)}")
 
 
+def _checked_sampling(sampling: str) -> str:
+    if sampling not in ("bilinear", "nearest"):
+        raise ValueError(f'expected sampling to be "bilinear" or "nearest", but got {sampling!r}')
+    return sampling
+
+
 def _init_attention(module: nn.Module, heads: int, points_per_level: Sequence[int]) -> None:
     """The originals' initialisation, the same in both: zero offset weights and the fanned-out
     offset bias, zero attention logits (uniform weights), Xavier projections with zero bias."""
@@ -103,7 +109,7 @@ def _init_attention(module: nn.Module, heads: int, points_per_level: Sequence[in
 
 def _attend(module: nn.Module, query: Tensor, values: Tensor, reference_points: Tensor,
             spatial_shapes: Tensor, level_start_index: Tensor, padding_mask: Optional[Tensor],
-            heads: int, points_per_level: List[int], listed: bool,
+            heads: int, points_per_level: List[int], listed: bool, sampling: str,
             im2col_step: int) -> Tensor:
     """Both originals' attention, batch first: the values projected (zero at padding) and split
     into heads, the offsets and softmax-ed weights from the query, the op (which checks the
@@ -121,14 +127,14 @@ def _attend(module: nn.Module, query: Tensor, values: Tensor, reference_points: 
         locations = _listed_sampling_locations(reference_points, offsets, spatial_shapes,
                                                points_per_level)
         output = ms_deform_attn(value, spatial_shapes, level_start_index, locations, weights,
-                                im2col_step, points_per_level)
+                                im2col_step, points_per_level, sampling)
     else:
         points = points_per_level[0]
         shape = (N, queries, heads, len(points_per_level), points)
         offsets = module.sampling_offsets(query).view(*shape, 2)
         locations = _sampling_locations(reference_points, offsets, spatial_shapes, points)
         output = ms_deform_attn(value, spatial_shapes, level_start_index, locations,
-                                weights.view(shape), im2col_step)
+                                weights.view(shape), im2col_step, None, sampling)
     return module.output_proj(output)
 
 
@@ -142,10 +148,12 @@ class MSDeformAttn(nn.Module):
         n_heads: attention heads.
         n_points: points sampled per head and level, or a list of them, one per level (as
             D-FINE's ``decoder_n_points``; the op's points_per_level).
+        sampling: the op's, ``"bilinear"`` or ``"nearest"`` (RT-DETRv2's and D-FINE's
+            ``method="discrete"``).
     """
 
     def __init__(self, d_model: int = 256, n_levels: int = 4, n_heads: int = 8,
-                 n_points: Union[int, Sequence[int]] = 4):
+                 n_points: Union[int, Sequence[int]] = 4, sampling: str = "bilinear"):
         super().__init__()
         if d_model % n_heads != 0:
             raise ValueError(f"expected d_model ({d_model}) to be a multiple of n_heads "
@@ -160,6 +168,7 @@ class MSDeformAttn(nn.Module):
         self.n_levels = n_levels
         self.n_heads = n_heads
         self.n_points = n_points
+        self.sampling = _checked_sampling(sampling)
         self.points_per_level = _points_per_level(n_points, n_levels)
         self.listed_points = not isinstance(n_points, int)
         samples = sum(self.points_per_level)
@@ -181,7 +190,8 @@ class MSDeformAttn(nn.Module):
         input_padding_mask (N, S), True where a pixel is padding. Returns (N, Lq, C)."""
         return _attend(self, query, input_flatten, reference_points, input_spatial_shapes,
                        input_level_start_index, input_padding_mask, self.n_heads,
-                       self.points_per_level, self.listed_points, self.im2col_step)
+                       self.points_per_level, self.listed_points, self.sampling,
+                       self.im2col_step)
 
 
 class MultiScaleDeformableAttention(nn.Module):
@@ -198,13 +208,15 @@ class MultiScaleDeformableAttention(nn.Module):
         dropout: dropout on the output, before the residual.
         batch_first: (batch, queries, channels) tensors rather than (queries, batch, channels).
         value_proj_ratio: the value projection's width, a fraction of embed_dims.
+        sampling: the op's, ``"bilinear"`` or ``"nearest"``.
     """
 
     def __init__(self, embed_dims: int = 256, num_heads: int = 8, num_levels: int = 4,
                  num_points: Union[int, Sequence[int]] = 4, im2col_step: int = 64,
                  dropout: float = 0.1,
                  batch_first: bool = False, norm_cfg: Optional[dict] = None,
-                 init_cfg: Optional[dict] = None, value_proj_ratio: float = 1.0):
+                 init_cfg: Optional[dict] = None, value_proj_ratio: float = 1.0,
+                 sampling: str = "bilinear"):
         super().__init__()
         if embed_dims % num_heads != 0:
             raise ValueError(f"expected embed_dims ({embed_dims}) to be a multiple of "
@@ -222,6 +234,7 @@ class MultiScaleDeformableAttention(nn.Module):
         self.num_levels = num_levels
         self.num_heads = num_heads
         self.num_points = num_points
+        self.sampling = _checked_sampling(sampling)
         self.points_per_level = _points_per_level(num_points, num_levels)
         self.listed_points = not isinstance(num_points, int)
         samples = sum(self.points_per_level)
@@ -259,7 +272,8 @@ class MultiScaleDeformableAttention(nn.Module):
             value = value.transpose(0, 1)
         output = _attend(self, query, value, reference_points, spatial_shapes,
                          level_start_index, key_padding_mask, self.num_heads,
-                         self.points_per_level, self.listed_points, self.im2col_step)
+                         self.points_per_level, self.listed_points, self.sampling,
+                         self.im2col_step)
         if not self.batch_first:
             output = output.transpose(0, 1)
         return self.dropout(output) + identity
