@@ -141,6 +141,37 @@ def test_benchmark_of_ms_deform_attn(tmp_path):
     assert "| 64² 32² 16² 8² | 300 | 8 × 32 | 4 |" in row and f"| {ratio:.1f}× |" in row
 
 
+def test_benchmark_of_points_per_level_against_transformers(tmp_path):
+    """D-FINE's decoder shape, [3, 6, 3] points in the op's flat layout, beside the
+    formulation and transformers' multi_scale_deformable_attention_v2."""
+    pytest.importorskip("transformers")
+    output = tmp_path / "bench.json"
+    assert main(["benchmark", "--shapes", "dfine-decoder", "--repeats", "1", "--warmup", "0",
+                 "--output", str(output), "--plot", ""]) == 0
+    result = json.loads(output.read_text())["results"][0]
+    assert result["shape"]["points_per_level"] == [3, 6, 3]
+    # Compulsory bytes: the locations and weights of 12 samples a (query, head).
+    N, S, Lq, M, D, L = 2, 80 * 80 + 40 * 40 + 20 * 20, 300, 8, 32, 3
+    forward = 4 * (N * S * M * D + N * Lq * M * 12 * 3 + N * Lq * M * D) + 8 * 3 * L
+    assert result["roofline"]["compulsory_bytes"]["ms_deform_attn forward"] == forward
+    for peer in ("grid_sample formulation", "transformers"):
+        assert result["agreement"][f"{peer} max abs difference"] < 1e-4
+        for measure in ("forward", "forward+backward"):
+            assert result["ratios"][f"{peer}/ms_deform_attn {measure}"] > 0
+    document = tmp_path / "performance.md"
+    document.write_text("<!-- table: bench.json msda -->\n<!-- end table -->\n")
+    assert main(["benchmark", "--report", str(document)]) == 0
+    row = next(line for line in document.read_text().split("\n")
+               if line.startswith("| dfine-decoder |"))
+    ratios = [result["ratios"][f"transformers/ms_deform_attn {measure}"]
+              for measure in ("forward", "forward+backward")]
+    fraction = result["roofline"]["fraction"]
+    assert "| 80² 40² 20² | 300 | 8 × 32 | [3, 6, 3] |" in row
+    assert row.endswith(f"| {ratios[0]:.1f}× / {ratios[1]:.1f}× | "
+                        f"{fraction['ms_deform_attn forward']:.1%} / "
+                        f"{fraction['ms_deform_attn forward+backward']:.1%} |")
+
+
 def test_benchmark_of_a_training_step(tmp_path):
     pytest.importorskip("torchvision")
     output = tmp_path / "training.json"

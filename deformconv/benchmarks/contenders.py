@@ -13,7 +13,7 @@ import torch.nn.functional as F
 import deformconv
 from deformconv import decompositions
 
-from .shapes import Dcnv3Shape, Shape, pack_offset_mask
+from .shapes import Dcnv3Shape, MsdaShape, Shape, pack_offset_mask
 
 def contenders(shape: Shape, tensors, im2col_step: int) -> Dict[str, Callable]:
     x, offset, weight, bias, mask = tensors
@@ -60,11 +60,34 @@ def dcnv3_contenders(shape: Dcnv3Shape, tensors) -> Dict[str, Tuple[Callable, li
     }
 
 
-def msda_contenders(tensors) -> Dict[str, Tuple[Callable, list]]:
+def msda_contenders(shape: MsdaShape, tensors) -> Dict[str, Tuple[Callable, list]]:
     """deformconv's op and the per-level grid_sample formulation that Deformable DETR's and
-    mmcv's pure-PyTorch fallbacks compute (deformconv.decompositions'), on the same operands."""
-    return {"ms_deform_attn": (deformconv.ms_deform_attn, tensors),
-            "grid_sample formulation": (decompositions.ms_deform_attn, tensors)}
+    mmcv's pure-PyTorch fallbacks compute (deformconv.decompositions'), on the same operands;
+    where transformers is installed, its multi_scale_deformable_attention_v2 (RT-DETRv2's,
+    D-FINE's and DEIMv2's; the same grid_sample steps, level by level) on the locations and
+    weights in the flat layout it takes."""
+    points = list(shape.points_per_level or [])
+    runs = {
+        "ms_deform_attn": (
+            lambda *operands: deformconv.ms_deform_attn(*operands, points_per_level=points or None),
+            tensors),
+        "grid_sample formulation": (
+            lambda *operands: decompositions.ms_deform_attn(*operands, 64, points), tensors),
+    }
+    try:
+        from transformers.models.d_fine.modeling_d_fine import multi_scale_deformable_attention_v2
+    except ImportError:
+        return runs
+    levels = [list(level) for level in shape.levels]
+
+    def transformers_v2(value, spatial_shapes, level_start_index, locations, weights):
+        N, Lq, M = locations.shape[:3]
+        return multi_scale_deformable_attention_v2(
+            value, levels, locations.reshape(N, Lq, M, -1, 2), weights.reshape(N, Lq, M, -1),
+            list(shape.level_points()), "default")
+
+    runs["transformers"] = (transformers_v2, tensors)
+    return runs
 
 
 def _onnxruntime_session(model):

@@ -161,14 +161,20 @@ def dcnv3_table(report: dict) -> List[str]:
 
 
 def msda_table(report: dict) -> List[str]:
-    """Multi-scale deformable attention against the grid_sample formulation; on a GPU, also
-    the share of the memory roofline it reaches."""
+    """Multi-scale deformable attention against the grid_sample formulation and, where it ran,
+    transformers' multi_scale_deformable_attention_v2; on a GPU, also the share of the memory
+    roofline it reaches."""
     results = [result for result in report["results"] if "levels" in result["shape"]]
     with_roofline = any("roofline" in result for result in results)
+    with_transformers = any("transformers forward" in result["median_seconds"]
+                            for result in results)
     header = ("| shape | N | levels | Lq | M × D | P | ours fwd / fwd+bwd (ms) | grid_sample fwd "
               "/ fwd+bwd (ms) | grid_sample / ours, fwd | grid_sample / ours, fwd+bwd | peak "
               "fwd MiB (ours / grid_sample) |")
     columns = 11
+    if with_transformers:
+        header += " transformers / ours, fwd / fwd+bwd |"
+        columns += 1
     if with_roofline:
         header += " DRAM roofline reached, fwd / fwd+bwd |"
         columns += 1
@@ -180,8 +186,10 @@ def msda_table(report: dict) -> List[str]:
         levels = " ".join(f"{height}²" if height == width else f"{height}×{width}"
                           for height, width in shape["levels"])
         queries = "S" if shape["queries"] is None else shape["queries"]
+        points = shape.get("points_per_level") or shape["points"]
+        points = points if isinstance(points, int) else "[" + ", ".join(map(str, points)) + "]"
         row = (f"| {shape['name']} | {shape['batch']} | {levels} | {queries} | "
-               f"{shape['heads']} × {shape['channels']} | {shape['points']} | "
+               f"{shape['heads']} × {shape['channels']} | {points} | "
                f"{medians[f'{ours} forward'] * 1e3:.2f} / "
                f"{medians[f'{ours} forward+backward'] * 1e3:.2f} | "
                f"{medians[f'{formulation} forward'] * 1e3:.2f} / "
@@ -189,6 +197,10 @@ def msda_table(report: dict) -> List[str]:
                f"{ratios[f'{formulation}/{ours} forward']:.1f}× | "
                f"{ratios[f'{formulation}/{ours} forward+backward']:.1f}× | "
                f"{_mib(peaks[ours], 1)} / {_mib(peaks[formulation], 1)} |")
+        if with_transformers:
+            row += (f" {ratios[f'transformers/{ours} forward']:.1f}× / "
+                    f"{ratios[f'transformers/{ours} forward+backward']:.1f}× |"
+                    if f"transformers/{ours} forward" in ratios else " – |")
         if with_roofline:
             fraction = result["roofline"]["fraction"]
             row += (f" {fraction[f'{ours} forward']:.1%} / "

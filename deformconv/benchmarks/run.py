@@ -71,6 +71,9 @@ def benchmark_against_formulation(shape, runs, ops, args, bandwidth: Optional[di
             ours = PEERS[name]
             result["ratios"][f"{name}/{ours} {phase}"] = (
                 medians[f"{name} {phase}"] / medians[f"{ours} {phase}"])
+        if "transformers" in runs:
+            result["ratios"][f"transformers/{ops[0]} {phase}"] = (
+                medians[f"transformers {phase}"] / medians[f"{ops[0]} {phase}"])
     for name, (run, inputs) in runs.items():
         result["peak_forward_bytes"][name] = peak_forward_bytes(run, inputs, args.device)
     grid_sample_peak = result["peak_forward_bytes"]["grid_sample formulation"]
@@ -109,7 +112,7 @@ def benchmark_shape(shape: Shape, args, bandwidth: Optional[dict] = None) -> dic
         return benchmark_against_formulation(shape, runs, ("dcnv3", "dcnv4"), args, bandwidth,
                                              dcnv3_geometry(shape))
     if isinstance(shape, MsdaShape):
-        runs = msda_contenders(make_msda_tensors(shape, dtype, device=args.device))
+        runs = msda_contenders(shape, make_msda_tensors(shape, dtype, device=args.device))
         return benchmark_against_formulation(shape, runs, ("ms_deform_attn",), args, bandwidth)
     tensors = make_tensors(shape, dtype, modulated=not args.v1, device=args.device)
     runs = contenders(shape, tensors, args.im2col_step)

@@ -56,8 +56,9 @@ class Dcnv3Shape:
 @dataclass(frozen=True)
 class MsdaShape:
     """Multi-scale deformable attention: batch images of the given levels (H, W), heads heads of
-    channels channels, points points per level; queries queries per image, or one per pixel of
-    every level (an encoder's self-attention) when None."""
+    channels channels, points points per level (or points_per_level's count on each, the op's
+    flat layout of samples); queries queries per image, or one per pixel of every level (an
+    encoder's self-attention) when None."""
     name: str
     batch: int
     levels: Tuple[Tuple[int, int], ...]
@@ -65,6 +66,10 @@ class MsdaShape:
     channels: int
     points: int
     queries: Optional[int] = None
+    points_per_level: Optional[Tuple[int, ...]] = None
+
+    def level_points(self) -> Tuple[int, ...]:
+        return self.points_per_level or (self.points,) * len(self.levels)
 
     def pixels(self) -> int:
         return sum(height * width for height, width in self.levels)
@@ -74,16 +79,22 @@ class MsdaShape:
 
     def describe(self) -> str:
         levels = " ".join(f"{height}x{width}" for height, width in self.levels)
+        points = (self.points if self.points_per_level is None
+                  else "[" + ", ".join(map(str, self.points_per_level)) + "]")
         return (f"MSDA N={self.batch} levels {levels} (S={self.pixels()}) "
-                f"Lq={self.query_count()} M={self.heads} D={self.channels} P={self.points}")
+                f"Lq={self.query_count()} M={self.heads} D={self.channels} P={points}")
 
 
 # Deformable DETR's four levels of a 512 x 512 image (strides 8 to 64) at 256 channels in 8
 # heads: the encoder attends from every pixel, a decoder from 300 object queries.
 DETR_LEVELS = ((64, 64), (32, 32), (16, 16), (8, 8))
+# D-FINE's decoder (transformers' DFineMultiscaleDeformableAttention): 300 queries over the
+# three levels of a 640 x 640 image (strides 8 to 32), [3, 6, 3] points.
 MSDA_SHAPES = [
     MsdaShape("detr-encoder", 2, DETR_LEVELS, heads=8, channels=32, points=4),
     MsdaShape("detr-decoder", 2, DETR_LEVELS, heads=8, channels=32, points=4, queries=300),
+    MsdaShape("dfine-decoder", 2, ((80, 80), (40, 40), (20, 20)), heads=8, channels=32,
+              points=0, queries=300, points_per_level=(3, 6, 3)),
 ]
 
 
@@ -180,9 +191,12 @@ def make_msda_tensors(shape: MsdaShape, dtype: torch.dtype, seed: int = 0,
     """value, spatial_shapes, level_start_index, sampling_locations, attention_weights as
     Deformable DETR makes them: each query's reference point (in the encoder, the centre of its
     own pixel; in the decoder, anywhere) moved by offsets of a few pixels of each level, and
-    weights softmax-normalised over a head's levels and points."""
+    weights softmax-normalised over a head's levels and points. With points_per_level, the
+    locations and weights in the op's flat layout of samples."""
     generator = torch.Generator().manual_seed(seed)
-    N, M, D, P, L = shape.batch, shape.heads, shape.channels, shape.points, len(shape.levels)
+    N, M, D, L = shape.batch, shape.heads, shape.channels, len(shape.levels)
+    counts = shape.level_points()
+    samples = sum(counts)
     spatial_shapes = torch.tensor(shape.levels, dtype=torch.int64)
     areas = spatial_shapes.prod(1)
     level_start_index = torch.cat([areas.new_zeros(1), areas.cumsum(0)[:-1]])
@@ -196,12 +210,16 @@ def make_msda_tensors(shape: MsdaShape, dtype: torch.dtype, seed: int = 0,
         reference = torch.cat(centres).expand(N, Lq, 2)
     else:
         reference = torch.rand(N, Lq, 2, generator=generator)
-    pixel = (1.0 / spatial_shapes.flip(-1)).view(1, 1, 1, L, 1, 2)  # (1 / W_l, 1 / H_l)
-    offsets = torch.randn(N, Lq, M, L, P, 2, generator=generator) * 2
-    locations = reference.view(N, Lq, 1, 1, 1, 2) + offsets * pixel
-    weights = torch.randn(N, Lq, M, L * P, generator=generator).softmax(-1)
+    # (1 / W_l, 1 / H_l) of each sample's level.
+    level_of_sample = torch.repeat_interleave(torch.arange(L), torch.tensor(counts))
+    pixel = (1.0 / spatial_shapes.flip(-1))[level_of_sample]
+    offsets = torch.randn(N, Lq, M, samples, 2, generator=generator) * 2
+    locations = reference.view(N, Lq, 1, 1, 2) + offsets * pixel
+    weights = torch.randn(N, Lq, M, samples, generator=generator).softmax(-1)
+    if shape.points_per_level is None:
+        locations = locations.view(N, Lq, M, L, shape.points, 2)
+        weights = weights.view(N, Lq, M, L, shape.points)
     value = torch.randn(N, shape.pixels(), M, D, generator=generator)
-    floating = [t.to(device=device, dtype=dtype) for t in (value, locations,
-                                                              weights.view(N, Lq, M, L, P))]
+    floating = [t.to(device=device, dtype=dtype) for t in (value, locations, weights)]
     return [floating[0], spatial_shapes.to(device), level_start_index.to(device), floating[1],
             floating[2]]
