@@ -94,6 +94,20 @@ def _checked_sampling(sampling: str) -> str:
     return sampling
 
 
+def _add_attention(module: nn.Module, channels: int, value_channels: int, heads: int,
+                   levels: int, points: Union[int, Sequence[int]], sampling: str) -> None:
+    """Both originals' submodules, of the points' sum of samples per head, and the points and
+    sampling as the forward uses them."""
+    module.sampling = _checked_sampling(sampling)
+    module.points_per_level = _points_per_level(points, levels)
+    module.listed_points = not isinstance(points, int)
+    samples = sum(module.points_per_level)
+    module.sampling_offsets = nn.Linear(channels, heads * samples * 2)
+    module.attention_weights = nn.Linear(channels, heads * samples)
+    module.value_proj = nn.Linear(channels, value_channels)
+    module.output_proj = nn.Linear(value_channels, channels)
+
+
 def _init_attention(module: nn.Module, heads: int, points_per_level: Sequence[int]) -> None:
     """The originals' initialisation, the same in both: zero offset weights and the fanned-out
     offset bias, zero attention logits (uniform weights), Xavier projections with zero bias."""
@@ -168,14 +182,7 @@ class MSDeformAttn(nn.Module):
         self.n_levels = n_levels
         self.n_heads = n_heads
         self.n_points = n_points
-        self.sampling = _checked_sampling(sampling)
-        self.points_per_level = _points_per_level(n_points, n_levels)
-        self.listed_points = not isinstance(n_points, int)
-        samples = sum(self.points_per_level)
-        self.sampling_offsets = nn.Linear(d_model, n_heads * samples * 2)
-        self.attention_weights = nn.Linear(d_model, n_heads * samples)
-        self.value_proj = nn.Linear(d_model, d_model)
-        self.output_proj = nn.Linear(d_model, d_model)
+        _add_attention(self, d_model, d_model, n_heads, n_levels, n_points, sampling)
         self._reset_parameters()
 
     def _reset_parameters(self) -> None:
@@ -234,14 +241,8 @@ class MultiScaleDeformableAttention(nn.Module):
         self.num_levels = num_levels
         self.num_heads = num_heads
         self.num_points = num_points
-        self.sampling = _checked_sampling(sampling)
-        self.points_per_level = _points_per_level(num_points, num_levels)
-        self.listed_points = not isinstance(num_points, int)
-        samples = sum(self.points_per_level)
-        self.sampling_offsets = nn.Linear(embed_dims, num_heads * samples * 2)
-        self.attention_weights = nn.Linear(embed_dims, num_heads * samples)
-        self.value_proj = nn.Linear(embed_dims, value_dims)
-        self.output_proj = nn.Linear(value_dims, embed_dims)
+        _add_attention(self, embed_dims, value_dims, num_heads, num_levels, num_points,
+                       sampling)
         self.init_weights()
 
     def init_weights(self) -> None:
