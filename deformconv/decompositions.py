@@ -146,7 +146,7 @@ def dcnv4(input: Tensor, offset_mask: Tensor, kernel_h: int, kernel_w: int, stri
 def ms_deform_attn(value: Tensor, spatial_shapes: Tensor, level_start_index: Tensor,
                    sampling_locations: Tensor, attention_weights: Tensor,
                    im2col_step: int = 64, points_per_level: Sequence[int] = (),
-                   sampling: str = "bilinear") -> Tensor:
+                   sampling: str = "bilinear", softmax: bool = False) -> Tensor:
     """Multi-scale deformable attention (torch.ops.deformconv.ms_deform_attn's arguments;
     im2col_step has no effect; docs/ms_deform_attn.md): each level of each head an image of D
     channels, sampled at 2 loc - 1 (the op's locations are normalised already), weighted and
@@ -154,9 +154,14 @@ def ms_deform_attn(value: Tensor, spatial_shapes: Tensor, level_start_index: Ten
     tensors: torch.export makes them symbols of the graph, and a traced export (TorchScript's)
     records the sizes it saw as constants. With points_per_level, level l's points are its
     stretch of the locations' and weights' sample axis. Sampling "nearest" gathers each
-    sample's pixel by its index instead (_nearest_samples): no GridSample."""
+    sample's pixel by its index instead (_nearest_samples): no GridSample. With softmax, the
+    weights are logits, normalised over each (query, head)'s samples (a Softmax node)."""
     N, S, M, D = value.shape
     Lq, L = sampling_locations.shape[1], spatial_shapes.shape[0]
+    dtype = _compute_dtype(value.dtype)
+    if softmax:
+        logits = attention_weights.to(dtype)
+        attention_weights = logits.flatten(3).softmax(-1).view(logits.shape)
     first_points = [sum(points_per_level[:level]) for level in range(len(points_per_level))]
 
     def level_samples(level):
@@ -168,7 +173,6 @@ def ms_deform_attn(value: Tensor, spatial_shapes: Tensor, level_start_index: Ten
         first, P = first_points[level], points_per_level[level]
         return sampling_locations.narrow(3, first, P), attention_weights.narrow(3, first, P), P
 
-    dtype = _compute_dtype(value.dtype)
     with warnings.catch_warnings():
         # torch.jit's tracer warns that the lists become constants: that is what the
         # TorchScript-based exporter is documented to do with the levels' sizes.

@@ -79,7 +79,8 @@ def ms_deform_attn_backward(value: Tensor, spatial_shapes: Tensor, level_start_i
     from run to run under PyTorch's deterministic mode."""
     return list(torch.ops.deformconv.ms_deform_attn_backward(
         grad_output, value, spatial_shapes, level_start_index,
-        sampling_locations, attention_weights, im2col_step, [], "bilinear", [True, True, True],
+        sampling_locations, attention_weights, im2col_step, [], "bilinear", False,
+        [True, True, True],
         torch.are_deterministic_algorithms_enabled()))
 
 

@@ -11,13 +11,15 @@ DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 
 
 def ms_deform_attn_reference(value, spatial_shapes, level_start_index, sampling_locations,
-                             attention_weights, points_per_level=None, sampling="bilinear"):
+                             attention_weights, points_per_level=None, sampling="bilinear",
+                             softmax=False):
     """The op's definition written out: each level of each head sampled by grid_sample on
     2 * loc - 1 (align_corners=False, zeros outside), weighted, and summed over the levels and
     points. With points_per_level, level l's points are its stretch of the sample axis of
     sampling_locations (N, Lq, M, sum, 2) and attention_weights (N, Lq, M, sum). Sampling
-    "nearest" reads each sample's pixel (nearest_rows) instead. Differentiable in every floating
-    operand (the locations of nearest sampling take no part in the graph)."""
+    "nearest" reads each sample's pixel (nearest_rows) instead. With softmax, the weights are
+    torch.softmax of the logits given, over each (query, head)'s samples. Differentiable in
+    every floating operand (the locations of nearest sampling take no part in the graph)."""
     N, S, M, D = value.shape
     Lq = sampling_locations.shape[1]
     if points_per_level is None:
@@ -25,6 +27,8 @@ def ms_deform_attn_reference(value, spatial_shapes, level_start_index, sampling_
         points_per_level = [P] * L
         sampling_locations = sampling_locations.flatten(3, 4)
         attention_weights = attention_weights.flatten(3, 4)
+    if softmax:
+        attention_weights = torch.softmax(attention_weights, dim=-1)
     out = value.new_zeros(N * M, D, Lq)
     first = 0
     for (H, W), start, P in zip(spatial_shapes.tolist(), level_start_index.tolist(),
@@ -92,8 +96,8 @@ def assert_requested_gradients(requested, grads, expected, dtype):
 
 
 # The op's arguments after its tensors at their defaults (im2col_step, points_per_level,
-# sampling): what the backward op takes between them and output_mask.
-DEFAULT_OPTIONS = (64, [], "bilinear")
+# sampling, softmax): what the backward op takes between them and output_mask.
+DEFAULT_OPTIONS = (64, [], "bilinear", False)
 
 
 def call(operands, im2col_step=64):

@@ -129,7 +129,8 @@ def dcnv3_case(op, group=2, group_channels=8):
                 expected, "dcnv3.cuda.backward.input_gradient.image_chunks", map_per_image)
 
 
-def ms_deform_attn_case(heads=2, channels=8, points_per_level=None, sampling="bilinear"):
+def ms_deform_attn_case(heads=2, channels=8, points_per_level=None, sampling="bilinear",
+                        softmax=False):
     # 24 queries, 4 points in each of two small levels (or points_per_level's): about 30
     # corners a pixel.
     value, shapes, starts, locations, weights = ms_deform_attn_reference.make_operands(
@@ -145,7 +146,8 @@ def ms_deform_attn_case(heads=2, channels=8, points_per_level=None, sampling="bi
     def backward(ops, dtype, requested, deterministic):
         v, loc, w = rounded(dtype)
         return ops.ms_deform_attn_backward(grad_output.to(dtype), v, shapes, starts, loc, w, 64,
-                                           points, sampling, list(requested), deterministic)
+                                           points, sampling, softmax, list(requested),
+                                           deterministic)
 
     def expected(dtype):
         leaves = [t.double().detach().requires_grad_() for t in rounded(dtype)]
@@ -153,7 +155,7 @@ def ms_deform_attn_case(heads=2, channels=8, points_per_level=None, sampling="bi
             # The pixels chosen in the locations' own dtype; no part in the graph.
             leaves[1] = rounded(dtype)[1].detach()
         output = ms_deform_attn_reference.ms_deform_attn_reference(
-            leaves[0], shapes, starts, leaves[1], leaves[2], points_per_level, sampling)
+            leaves[0], shapes, starts, leaves[1], leaves[2], points_per_level, sampling, softmax)
         differentiated = [leaf for leaf in leaves if leaf.requires_grad]
         grads = iter(torch.autograd.grad(output, differentiated,
                                          grad_output.to(dtype).double()))
@@ -176,7 +178,8 @@ CASES = {"deform_conv2d": deform_conv2d_case,
          "dcnv3": lambda: dcnv3_case("dcnv3"), "dcnv4": lambda: dcnv3_case("dcnv4"),
          "ms_deform_attn": ms_deform_attn_case,
          "ms_deform_attn-points-per-level": lambda: ms_deform_attn_case(points_per_level=[6, 3]),
-         "ms_deform_attn-nearest": lambda: ms_deform_attn_case(sampling="nearest")}
+         "ms_deform_attn-nearest": lambda: ms_deform_attn_case(sampling="nearest"),
+         "ms_deform_attn-softmax": lambda: ms_deform_attn_case(softmax=True)}
 
 
 def under_each_order(emulated, run, orders=ORDERS, **settings):

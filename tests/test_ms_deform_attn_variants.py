@@ -1,7 +1,8 @@
 """Multi-scale deformable attention in the forms of today's detectors: a count of points per
 level (RT-DETRv2's, D-FINE's and DEIMv2's decoders, transformers'
-multi_scale_deformable_attention_v2) and nearest sampling (its method="discrete"), on the CPU
-and through the emulated CUDA launchers, against the readable reference
+multi_scale_deformable_attention_v2), nearest sampling (its method="discrete") and the softmax
+of the weights inside the op (DCNv4's flash deformable attention), on the CPU and through the
+emulated CUDA launchers, against the readable reference
 (ms_deform_attn_reference.py) and transformers' function, with gradcheck, every combination of
 requested gradients, every dtype, the workflows and bad arguments."""
 
@@ -16,6 +17,9 @@ from ms_deform_attn_reference import (assert_requested_gradients, levels_of, mak
 
 DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16]
 SAMPLINGS = ["bilinear", "nearest"]
+# The weights as given, or logits normalised by the op's softmax.
+SOFTMAX = [False, True]
+SOFTMAX_IDS = ["given", "softmax"]
 
 # (levels, points per level or None for 3 on every level, heads, channels): D-FINE's decoder
 # counts, a level with no points, one level, counts of one, the (L, P) layout; channels in
@@ -39,7 +43,7 @@ def operands_of(layout, dtype=torch.float64, **options):
     return operands, points_per_level or []
 
 
-def expected_gradients(operands, points, grad_output, sampling):
+def expected_gradients(operands, points, grad_output, sampling, softmax=False):
     """The reference's output and gradients in float64 on the operands as given (zero for the
     locations of nearest sampling, which take no part in its graph and choose their pixels in
     their own dtype)."""
@@ -48,7 +52,7 @@ def expected_gradients(operands, points, grad_output, sampling):
     if sampling == "bilinear":
         locations = locations.double().requires_grad_()
     output = ms_deform_attn_reference(value, shapes, starts, locations, weights, points or None,
-                                      sampling)
+                                      sampling, softmax)
     if sampling == "bilinear":
         return output, torch.autograd.grad(output, (value, locations, weights),
                                            grad_output.double())
@@ -57,24 +61,28 @@ def expected_gradients(operands, points, grad_output, sampling):
     return output, [grad_value, torch.zeros_like(locations, dtype=torch.float64), grad_weights]
 
 
-def layout_branches(points, sampling):
+def layout_branches(points, sampling, softmax):
     return {"ms_deform_attn.points.per_level" if points else "ms_deform_attn.points.every_level",
-            f"ms_deform_attn.sampling.{sampling}"}
+            f"ms_deform_attn.sampling.{sampling}",
+            "ms_deform_attn.weights.softmax" if softmax else "ms_deform_attn.weights.given"}
 
 
+@pytest.mark.parametrize("softmax", SOFTMAX, ids=SOFTMAX_IDS)
 @pytest.mark.parametrize("sampling", SAMPLINGS)
 @pytest.mark.parametrize("layout", LAYOUTS, ids=LAYOUT_IDS)
-def test_variants_match_the_reference(layout, sampling):
+def test_variants_match_the_reference(layout, sampling, softmax):
     operands, points = operands_of(layout)
     value, shapes, starts, locations, weights = operands
     leaves = [t.clone().requires_grad_() for t in (value, locations, weights)]
     with branch_trace() as taken:
         output = deformconv.ms_deform_attn(leaves[0], shapes, starts, leaves[1], leaves[2],
-                                           points_per_level=points or None, sampling=sampling)
+                                           points_per_level=points or None, sampling=sampling,
+                                           softmax=softmax)
         grad_output = torch.randn_like(output)
         grads = torch.autograd.grad(output, leaves, grad_output)
-    assert layout_branches(points, sampling) <= taken, sorted(taken)
-    expected, expected_grads = expected_gradients(operands, points, grad_output, sampling)
+    assert layout_branches(points, sampling, softmax) <= taken, sorted(taken)
+    expected, expected_grads = expected_gradients(operands, points, grad_output, sampling,
+                                                  softmax)
     torch.testing.assert_close(output, expected)
     for name, got, want in zip(("value", "sampling_locations", "attention_weights"), grads,
                                expected_grads):
@@ -83,12 +91,14 @@ def test_variants_match_the_reference(layout, sampling):
         assert torch.equal(grads[1], torch.zeros_like(grads[1]))
 
 
+@pytest.mark.parametrize("softmax", SOFTMAX, ids=SOFTMAX_IDS)
 @pytest.mark.parametrize("sampling,method", [("bilinear", "default"), ("nearest", "discrete")])
 @pytest.mark.parametrize("layout", LAYOUTS[:2], ids=LAYOUT_IDS[:2])
-def test_variants_match_transformers(layout, sampling, method):
+def test_variants_match_transformers(layout, sampling, method, softmax):
     """transformers' own function (D-FINE's modeling file), a second oracle: its output and,
     through autograd, its gradients of the value and the weights (and the locations',
-    bilinear)."""
+    bilinear); with softmax, given the logits' torch.softmax, as D-FINE's attention computes
+    it before the call."""
     pytest.importorskip("transformers")
     from transformers.models.d_fine.modeling_d_fine import multi_scale_deformable_attention_v2
 
@@ -108,10 +118,11 @@ def test_variants_match_transformers(layout, sampling, method):
         return attend
 
     ours = output_and_gradients(with_locations(lambda v, loc, w: deformconv.ms_deform_attn(
-        v, shapes, starts, loc, w, points_per_level=points, sampling=sampling)))
+        v, shapes, starts, loc, w, points_per_level=points, sampling=sampling,
+        softmax=softmax)))
     theirs = output_and_gradients(with_locations(
-        lambda v, loc, w: multi_scale_deformable_attention_v2(v, shapes.tolist(), loc, w,
-                                                              points, method)))
+        lambda v, loc, w: multi_scale_deformable_attention_v2(
+            v, shapes.tolist(), loc, w.softmax(-1) if softmax else w, points, method)))
     torch.testing.assert_close(ours[0], theirs[0])
     for got, want in zip(ours[1], theirs[1]):
         torch.testing.assert_close(got, want)
@@ -194,94 +205,100 @@ def test_equal_counts_give_the_bits_of_the_layout_by_level():
     with branch_trace() as taken:
         output = deformconv.ms_deform_attn(*by_level)
         grads = torch.ops.deformconv.ms_deform_attn_backward(grad_output, *by_level, 64, [],
-                                                             "bilinear", [True] * 3)
+                                                             "bilinear", False, [True] * 3)
     assert "ms_deform_attn.points.every_level" in taken
     flat_output = deformconv.ms_deform_attn(*flat, points_per_level=[4, 4, 4])
     flat_grads = torch.ops.deformconv.ms_deform_attn_backward(grad_output, *flat, 64, [4, 4, 4],
-                                                              "bilinear", [True] * 3)
+                                                              "bilinear", False, [True] * 3)
     assert torch.equal(output, flat_output)
     for got, want in zip(flat_grads, grads):
         assert torch.equal(got, want.reshape(got.shape))
 
 
-def test_gradcheck_with_points_per_level():
+@pytest.mark.parametrize("softmax", SOFTMAX, ids=SOFTMAX_IDS)
+def test_gradcheck_with_points_per_level(softmax):
     # Random locations lie off the levels' pixel grids.
     (value, shapes, starts, locations, weights), points = operands_of(
         ([(3, 4), (2, 2)], [1, 3], 2, 2), batch=1, queries=3)
 
     def attend(value, locations, weights):
         return deformconv.ms_deform_attn(value, shapes, starts, locations, weights,
-                                         points_per_level=points)
+                                         points_per_level=points, softmax=softmax)
 
     assert torch.autograd.gradcheck(attend, [t.requires_grad_() for t in (value, locations,
                                                                          weights)])
 
 
-def each_subset_against_the_reference(backward, layout, sampling, dtype):
+def each_subset_against_the_reference(backward, layout, sampling, softmax, dtype):
     """backward(grad_output, operands, points, requested) for every subset of the gradients,
     against the float64 reference on the operands rounded to dtype."""
     operands, points = operands_of(layout, dtype)
     grad_output = torch.randn(2, 5, layout[2] * layout[3], dtype=torch.float64).to(dtype)
-    _, expected = expected_gradients(operands, points, grad_output, sampling)
+    _, expected = expected_gradients(operands, points, grad_output, sampling, softmax)
     for requested in requested_subsets(3):
         grads = backward(grad_output, operands, points, list(requested))
         assert_requested_gradients(requested, grads, expected, dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("softmax", SOFTMAX, ids=SOFTMAX_IDS)
 @pytest.mark.parametrize("sampling", SAMPLINGS)
 @pytest.mark.parametrize("layout", LAYOUTS, ids=LAYOUT_IDS)
-def test_cpu_every_requested_subset_in_every_dtype(layout, sampling, dtype):
+def test_cpu_every_requested_subset_in_every_dtype(layout, sampling, softmax, dtype):
     def backward(grad_output, operands, points, requested):
         with branch_trace() as taken:
-            grads = torch.ops.deformconv.ms_deform_attn_backward(grad_output, *operands, 64,
-                                                                 points, sampling, requested)
-        assert layout_branches(points, sampling) <= taken, sorted(taken)
+            grads = torch.ops.deformconv.ms_deform_attn_backward(
+                grad_output, *operands, 64, points, sampling, softmax, requested)
+        assert layout_branches(points, sampling, softmax) <= taken, sorted(taken)
         return grads
 
-    each_subset_against_the_reference(backward, layout, sampling, dtype)
+    each_subset_against_the_reference(backward, layout, sampling, softmax, dtype)
 
 
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic_adds", "gathered"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("softmax", SOFTMAX, ids=SOFTMAX_IDS)
 @pytest.mark.parametrize("sampling", SAMPLINGS)
 @pytest.mark.parametrize("layout", LAYOUTS, ids=LAYOUT_IDS)
-def test_emulated_cuda_every_requested_subset_in_every_dtype(emulated, layout, sampling, dtype,
-                                                             deterministic):
+def test_emulated_cuda_every_requested_subset_in_every_dtype(emulated, layout, sampling, softmax,
+                                                             dtype, deterministic):
     """The CUDA launchers, forward and backward, with the value gradient added by atomics or
     gathered (deterministic mode)."""
     operands, points = operands_of(layout, dtype)
     with branch_trace(emulated) as taken:
-        output = emulated.ms_deform_attn(*operands, 64, points, sampling)
-    assert layout_branches(points, sampling) <= taken, sorted(taken)
+        output = emulated.ms_deform_attn(*operands, 64, points, sampling, softmax)
+    assert layout_branches(points, sampling, softmax) <= taken, sorted(taken)
     expected, _ = expected_gradients(operands, points,
-                                     torch.zeros_like(output, dtype=torch.float64), sampling)
+                                     torch.zeros_like(output, dtype=torch.float64), sampling,
+                                     softmax)
     assert_requested_gradients([True], [output], [expected], dtype)
 
     def backward(grad_output, operands, points, requested):
         with branch_trace(emulated) as taken:
             grads = emulated.ms_deform_attn_backward(grad_output, *operands, 64, points,
-                                                     sampling, requested, deterministic)
+                                                     sampling, softmax, requested, deterministic)
         if requested[0]:
             path = "gathered" if deterministic else "atomic_adds"
             assert f"ms_deform_attn.cuda.backward.value_gradient.{path}" in taken, sorted(taken)
         return grads
 
-    each_subset_against_the_reference(backward, layout, sampling, dtype)
+    each_subset_against_the_reference(backward, layout, sampling, softmax, dtype)
 
 
-def test_emulated_cuda_stages_many_points_in_several_rounds(emulated):
+@pytest.mark.parametrize("softmax", SOFTMAX, ids=SOFTMAX_IDS)
+def test_emulated_cuda_stages_many_points_in_several_rounds(emulated, softmax):
     """More points a (query, head) than a block stages at once: the rounds cross the levels'
-    boundaries."""
+    boundaries, and the softmax normalises over all of them."""
     layout = ([(4, 5), (2, 3), (1, 1)], [3, 250, 3], 2, 8)
     operands, points = operands_of(layout, torch.float32)
     grad_output = torch.randn(2, 5, 16, dtype=torch.float64)
     with branch_trace(emulated) as taken:
-        output = emulated.ms_deform_attn(*operands, 64, points)
+        output = emulated.ms_deform_attn(*operands, 64, points, "bilinear", softmax)
         grads = emulated.ms_deform_attn_backward(grad_output.float(), *operands, 64, points,
-                                                 "bilinear", [True] * 3, False)
+                                                 "bilinear", softmax, [True] * 3, False)
     assert "ms_deform_attn.cuda.samples.several_rounds" in taken, sorted(taken)
-    expected, expected_grads = expected_gradients(operands, points, grad_output, "bilinear")
+    expected, expected_grads = expected_gradients(operands, points, grad_output, "bilinear",
+                                                  softmax)
     assert_requested_gradients([True] * 3, grads, expected_grads, torch.float32)
     assert_requested_gradients([True], [output], [expected], torch.float32)
 
@@ -327,25 +344,29 @@ def test_more_levels_than_points_per_level_can_list_are_refused():
 
 
 @pytest.mark.workflows
+@pytest.mark.parametrize("softmax", SOFTMAX, ids=SOFTMAX_IDS)
 @pytest.mark.parametrize("sampling", SAMPLINGS)
-def test_opcheck_forward_and_backward(sampling):
+def test_opcheck_forward_and_backward(sampling, softmax):
     operands, points = operands_of(LAYOUTS[0], torch.float32)
     grad_output = torch.randn(2, 5, 16)
     torch.library.opcheck(torch.ops.deformconv.ms_deform_attn.default,
-                          (*operands, 64, points, sampling))
+                          (*operands, 64, points, sampling, softmax))
     for output_mask in ([True, True, True], [True, False, False], [False, True, True]):
         torch.library.opcheck(torch.ops.deformconv.ms_deform_attn_backward.default,
-                              (grad_output, *operands, 64, points, sampling, output_mask))
+                              (grad_output, *operands, 64, points, sampling, softmax,
+                               output_mask))
 
 
 @pytest.mark.workflows
+@pytest.mark.parametrize("softmax", SOFTMAX, ids=SOFTMAX_IDS)
 @pytest.mark.parametrize("sampling", SAMPLINGS)
-def test_torch_compile_export_and_the_decomposition(sampling):
+def test_torch_compile_export_and_the_decomposition(sampling, softmax):
     operands, points = operands_of(LAYOUTS[0], torch.float32)
 
     def attend(value, shapes, starts, locations, weights):
         return deformconv.ms_deform_attn(value, shapes, starts, locations, weights,
-                                         points_per_level=points, sampling=sampling).relu()
+                                         points_per_level=points, sampling=sampling,
+                                         softmax=softmax).relu()
 
     expected = attend(*operands)
     compiled = torch.compile(attend, fullgraph=True, backend="aot_eager")
@@ -383,29 +404,31 @@ def test_torchscript_and_autocast():
 
 
 class Variants(torch.nn.Module):
-    def __init__(self, sampling):
+    def __init__(self, sampling, softmax):
         super().__init__()
         self.sampling = sampling
+        self.softmax = softmax
 
     def forward(self, value, spatial_shapes, level_start_index, locations, weights):
         return deformconv.ms_deform_attn(value, spatial_shapes, level_start_index, locations,
                                          weights, points_per_level=[3, 6, 3],
-                                         sampling=self.sampling)
+                                         sampling=self.sampling, softmax=self.softmax)
 
 
 @pytest.mark.workflows
+@pytest.mark.parametrize("softmax", SOFTMAX, ids=SOFTMAX_IDS)
 @pytest.mark.parametrize("sampling", SAMPLINGS)
 @pytest.mark.parametrize("dynamo", EXPORTERS)
-def test_onnx_export_runs_in_onnxruntime(tmp_path, dynamo, sampling):
+def test_onnx_export_runs_in_onnxruntime(tmp_path, dynamo, sampling, softmax):
     """Both exporters, in standard operators: a GridSample a level for bilinear sampling,
-    integer gathers and none for nearest."""
+    integer gathers and none for nearest; the op's softmax as a Softmax node."""
     onnx = pytest.importorskip("onnx")
     ort = pytest.importorskip("onnxruntime")
     pytest.importorskip("onnxscript")
     operands, _ = operands_of(LAYOUTS[0], torch.float32, spread=3.0)
     names = ["value", "spatial_shapes", "level_start_index", "locations", "weights"]
     path = tmp_path / "model.onnx"
-    model = Variants(sampling).eval()
+    model = Variants(sampling, softmax).eval()
     deformconv.onnx.export_onnx(model, tuple(operands), str(path), dynamo=dynamo,
                                 input_names=names)
     proto = onnx.load(str(path))
@@ -413,6 +436,7 @@ def test_onnx_export_runs_in_onnxruntime(tmp_path, dynamo, sampling):
     operators = [node.op_type for node in proto.graph.node]
     assert operators.count("GridSample") == (3 if sampling == "bilinear" else 0)
     assert sampling == "bilinear" or "GatherElements" in operators, operators
+    assert operators.count("Softmax") == int(softmax), operators
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     arguments = dict(zip(names, operands))
     feeds = {i.name: arguments[i.name].numpy() for i in session.get_inputs()}

@@ -80,7 +80,7 @@ def ms_deform_attn_once(dtype, channels=16, misaligned=False):
     for output_mask in ([True, True, True], [True, False, False], [False, True, False],
                         [False, False, True]):
         torch.ops.deformconv.ms_deform_attn_backward(torch.ones_like(out), *operands, 64, [],
-                                                     "bilinear", output_mask)
+                                                     "bilinear", False, output_mask)
 
 
 def main() -> int:

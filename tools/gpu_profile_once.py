@@ -76,7 +76,7 @@ def ms_deform_attn_calls():
     return [("ms_deform_attn float32 forward", lambda: ops.ms_deform_attn(*operands, 64)),
             ("ms_deform_attn float32 backward",
              lambda: ops.ms_deform_attn_backward(grad_output, *operands, 64, [], "bilinear",
-                                                 [True] * 3))]
+                                                 False, [True] * 3))]
 
 
 def main():

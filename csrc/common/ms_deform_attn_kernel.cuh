@@ -19,6 +19,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <type_traits>
 
 #include "bilinear_sampling.cuh"
@@ -45,6 +46,9 @@ struct MsDeformAttnGeometry {
   int64_t level_first[kMaxListedLevels + 1];
   // Sampling "nearest" (ms_deform_attn_nearest_pixel) rather than bilinear.
   bool nearest;
+  // attention_weights are logits, each (query, head)'s head_samples() of them normalised by a
+  // softmax inside the op (ms_deform_attn_softmax), rather than weights used as given.
+  bool softmax;
 
   // Samples of one (query, head): each level's points in turn.
   C10_HOST_DEVICE int64_t head_samples() const {
@@ -160,6 +164,55 @@ C10_HOST_DEVICE inline void ms_deform_attn_sample_position(const MsDeformAttnGeo
                             x);
   }
 }
+
+// The softmax of a (query, head)'s logits z_s: a_s = exp(z_s - max z) / sum over s' of
+// exp(z_s' - max z), in opmath_type (float32 for the half types), as torch.softmax computes it.
+// Its gradient, from the gradients g_s of the normalised weights a_s (the sums over the channels
+// that the weights given as such get):
+//   dL/dz_s = a_s * (g_s - sum over s' of a_s' * g_s').
+// The largest logit and the sum, which each sample's weight needs.
+template <typename opmath_t>
+struct SoftmaxNormaliser {
+  opmath_t largest;
+  opmath_t sum;
+
+  // Over the logits first, first + step, ... below end (a CUDA lane's share of them, which
+  // `combined` then joins with the other lanes'): none gives a largest of -inf and a sum of 0.
+  template <typename scalar_t>
+  C10_HOST_DEVICE static SoftmaxNormaliser of(const scalar_t* logits, int64_t first, int64_t end,
+                                              int64_t step) {
+    SoftmaxNormaliser normaliser{-std::numeric_limits<opmath_t>::infinity(), opmath_t(0)};
+    for (int64_t s = first; s < end; s += step) {
+      const opmath_t logit = static_cast<opmath_t>(logits[s]);
+      normaliser.largest = logit > normaliser.largest ? logit : normaliser.largest;
+    }
+    for (int64_t s = first; s < end; s += step) {
+      normaliser.sum += exp_of(static_cast<opmath_t>(logits[s]) - normaliser.largest);
+    }
+    return normaliser;
+  }
+
+  // This share's sum rescaled to the largest logit of all the shares.
+  C10_HOST_DEVICE opmath_t sum_relative_to(opmath_t largest_of_all) const {
+    return sum == opmath_t(0) ? opmath_t(0) : sum * exp_of(largest - largest_of_all);
+  }
+
+  C10_HOST_DEVICE opmath_t weight(opmath_t logit) const {
+    return exp_of(logit - largest) / sum;
+  }
+
+  C10_HOST_DEVICE static opmath_t exp_of(opmath_t x) {
+#if defined(__CUDA_ARCH__)
+    if constexpr (std::is_same_v<opmath_t, double>) {
+      return ::exp(x);
+    } else {
+      return ::expf(x);
+    }
+#else
+    return std::exp(x);
+#endif
+  }
+};
 
 // Index of sample (n, q, m, s) in attention_weights, s = first_sample(l) + p over (N, Lq, M,
 // samples) (the layout (N, Lq, M, L, P) is the same where every level has P points); twice

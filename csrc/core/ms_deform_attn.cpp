@@ -194,6 +194,7 @@ void check_points_per_level(const std::vector<int64_t>& points_per_level, int64_
 void record_samples(const MsDeformAttnGeometry& g) {
   record_branch(g.listed ? "ms_deform_attn.points.per_level" : "ms_deform_attn.points.every_level");
   record_branch(g.nearest ? "ms_deform_attn.sampling.nearest" : "ms_deform_attn.sampling.bilinear");
+  record_branch(g.softmax ? "ms_deform_attn.weights.softmax" : "ms_deform_attn.weights.given");
 }
 
 }  // namespace
@@ -202,7 +203,7 @@ MsDeformAttnGeometry check_ms_deform_attn_arguments(
     const std::optional<Tensor>& grad_output, const Tensor& value, const Tensor& spatial_shapes,
     const Tensor& level_start_index, const Tensor& sampling_locations,
     const Tensor& attention_weights, int64_t im2col_step,
-    const std::vector<int64_t>& points_per_level, const std::string& sampling) {
+    const std::vector<int64_t>& points_per_level, const std::string& sampling, bool softmax) {
   DEFORMCONV_CHECK_ARGUMENT(is_op_dtype(value.scalar_type()), kOp,
                             ": expected value to have a floating point dtype (float16, bfloat16, "
                             "float32 or float64), but got ",
@@ -233,6 +234,7 @@ MsDeformAttnGeometry check_ms_deform_attn_arguments(
                             ": expected sampling to be \"bilinear\" or \"nearest\", but got \"",
                             sampling, "\"");
   g.nearest = sampling == "nearest";
+  g.softmax = softmax;
   g.listed = !points_per_level.empty();
   if (g.listed) {
     check_points_per_level(points_per_level, levels, g);
@@ -278,10 +280,10 @@ Tensor ms_deform_attn_forward(const MsDeformAttnLaunchers& launchers, const Tens
                               const Tensor& spatial_shapes, const Tensor& level_start_index,
                               const Tensor& sampling_locations, const Tensor& attention_weights,
                               int64_t im2col_step, const std::vector<int64_t>& points_per_level,
-                              const std::string& sampling) {
+                              const std::string& sampling, bool softmax) {
   const MsDeformAttnGeometry g = check_ms_deform_attn_arguments(
       std::nullopt, value, spatial_shapes, level_start_index, sampling_locations,
-      attention_weights, im2col_step, points_per_level, sampling);
+      attention_weights, im2col_step, points_per_level, sampling, softmax);
   Tensor output = new_contiguous(value, {g.batch, g.queries, g.heads * g.channels});
   if (output.numel() == 0) {
     return output;
@@ -301,12 +303,12 @@ std::tuple<Tensor, Tensor, Tensor> ms_deform_attn_backward(
     const MsDeformAttnLaunchers& launchers, const Tensor& grad_output, const Tensor& value,
     const Tensor& spatial_shapes, const Tensor& level_start_index, const Tensor& sampling_locations,
     const Tensor& attention_weights, int64_t im2col_step,
-    const std::vector<int64_t>& points_per_level, const std::string& sampling,
+    const std::vector<int64_t>& points_per_level, const std::string& sampling, bool softmax,
     const std::vector<bool>& output_mask, bool deterministic) {
   check_output_mask("ms_deform_attn_backward()", output_mask, 3);
   const MsDeformAttnGeometry g = check_ms_deform_attn_arguments(
       grad_output, value, spatial_shapes, level_start_index, sampling_locations,
-      attention_weights, im2col_step, points_per_level, sampling);
+      attention_weights, im2col_step, points_per_level, sampling, softmax);
   const bool want_value = output_mask[0], want_locations = output_mask[1],
              want_weights = output_mask[2];
   // Contiguous whatever the operands' strides: the launchers index them so.

@@ -48,13 +48,13 @@ MsDeformAttnGeometry check_ms_deform_attn_arguments(
     const std::optional<Tensor>& grad_output, const Tensor& value, const Tensor& spatial_shapes,
     const Tensor& level_start_index, const Tensor& sampling_locations,
     const Tensor& attention_weights, int64_t im2col_step,
-    const std::vector<int64_t>& points_per_level, const std::string& sampling);
+    const std::vector<int64_t>& points_per_level, const std::string& sampling, bool softmax);
 
 Tensor ms_deform_attn_forward(const MsDeformAttnLaunchers& launchers, const Tensor& value,
                               const Tensor& spatial_shapes, const Tensor& level_start_index,
                               const Tensor& sampling_locations, const Tensor& attention_weights,
                               int64_t im2col_step, const std::vector<int64_t>& points_per_level,
-                              const std::string& sampling);
+                              const std::string& sampling, bool softmax);
 
 // Gradients of (value, sampling_locations, attention_weights), those not selected by
 // output_mask undefined.
@@ -62,7 +62,7 @@ std::tuple<Tensor, Tensor, Tensor> ms_deform_attn_backward(
     const MsDeformAttnLaunchers& launchers, const Tensor& grad_output, const Tensor& value,
     const Tensor& spatial_shapes, const Tensor& level_start_index, const Tensor& sampling_locations,
     const Tensor& attention_weights, int64_t im2col_step,
-    const std::vector<int64_t>& points_per_level, const std::string& sampling,
+    const std::vector<int64_t>& points_per_level, const std::string& sampling, bool softmax,
     const std::vector<bool>& output_mask, bool deterministic);
 
 // The op's description (infrastructure/op_handles.h says what each member gives).
@@ -75,17 +75,19 @@ struct MsDeformAttnOp {
   // and changes nothing. points_per_level, where not empty, gives each level's number of
   // points (transformers' multi_scale_deformable_attention_v2): sampling_locations is then
   // (N, Lq, M, sum of the points, 2) and attention_weights (N, Lq, M, sum), level 0's first.
-  // sampling: "bilinear", or "nearest" (ms_deform_attn_nearest_pixel).
+  // sampling: "bilinear", or "nearest" (ms_deform_attn_nearest_pixel). softmax: the weights are
+  // logits, normalised over each (query, head)'s samples in the op (SoftmaxNormaliser); their
+  // gradient is the logits'.
   static constexpr const char* kSchema =
       "ms_deform_attn(Tensor value, Tensor spatial_shapes, Tensor level_start_index, "
       "Tensor sampling_locations, Tensor attention_weights, int im2col_step, "
-      "int[] points_per_level=[], str sampling=\"bilinear\") -> Tensor";
+      "int[] points_per_level=[], str sampling=\"bilinear\", bool softmax=False) -> Tensor";
   // Gradients of (value, sampling_locations, attention_weights); output_mask selects which are
   // computed.
   static constexpr const char* kBackwardSchema =
       "ms_deform_attn_backward(Tensor grad_output, Tensor value, Tensor spatial_shapes, "
       "Tensor level_start_index, Tensor sampling_locations, Tensor attention_weights, "
-      "int im2col_step, int[] points_per_level, str sampling, bool[3] output_mask, "
+      "int im2col_step, int[] points_per_level, str sampling, bool softmax, bool[3] output_mask, "
       "bool deterministic=False) -> (Tensor, Tensor, Tensor)";
   // The checks of ms_deform_attn (grad_output absent) or its backward (present) that read no
   // floating-point data: on meta tensors, the shapes only; on others, spatial_shapes and
@@ -93,25 +95,25 @@ struct MsDeformAttnOp {
   static constexpr const char* kChecksSchema =
       "_check_ms_deform_attn_arguments(Tensor? grad_output, Tensor value, Tensor spatial_shapes, "
       "Tensor level_start_index, Tensor sampling_locations, Tensor attention_weights, "
-      "int im2col_step, int[] points_per_level, str sampling) -> int[]";
+      "int im2col_step, int[] points_per_level, str sampling, bool softmax) -> int[]";
   static constexpr const char* kName = "ms_deform_attn";
   using Signature = Tensor(const Tensor& value, const Tensor& spatial_shapes,
                            const Tensor& level_start_index, const Tensor& sampling_locations,
                            const Tensor& attention_weights, int64_t im2col_step,
                            const std::vector<int64_t>& points_per_level,
-                           const std::string& sampling);
-  static constexpr std::array<const char*, 8> kArgumentNames = {
+                           const std::string& sampling, bool softmax);
+  static constexpr std::array<const char*, 9> kArgumentNames = {
       "value", "spatial_shapes", "level_start_index", "sampling_locations",
-      "attention_weights", "im2col_step", "points_per_level", "sampling"};
+      "attention_weights", "im2col_step", "points_per_level", "sampling", "softmax"};
   using BackwardSignature = std::tuple<Tensor, Tensor, Tensor>(
       const Tensor& grad_output, const Tensor& value, const Tensor& spatial_shapes,
       const Tensor& level_start_index, const Tensor& sampling_locations,
       const Tensor& attention_weights, int64_t im2col_step,
-      const std::vector<int64_t>& points_per_level, const std::string& sampling,
+      const std::vector<int64_t>& points_per_level, const std::string& sampling, bool softmax,
       const std::vector<bool>& output_mask, bool deterministic);
   // spatial_shapes and level_start_index are integer tensors, without gradients.
   static constexpr std::array<size_t, 3> kGradientArguments = {0, 3, 4};
-  static constexpr std::array<size_t, 8> kBackwardArguments = {0, 1, 2, 3, 4, 5, 6, 7};
+  static constexpr std::array<size_t, 9> kBackwardArguments = {0, 1, 2, 3, 4, 5, 6, 7, 8};
 };
 
 }  // namespace deformconv

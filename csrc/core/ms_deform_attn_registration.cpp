@@ -21,10 +21,10 @@ std::vector<int64_t> check_ms_deform_attn_arguments_op(
     const std::optional<Tensor>& grad_output, const Tensor& value, const Tensor& spatial_shapes,
     const Tensor& level_start_index, const Tensor& sampling_locations,
     const Tensor& attention_weights, int64_t im2col_step,
-    const std::vector<int64_t>& points_per_level, const std::string& sampling) {
+    const std::vector<int64_t>& points_per_level, const std::string& sampling, bool softmax) {
   const MsDeformAttnGeometry g = check_ms_deform_attn_arguments(
       grad_output, value, spatial_shapes, level_start_index, sampling_locations,
-      attention_weights, im2col_step, points_per_level, sampling);
+      attention_weights, im2col_step, points_per_level, sampling, softmax);
   return {g.batch, g.queries, g.heads * g.channels};
 }
 

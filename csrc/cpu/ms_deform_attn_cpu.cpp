@@ -79,11 +79,12 @@ class LevelSamples {
   }
 
   // Locates `groups` groups; sample_index(group, l, p) is the index of point p of `group` in
-  // level l among the op's samples.
-  template <typename scalar_t, typename SampleIndex>
+  // level l among the op's samples, and weight_of(group, s, index) the attention weight of the
+  // group's sample s = first_sample(l) + p of that index.
+  template <typename scalar_t, typename SampleIndex, typename WeightOf>
   DEFORMCONV_INLINE void locate(const MsDeformAttnGeometry& g, const MsDeformAttnLevel* levels,
-                                const scalar_t* locations, const scalar_t* weights,
-                                int64_t groups, const SampleIndex& sample_index) {
+                                const scalar_t* locations, int64_t groups,
+                                const SampleIndex& sample_index, const WeightOf& weight_of) {
     for (int64_t l = 0; l < g.levels; ++l) {
       LocatedSamples<opmath_t>& level = located_[l];
       const opmath_t height = static_cast<opmath_t>(levels[l].height);
@@ -102,7 +103,7 @@ class LevelSamples {
             level.dx[j] = static_cast<opmath_t>(locations[2 * sample]) * width;
             level.dy[j] = static_cast<opmath_t>(locations[2 * sample + 1]) * height;
           }
-          level.m[j] = static_cast<opmath_t>(weights[sample]);
+          level.m[j] = weight_of(group, g.first_sample(l) + p, sample);
         }
       }
       // Bilinear: x = loc_x * W - 0.5; nearest: the pixel itself.
@@ -126,26 +127,48 @@ class LevelSamples {
   std::vector<LocatedSamples<opmath_t>> located_;
 };
 
+// With softmax, the normalised weights of the (query, head)s whose logits start at
+// logits + first[k] * samples, k < count, into normalised[k * samples + s].
+template <typename scalar_t>
+DEFORMCONV_INLINE void normalise_logits(const scalar_t* logits, int64_t samples, int64_t count,
+                                        int64_t first, int64_t step,
+                                        opmath_type<scalar_t>* normalised) {
+  using opmath_t = opmath_type<scalar_t>;
+  for (int64_t k = 0; k < count; ++k) {
+    const scalar_t* head = logits + (first + k * step) * samples;
+    const auto normaliser = SoftmaxNormaliser<opmath_t>::of(head, 0, samples, 1);
+    for (int64_t s = 0; s < samples; ++s) {
+      normalised[k * samples + s] = normaliser.weight(static_cast<opmath_t>(head[s]));
+    }
+  }
+}
+
 // The outputs of queries [begin, end), numbered n * Lq + q, every head: the query's samples
 // located at once, then each head's D channels summed over its samples, four corner rows a
-// sample, into `sum` (a buffer of D).
+// sample, into `sum` (a buffer of D). With softmax, `normalised` holds a query's M * samples
+// weights.
 template <typename scalar_t>
-void forward_queries(const MsDeformAttnGeometry& g,
-                                              const MsDeformAttnLevel* levels,
-                                              const scalar_t* value, const scalar_t* locations,
-                                              const scalar_t* weights, scalar_t* output,
-                                              const scalar_t* zeros,
-                                              LevelSamples<opmath_type<scalar_t>>& samples,
-                                              opmath_type<scalar_t>* sum, int64_t begin,
-                                              int64_t end) {
+void forward_queries(const MsDeformAttnGeometry& g, const MsDeformAttnLevel* levels,
+                     const scalar_t* value, const scalar_t* locations, const scalar_t* weights,
+                     scalar_t* output, const scalar_t* zeros,
+                     LevelSamples<opmath_type<scalar_t>>& samples, opmath_type<scalar_t>* sum,
+                     opmath_type<scalar_t>* normalised, int64_t begin, int64_t end) {
   using opmath_t = opmath_type<scalar_t>;
   const int64_t D = g.channels;
+  const int64_t S = g.head_samples();
   for (int64_t task = begin; task < end; ++task) {
     const int64_t n = task / g.queries, q = task % g.queries;
-    samples.locate(g, levels, locations, weights, g.heads,
-                   [&](int64_t m, int64_t l, int64_t p) DEFORMCONV_INLINE_LAMBDA {
-                     return ms_deform_attn_sample_index(g, n, q, m, g.first_sample(l) + p);
-                   });
+    if (g.softmax) {
+      normalise_logits(weights, S, g.heads, task * g.heads, 1, normalised);
+    }
+    samples.locate(
+        g, levels, locations, g.heads,
+        [&](int64_t m, int64_t l, int64_t p) DEFORMCONV_INLINE_LAMBDA {
+          return ms_deform_attn_sample_index(g, n, q, m, g.first_sample(l) + p);
+        },
+        [&](int64_t m, int64_t s, int64_t sample) DEFORMCONV_INLINE_LAMBDA {
+          return g.softmax ? normalised[m * S + s] : static_cast<opmath_t>(weights[sample]);
+        });
     for (int64_t m = 0; m < g.heads; ++m) {
       std::fill_n(sum, D, opmath_t(0));
       const scalar_t* head = value + ms_deform_attn_head_start(g, n, m);
@@ -184,13 +207,14 @@ void ms_deform_attn_forward_cpu(const MsDeformAttnGeometry& g, const Tensor& val
     parallel_task_runs(g.batch * g.queries, [&](TaskRuns& runs) {
       LevelSamples<opmath_t> samples(g, levels.data(), g.heads);
       std::vector<opmath_t> sum(g.channels);
+      std::vector<opmath_t> normalised(g.softmax ? g.heads * g.head_samples() : 0);
       int64_t begin, end;
       while (runs.take(begin, end)) {
         forward_queries<scalar_t>(g, levels.data(), value.const_data_ptr<scalar_t>(),
                                   sampling_locations.const_data_ptr<scalar_t>(),
                                   attention_weights.const_data_ptr<scalar_t>(),
                                   output.mutable_data_ptr<scalar_t>(), zeros.data(), samples,
-                                  sum.data(), begin, end);
+                                  sum.data(), normalised.data(), begin, end);
       }
     });
   });
@@ -212,16 +236,20 @@ inline int64_t backward_queries_per_locate(const MsDeformAttnGeometry& g) {
 // asked for. `grad` is a buffer of D rounded up to whole lanes, its tail zero; `zeros` is a row
 // of D zeros, the corner rows of the dot products for corners outside the level; `unread` a row
 // of D that is never read, which takes the scatter of corners of weight 0, so that 0 times an
-// infinite output gradient adds no NaN to the value gradient.
+// infinite output gradient adds no NaN to the value gradient. With softmax, `normalised` holds a
+// run's weights (its queries' samples in turn) and `weight_grads` one query's gradients of them
+// (g_s of SoftmaxNormaliser), from which its logits' gradients follow.
 template <int kVectorBytes, typename scalar_t>
 void backward_heads(
     const MsDeformAttnGeometry& g, const MsDeformAttnLevel* levels, const scalar_t* grad_output,
     const scalar_t* value, const scalar_t* locations, const scalar_t* weights,
     opmath_type<scalar_t>* grad_sums, scalar_t* grad_locations, scalar_t* grad_weights,
     LevelSamples<opmath_type<scalar_t>>& samples, opmath_type<scalar_t>* grad,
-    const scalar_t* zeros, opmath_type<scalar_t>* unread, int64_t begin, int64_t end) {
+    const scalar_t* zeros, opmath_type<scalar_t>* unread, opmath_type<scalar_t>* normalised,
+    opmath_type<scalar_t>* weight_grads, int64_t begin, int64_t end) {
   using opmath_t = opmath_type<scalar_t>;
   const int64_t D = g.channels;
+  const int64_t S = g.head_samples();
   const int64_t stride = g.pixel_stride();
   const int64_t run = backward_queries_per_locate(g);
   const bool position_grads = grad_locations != nullptr || grad_weights != nullptr;
@@ -238,18 +266,34 @@ void backward_heads(
     }
     for (int64_t first = 0; first < g.queries; first += run) {
       const int64_t queries = std::min(run, g.queries - first);
-      samples.locate(g, levels, locations, weights, queries,
-                     [&](int64_t b, int64_t l, int64_t p) DEFORMCONV_INLINE_LAMBDA {
-                       return ms_deform_attn_sample_index(g, n, first + b, m,
-                                                          g.first_sample(l) + p);
-                     });
+      if (g.softmax) {
+        normalise_logits(weights, S, queries, (n * g.queries + first) * g.heads + m, g.heads,
+                         normalised);
+      }
+      samples.locate(
+          g, levels, locations, queries,
+          [&](int64_t b, int64_t l, int64_t p) DEFORMCONV_INLINE_LAMBDA {
+            return ms_deform_attn_sample_index(g, n, first + b, m, g.first_sample(l) + p);
+          },
+          [&](int64_t b, int64_t s, int64_t sample) DEFORMCONV_INLINE_LAMBDA {
+            return g.softmax ? normalised[b * S + s] : static_cast<opmath_t>(weights[sample]);
+          });
       for (int64_t b = 0; b < queries; ++b) {
         const scalar_t* grad_query =
             grad_output + ms_deform_attn_output_start(g, n, first + b, m);
         for (int64_t c = 0; c < D; ++c) {
           grad[c] = static_cast<opmath_t>(grad_query[c]);
         }
-        for (int64_t s = 0; s < g.head_samples(); ++s) {
+        // The gradient of sample s's weight: the weights' own, or with softmax kept for its
+        // logits' below.
+        const auto weight_gradient = [&](int64_t s, int64_t sample, opmath_t gradient) {
+          if (g.softmax) {
+            weight_grads[s] = gradient;
+          } else {
+            grad_weights[sample] = static_cast<scalar_t>(gradient);
+          }
+        };
+        for (int64_t s = 0; s < S; ++s) {
           const int64_t l = g.level_of(s);
           const int64_t sample = ms_deform_attn_sample_index(g, n, first + b, m, s);
           const LocatedSamples<opmath_t>& located = samples.level(l);
@@ -261,7 +305,7 @@ void backward_heads(
               grad_locations[2 * sample] = grad_locations[2 * sample + 1] = scalar_t(0);
             }
             if (grad_weights != nullptr) {
-              grad_weights[sample] = scalar_t(0);
+              weight_gradient(s, sample, opmath_t(0));
             }
             continue;
           }
@@ -303,8 +347,20 @@ void backward_heads(
                   attention * sums.y * static_cast<opmath_t>(levels[l].height));
             }
             if (grad_weights != nullptr) {
-              grad_weights[sample] = static_cast<scalar_t>(sums.m);
+              weight_gradient(s, sample, sums.m);
             }
+          }
+        }
+        if (g.softmax && grad_weights != nullptr) {
+          // dL/dz_s = a_s (g_s - sum over s' of a_s' g_s').
+          const opmath_t* weight = normalised + b * S;
+          opmath_t weighted_sum = 0;
+          for (int64_t s = 0; s < S; ++s) {
+            weighted_sum += weight[s] * weight_grads[s];
+          }
+          scalar_t* grad_logits = grad_weights + ms_deform_attn_sample_index(g, n, first + b, m, 0);
+          for (int64_t s = 0; s < S; ++s) {
+            grad_logits[s] = static_cast<scalar_t>(weight[s] * (weight_grads[s] - weighted_sum));
           }
         }
       }
@@ -341,6 +397,9 @@ void ms_deform_attn_gradients_cpu(const MsDeformAttnGeometry& g, const Tensor& g
         LevelSamples<opmath_t> samples(g, levels.data(), backward_queries_per_locate(g));
         std::vector<opmath_t> grad(whole_lanes, opmath_t(0));
         std::vector<opmath_t> unread(whole_lanes);
+        const int64_t softmax_samples = g.softmax ? g.head_samples() : 0;
+        std::vector<opmath_t> normalised(backward_queries_per_locate(g) * softmax_samples);
+        std::vector<opmath_t> weight_grads(softmax_samples);
         int64_t begin, end;
         while (runs.take(begin, end)) {
           backward_heads<register_bytes, scalar_t>(
@@ -350,7 +409,7 @@ void ms_deform_attn_gradients_cpu(const MsDeformAttnGeometry& g, const Tensor& g
               mutable_data_or_null<opmath_t>(sums),
               mutable_data_or_null<scalar_t>(grad_sampling_locations),
               mutable_data_or_null<scalar_t>(grad_attention_weights), samples, grad.data(),
-              zeros.data(), unread.data(), begin, end);
+              zeros.data(), unread.data(), normalised.data(), weight_grads.data(), begin, end);
         }
       });
     });

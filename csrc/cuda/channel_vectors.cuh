@@ -194,4 +194,14 @@ __device__ inline opmath_t sum_over_lanes(opmath_t value, int lanes) {
   return value;
 }
 
+// The largest `value` of an item's lanes, in every one of them, likewise.
+template <typename opmath_t>
+__device__ inline opmath_t max_over_lanes(opmath_t value, int lanes) {
+  for (int distance = lanes / 2; distance > 0; distance /= 2) {
+    const opmath_t other = __shfl_xor_sync(0xffffffffu, value, distance);
+    value = other > value ? other : value;
+  }
+  return value;
+}
+
 }  // namespace deformconv

@@ -63,6 +63,32 @@ __device__ inline int64_t head_start_of_item(const MsDeformAttnGeometry& g, int6
   return ms_deform_attn_head_start(g, item / (g.queries * g.heads), item % g.heads);
 }
 
+// With softmax, the normaliser of an item's logits, its lanes taking the samples lane,
+// lane + lanes, ...; without, nothing to compute. Every thread of the warp calls it.
+template <typename scalar_t>
+__device__ inline SoftmaxNormaliser<opmath_type<scalar_t>> item_normaliser(
+    const MsDeformAttnGeometry& g, const LaneTiling& t, int lane, bool active_item, int64_t item,
+    const scalar_t* weights) {
+  using opmath_t = opmath_type<scalar_t>;
+  if (!g.softmax) {
+    return {opmath_t(0), opmath_t(1)};
+  }
+  const int64_t samples = g.head_samples();
+  const auto share = SoftmaxNormaliser<opmath_t>::of(weights + item * samples, lane,
+                                                     active_item ? samples : 0, t.lanes);
+  const opmath_t largest = max_over_lanes(share.largest, t.lanes);
+  return {largest, sum_over_lanes(share.sum_relative_to(largest), t.lanes)};
+}
+
+// The weight of a sample whose attention weight (softmax's logit) is `given`.
+template <typename scalar_t>
+__device__ inline opmath_type<scalar_t> attention_of(
+    const MsDeformAttnGeometry& g, const SoftmaxNormaliser<opmath_type<scalar_t>>& normaliser,
+    scalar_t given) {
+  const auto weight = static_cast<opmath_type<scalar_t>>(given);
+  return g.softmax ? normaliser.weight(weight) : weight;
+}
+
 // Stages the round of an item's samples that starts at first_sample into its slots `samples`
 // (stage_item_samples). Returns the round's number of samples. Every thread of the warp calls
 // it.
@@ -71,6 +97,7 @@ __device__ inline int stage_round(const MsDeformAttnGeometry& g, const LaneTilin
                                   bool active_item, int64_t item, const int64_t* shapes,
                                   const int64_t* starts, int64_t first_sample,
                                   const scalar_t* locations, const scalar_t* weights,
+                                  const SoftmaxNormaliser<opmath_type<scalar_t>>& normaliser,
                                   StagedSample<opmath_type<scalar_t>>* samples) {
   using opmath_t = opmath_type<scalar_t>;
   const int64_t first_index = item * g.head_samples() + first_sample;
@@ -91,8 +118,8 @@ __device__ inline int stage_round(const MsDeformAttnGeometry& g, const LaneTilin
       y = x = opmath_t(-2);
     }
     StagedSample<opmath_t> located;
-    located.sample = share_sample(y, x, static_cast<opmath_t>(weights[index]), level.height,
-                                  level.width);
+    located.sample = share_sample(y, x, attention_of(g, normaliser, weights[index]),
+                                  level.height, level.width);
     located.sample.top_left += level.start;
     located.row_step = level.width * g.pixel_stride();
     return located;
@@ -125,6 +152,7 @@ __global__ void ms_deform_attn_forward_kernel(MsDeformAttnGeometry g, LaneTiling
        first_item += int64_t(gridDim.x) * t.items_per_block) {
     const int64_t item = first_item + slot;
     const bool active_item = item < t.items;
+    const auto normaliser = item_normaliser(g, t, lane, active_item, item, weights);
     for (int64_t pass = 0; pass < t.passes; ++pass) {
       const int64_t vector = pass * t.lanes + lane;
       const bool active = active_item && vector < t.vectors;
@@ -133,7 +161,7 @@ __global__ void ms_deform_attn_forward_kernel(MsDeformAttnGeometry g, LaneTiling
       opmath_t sum[kVector] = {};
       for (int64_t first = 0; first < g.head_samples(); first += t.samples_per_round) {
         const int count = stage_round(g, t, lane, active_item, item, shapes, starts, first,
-                                      locations, weights, samples);
+                                      locations, weights, normaliser, samples);
         if (!active) {
           continue;
         }
@@ -168,7 +196,10 @@ __global__ void ms_deform_attn_forward_kernel(MsDeformAttnGeometry g, LaneTiling
 // grad_sums (the value gradient's sums, opmath_type), grad_locations and grad_weights are
 // null where not asked for. In the kGathered instance (of its own, so that the atomic one keeps
 // its registers) the value gradient is recorded in `entries` and gathered after the kernel
-// instead: sample item * L * P + l * P + p of the launch.
+// instead: sample item * L * P + l * P + p of the launch. With softmax and grad_weights,
+// weight_grads (grad_weights itself where it is opmath_type) takes the gradients g_s of the
+// normalised weights, from which lane 0 computes the logits' once the item's samples are done
+// (SoftmaxNormaliser).
 template <typename scalar_t, int kVector, bool kGathered>
 __global__ void ms_deform_attn_backward_kernel(MsDeformAttnGeometry g, LaneTiling t,
                                                const int64_t* shapes, const int64_t* starts,
@@ -176,7 +207,8 @@ __global__ void ms_deform_attn_backward_kernel(MsDeformAttnGeometry g, LaneTilin
                                                const scalar_t* locations, const scalar_t* weights,
                                                opmath_type<scalar_t>* grad_sums,
                                                CornerEntries<opmath_type<scalar_t>> entries,
-                                               scalar_t* grad_locations, scalar_t* grad_weights) {
+                                               scalar_t* grad_locations, scalar_t* grad_weights,
+                                               opmath_type<scalar_t>* weight_grads) {
   using opmath_t = opmath_type<scalar_t>;
   __shared__ StagedSample<opmath_t> staged[kStagedSamplesPerBlock<opmath_t>];
   const bool position_grads = grad_locations != nullptr || grad_weights != nullptr;
@@ -189,9 +221,12 @@ __global__ void ms_deform_attn_backward_kernel(MsDeformAttnGeometry g, LaneTilin
     const int64_t item = first_item + slot;
     const bool active_item = item < t.items;
     const int64_t head_start = active_item ? head_start_of_item(g, item) : 0;
+    const auto normaliser = item_normaliser(g, t, lane, active_item, item, weights);
+    // With softmax, the sum of a_s g_s over the item's samples, in lane 0.
+    opmath_t weighted_sum = 0;
     for (int64_t first = 0; first < g.head_samples(); first += t.samples_per_round) {
       const int count = stage_round(g, t, lane, active_item, item, shapes, starts, first,
-                                    locations, weights, samples);
+                                    locations, weights, normaliser, samples);
       for (int k = 0; k < count; ++k) {
         // The dot products of the output's gradient with each corner's values (0 outside).
         opmath_t dots[4] = {0, 0, 0, 0};
@@ -260,10 +295,25 @@ __global__ void ms_deform_attn_backward_kernel(MsDeformAttnGeometry g, LaneTilin
                   moves ? attention * sums.y * static_cast<opmath_t>(shapes[2 * l]) : 0);
             }
             if (grad_weights != nullptr) {
-              grad_weights[index] = static_cast<scalar_t>(inside ? sums.m : 0);
+              const opmath_t gradient = inside ? sums.m : opmath_t(0);
+              if (g.softmax) {
+                weight_grads[index] = gradient;
+                weighted_sum += s.sample.mask * gradient;
+              } else {
+                grad_weights[index] = static_cast<scalar_t>(gradient);
+              }
             }
           }
         }
+      }
+    }
+    if (g.softmax && grad_weights != nullptr && active_item && lane == 0) {
+      // dL/dz_s = a_s (g_s - sum over s' of a_s' g_s'), from the g_s this thread wrote.
+      for (int64_t sample = 0; sample < g.head_samples(); ++sample) {
+        const int64_t index = item * g.head_samples() + sample;
+        const opmath_t attention = attention_of(g, normaliser, weights[index]);
+        grad_weights[index] =
+            static_cast<scalar_t>(attention * (weight_grads[index] - weighted_sum));
       }
     }
   }
@@ -335,6 +385,11 @@ void ms_deform_attn_gradients_cuda(const MsDeformAttnGeometry& g, const Tensor& 
     }
     // The sums too: vectors of them are added in one atomic (scatter_add_run).
     const Tensor& sums_or_value = sums.defined() ? sums : value;
+    // The gradients of softmax's normalised weights, before the logits'.
+    Tensor weight_grads;
+    if (g.softmax && grad_attention_weights.defined()) {
+      weight_grads = uninitialised_input_gradient_sums<scalar_t>(grad_attention_weights);
+    }
     with_channel_vectors<16 / sizeof(opmath_t)>(
         g.batch * g.queries * g.heads, g.channels, g.channels, g.head_samples(),
         kStagedSamplesPerBlock<opmath_t>, {&grad_output, &value, &sums_or_value},
@@ -356,7 +411,8 @@ void ms_deform_attn_gradients_cuda(const MsDeformAttnGeometry& g, const Tensor& 
               sums.defined() && !gathered ? sums.mutable_data_ptr<opmath_t>() : nullptr,
               gather ? gather->entries() : CornerEntries<opmath_t>{},
               mutable_data_or_null<scalar_t>(grad_sampling_locations),
-              mutable_data_or_null<scalar_t>(grad_attention_weights));
+              mutable_data_or_null<scalar_t>(grad_attention_weights),
+              mutable_data_or_null<opmath_t>(weight_grads));
           DEFORMCONV_CHECK_LAUNCH();
           if (gather) {
             gather->add_to(sums);

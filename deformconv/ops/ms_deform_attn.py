@@ -21,6 +21,7 @@ def ms_deform_attn(
     im2col_step: int = 64,
     points_per_level: Optional[List[int]] = None,
     sampling: str = "bilinear",
+    softmax: bool = False,
 ) -> Tensor:
     r"""Multi-scale deformable attention, with the arguments of Deformable DETR's
     ``MSDeformAttnFunction.apply`` and mmcv's ``MultiScaleDeformableAttnFunction.apply``.
@@ -41,7 +42,8 @@ def ms_deform_attn(
         sampling_locations: (N, Lq, M, L, P, 2), normalised (x, y): (0, 0) is the top-left
             corner of a level's top-left pixel, (1, 1) the bottom-right corner of its
             bottom-right one.
-        attention_weights: (N, Lq, M, L, P), used as given (the modules apply the softmax).
+        attention_weights: (N, Lq, M, L, P), used as given (the modules apply the softmax), or
+            with ``softmax=True`` the logits.
         im2col_step: accepted for the originals' signature; the result and the memory do not
             depend on it.
         points_per_level: each level's number of points, where they differ (RT-DETRv2's,
@@ -52,6 +54,10 @@ def ms_deform_attn(
             ``multi_scale_deformable_attention_v2(..., method="discrete")`` (RT-DETRv2, DEIM),
             each axis's pixel ``int64(loc * W + 0.5)`` clamped into the level, the locations
             getting no gradient (value and attention_weights do).
+        softmax: whether attention_weights are logits, normalised by a softmax over each
+            (query, head)'s L * P (or sum(points_per_level)) samples inside the op, in float32
+            for float16 and bfloat16 (DCNv4's FlashDeformAttn, deformops' ``method="softmax"``);
+            the gradient is then the logits'.
 
     Returns:
         (N, Lq, M * D).
@@ -62,36 +68,36 @@ def ms_deform_attn(
         if _in_onnx_export():
             return decompositions.ms_deform_attn(value, spatial_shapes, level_start_index,
                                                  sampling_locations, attention_weights,
-                                                 im2col_step, points, sampling)
+                                                 im2col_step, points, sampling, softmax)
     return torch.ops.deformconv.ms_deform_attn(value, spatial_shapes, level_start_index,
                                                sampling_locations, attention_weights,
-                                               im2col_step, points, sampling)
+                                               im2col_step, points, sampling, softmax)
 
 
 @torch.library.register_fake("deformconv::ms_deform_attn")
 def _ms_deform_attn_fake(value, spatial_shapes, level_start_index, sampling_locations,
                          attention_weights, im2col_step, points_per_level=(),
-                         sampling="bilinear"):
+                         sampling="bilinear", softmax=False):
     # The checks read the levels' sizes and starts on real tensors only; on the meta copies,
     # the shapes and dtypes. The real kernel checks the sizes against value.
     return _fake_output(
         "ms_deform_attn",
         dict(value=value, spatial_shapes=spatial_shapes, level_start_index=level_start_index,
              sampling_locations=sampling_locations, attention_weights=attention_weights),
-        (im2col_step, list(points_per_level), sampling),
+        (im2col_step, list(points_per_level), sampling, softmax),
         lambda: (value.shape[0], sampling_locations.shape[1], value.shape[2] * value.shape[3]))
 
 
 @torch.library.register_fake("deformconv::ms_deform_attn_backward")
 def _ms_deform_attn_backward_fake(grad_output, value, spatial_shapes, level_start_index,
                                   sampling_locations, attention_weights, im2col_step,
-                                  points_per_level, sampling, output_mask,
+                                  points_per_level, sampling, softmax, output_mask,
                                   deterministic=False):
     return _fake_gradients(
         "ms_deform_attn", grad_output,
         dict(value=value, spatial_shapes=spatial_shapes, level_start_index=level_start_index,
              sampling_locations=sampling_locations, attention_weights=attention_weights),
-        (im2col_step, list(points_per_level), sampling),
+        (im2col_step, list(points_per_level), sampling, softmax),
         [lambda t=t: torch.empty_like(t, memory_format=torch.contiguous_format)
          for t in (value, sampling_locations, attention_weights)],
         output_mask)
