@@ -23,22 +23,30 @@ from ms_deform_attn_reference import make_operands as attention_operands
 
 pytestmark = pytest.mark.workflows
 
-OPS = ["deform_conv2d", "dcnv3", "dcnv4", "ms_deform_attn"]
+# Multi-scale deformable attention also in the forms of today's detectors: D-FINE's points per
+# level with the softmax in the op, and nearest sampling (RT-DETRv2's method="discrete").
+MSDA_VARIANTS = {"ms_deform_attn": {},
+                 "ms_deform_attn-softmax-per-level": dict(points_per_level=[3, 6, 3],
+                                                          softmax=True),
+                 "ms_deform_attn-nearest": dict(points_per_level=[2, 1, 3], sampling="nearest")}
+OPS = ["deform_conv2d", "dcnv3", "dcnv4", *MSDA_VARIANTS]
 SHAPES = [0, 1]
 
 
 class MsDeformAttnOp(torch.nn.Module):
-    """The op over levels of fixed sizes, which the graph holds as constants."""
+    """The op over levels of fixed sizes, which the graph holds as constants, with the
+    variant's options."""
 
-    def __init__(self, levels):
+    def __init__(self, levels, options):
         super().__init__()
         spatial_shapes, level_start_index, _ = levels_of(levels)
         self.register_buffer("spatial_shapes", spatial_shapes)
         self.register_buffer("level_start_index", level_start_index)
+        self.options = options
 
     def forward(self, value, locations, weights):
         return deformconv.ms_deform_attn(value, self.spatial_shapes, self.level_start_index,
-                                         locations, weights)
+                                         locations, weights, **self.options)
 
 
 def case(op, shape):
@@ -59,10 +67,12 @@ def case(op, shape):
                                               dtype=torch.float32)
         args = (input, pack_offset_mask(offset, mask, 1, padding_value=0.0))
     else:
-        levels = [(6, 5), (3, 3)] if shape == 0 else [(8, 7), (4, 4), (2, 2)]
-        model = MsDeformAttnOp(levels)
+        options = MSDA_VARIANTS[op]
+        levels = [(6, 5), (3, 3)] if shape == 0 and not options else [(8, 7), (4, 4), (2, 2)]
+        model = MsDeformAttnOp(levels, options)
         value, _, _, locations, weights = attention_operands(
-            levels, queries=7, heads=2, channels=4, points=3, spread=3.0, dtype=torch.float32)
+            levels, queries=7 + shape, heads=2, channels=4, points=3, spread=3.0,
+            dtype=torch.float32, points_per_level=options.get("points_per_level"))
         args = (value, locations, weights)
     torch.manual_seed(1)
     for parameter in model.parameters():
@@ -93,7 +103,8 @@ def test_decomposition_leaves_no_deformconv_node(op, shape):
     model, args, program = decomposed_case(op, shape)
     targets = [str(node.target) for node in program.graph.nodes if node.op == "call_function"]
     assert not [target for target in targets if "deformconv" in target]
-    assert "aten.grid_sampler_2d.default" in targets
+    sampled = "aten.grid_sampler_2d.default" in targets
+    assert sampled == (MSDA_VARIANTS.get(op, {}).get("sampling") != "nearest"), targets
     assert_close_to_eager(program.module()(*args), model, args)
 
 
