@@ -78,13 +78,14 @@ from .nn import (
     DCNv4,
     DeformConv2d,
     DeformConv2dPack,
+    FlashDeformAttn,
     ModulatedDeformConv2d,
     ModulatedDeformConv2dPack,
     MSDeformAttn,
     MultiScaleDeformableAttention,
     upgrade_mmcv_state_dict,
 )
-from .ops import dcnv3, dcnv4, deform_conv2d, ms_deform_attn
+from .ops import dcnv3, dcnv4, deform_conv2d, flash_deform_attn, ms_deform_attn
 
 
 def cuda_compiled() -> bool:
@@ -97,6 +98,7 @@ __all__ = [
     "DCNv4",
     "DeformConv2d",
     "DeformConv2dPack",
+    "FlashDeformAttn",
     "ModulatedDeformConv2d",
     "ModulatedDeformConv2dPack",
     "MSDeformAttn",
@@ -107,6 +109,7 @@ __all__ = [
     "dcnv3",
     "dcnv4",
     "deform_conv2d",
+    "flash_deform_attn",
     "ms_deform_attn",
     "upgrade_mmcv_state_dict",
 ]

@@ -7,7 +7,8 @@ Their model files import the originals' compiled op packages at import time:
   the detection and segmentation backbones): ``from ops_dcnv3 import modules as opsm``, then
   ``getattr(opsm, core_op)`` with ``core_op`` ``'DCNv3'`` or ``'DCNv3_pytorch'``;
 - FlashInternImage (``classification/models/flash_intern_image.py``): ``import DCNv4``, then
-  ``getattr(DCNv4, core_op)`` with ``core_op='DCNv4'``;
+  ``getattr(DCNv4, core_op)`` with ``core_op='DCNv4'``; detectors on DCNv4's flash deformable
+  attention: ``from DCNv4 import FlashDeformAttn`` (or ``FlashDeformAttnFunction``);
 - Deformable DETR (``models/ops/functions/ms_deform_attn_func.py``, and the copies of that
   folder in DINO, DN-DETR and their descendants): ``import MultiScaleDeformableAttention as
   MSDA``, whose ``ms_deform_attn_forward`` and ``ms_deform_attn_backward`` its autograd
@@ -24,8 +25,9 @@ them the import of the model file fails. :func:`use_for` puts stand-ins for them
 The stand-ins hold what the model files and the originals' ``functions`` use: ``ops_dcnv3``
 with ``modules.DCNv3`` and ``modules.DCNv3_pytorch`` (both deformconv's DCNv3: the original's
 pure-PyTorch module has the same parameters and keys), ``functions.DCNv3Function.apply`` and
-``functions.dcnv3_core_pytorch``; ``DCNv4`` with ``DCNv4``, ``modules.DCNv4`` and
-``functions.DCNv4Function.apply``; ``MultiScaleDeformableAttention`` with
+``functions.dcnv3_core_pytorch``; ``DCNv4`` with ``DCNv4``, ``FlashDeformAttn``,
+``modules.DCNv4``, ``modules.FlashDeformAttn``, ``functions.DCNv4Function.apply`` and
+``functions.FlashDeformAttnFunction.apply``; ``MultiScaleDeformableAttention`` with
 ``ms_deform_attn_forward`` and ``ms_deform_attn_backward`` (the extension's functions, on
 deformconv's ops: the model's own module and autograd function run unchanged, on the CPU too).
 """
@@ -37,8 +39,8 @@ from typing import Dict, List
 import torch
 from torch import Tensor
 
-from .nn import DCNv3, DCNv4
-from .ops import dcnv3, dcnv4
+from .nn import DCNv3, DCNv4, FlashDeformAttn
+from .ops import dcnv3, dcnv4, flash_deform_attn
 
 
 class DCNv3Function:
@@ -51,6 +53,13 @@ class DCNv4Function:
     """The original's ``DCNv4Function``: ``apply`` takes the same positional arguments."""
 
     apply = staticmethod(dcnv4)
+
+
+class FlashDeformAttnFunction:
+    """The original's ``FlashDeformAttnFunction``: ``apply`` takes the same positional
+    arguments."""
+
+    apply = staticmethod(flash_deform_attn)
 
 
 def dcnv3_core_pytorch(input, offset, mask, kernel_h, kernel_w, stride_h, stride_w, pad_h,
@@ -107,10 +116,13 @@ def _stand_ins(codebase: str) -> Dict[str, types.ModuleType]:
                              dcnv3_core_pytorch=dcnv3_core_pytorch)
         return {"ops_dcnv3": _package("ops_dcnv3", modules=modules, functions=functions),
                 "ops_dcnv3.modules": modules, "ops_dcnv3.functions": functions}
-    modules = _package("DCNv4.modules", DCNv4=DCNv4)
-    functions = _package("DCNv4.functions", DCNv4Function=DCNv4Function)
-    return {"DCNv4": _package("DCNv4", DCNv4=DCNv4, DCNv4Function=DCNv4Function,
-                              modules=modules, functions=functions),
+    classes = dict(DCNv4=DCNv4, FlashDeformAttn=FlashDeformAttn)
+    function_classes = dict(DCNv4Function=DCNv4Function,
+                            FlashDeformAttnFunction=FlashDeformAttnFunction)
+    modules = _package("DCNv4.modules", **classes)
+    functions = _package("DCNv4.functions", **function_classes)
+    return {"DCNv4": _package("DCNv4", **classes, **function_classes, modules=modules,
+                              functions=functions),
             "DCNv4.modules": modules, "DCNv4.functions": functions}
 
 

@@ -1,5 +1,5 @@
-"""MSDeformAttn (Deformable DETR's) and MultiScaleDeformableAttention (mmcv's): state_dicts of
-the originals' keys and shapes load strictly and give the output that the originals' forward,
+"""MSDeformAttn (Deformable DETR's), MultiScaleDeformableAttention (mmcv's) and FlashDeformAttn
+(DCNv4's): state_dicts of the originals' keys and shapes load strictly and give the output that the originals' forward,
 written out here on the reference op, gives; their initialisation; training."""
 
 import math
@@ -92,6 +92,41 @@ def test_msdeformattn_loads_the_originals_state_dict(box):
     torch.testing.assert_close(out, expected)
 
 
+@pytest.mark.parametrize("box", [False, True], ids=["points", "boxes"])
+def test_flash_deform_attn_loads_the_originals_state_dict(box):
+    """DCNv4's FlashDeformAttn has Deformable DETR's parameters and forward; only the operand
+    of its op differs (locations and logits packed, the softmax in the op)."""
+    module = deformconv.FlashDeformAttn(d_model=16, n_levels=4, n_heads=2, n_points=3)
+    state = originals_state_dict(16, 2, 4, 3)
+    assert {k: v.shape for k, v in module.state_dict().items()} == \
+        {k: v.shape for k, v in state.items()}
+    module.load_state_dict(state, strict=True)
+    query, reference, values, shapes, starts, padding = inputs(box=box)
+    out = module(query, reference, values, shapes, starts, padding)
+    expected = originals_attention(state, 2, 4, 3, query, reference, values, shapes, starts,
+                                   padding)
+    torch.testing.assert_close(out, expected)
+
+
+def test_flash_deform_attn_function_gradients():
+    """flash_deform_attn's gradients, by gradcheck in float64, of the value and of the packed
+    locations and logits (off the pixel grid)."""
+    spatial_shapes, level_start_index, S = levels_of([(3, 4), (2, 2)])
+    generator = torch.Generator().manual_seed(4)
+    value = torch.randn(1, S, 2, 3, dtype=torch.float64, generator=generator)
+    packed = torch.rand(1, 3, 2, 3 * 2 * 2, dtype=torch.float64, generator=generator)
+    packed[..., :8] = packed[..., :8] * 1.2 - 0.1
+
+    def attend(value, packed):
+        return deformconv.flash_deform_attn(value, spatial_shapes, level_start_index, packed,
+                                            64, 2)
+
+    assert torch.autograd.gradcheck(attend, (value.requires_grad_(), packed.requires_grad_()))
+    with pytest.raises(ValueError, match=r"expected sampling_loc_attn's last dimension to be "
+                                         r"3 \* levels \* K = 18 \(2 levels, K=3"):
+        deformconv.flash_deform_attn(value, spatial_shapes, level_start_index, packed, 64, 3)
+
+
 @pytest.mark.parametrize("batch_first", [False, True])
 @pytest.mark.parametrize("box", [False, True], ids=["points", "boxes"])
 def test_mmcv_module_loads_the_originals_state_dict(batch_first, box):
@@ -129,7 +164,8 @@ def test_mmcv_module_loads_the_originals_state_dict(batch_first, box):
     lambda: deformconv.MSDeformAttn(d_model=32, n_levels=2, n_heads=4, n_points=3),
     lambda: deformconv.MultiScaleDeformableAttention(embed_dims=32, num_heads=4, num_levels=2,
                                                      num_points=3),
-], ids=["MSDeformAttn", "MultiScaleDeformableAttention"])
+    lambda: deformconv.FlashDeformAttn(d_model=32, n_levels=2, n_heads=4, n_points=3),
+], ids=["MSDeformAttn", "MultiScaleDeformableAttention", "FlashDeformAttn"])
 def test_initialisation_of_the_originals(make):
     module = make()
     # Head h points along angle 2 pi h / 4: (1, 0), (0, 1), (-1, 0), (0, -1), scaled so that the

@@ -1,16 +1,15 @@
-"""Multi-scale deformable attention modules: Deformable DETR's MSDeformAttn and mmcv's
-MultiScaleDeformableAttention, with the originals' submodules, parameter initialisation,
-state_dict keys and forward arguments, on deformconv.ms_deform_attn."""
+"""Multi-scale deformable attention modules: Deformable DETR's MSDeformAttn, mmcv's
+MultiScaleDeformableAttention and DCNv4's FlashDeformAttn, with the originals' submodules,
+parameter initialisation, state_dict keys and forward arguments, on deformconv.ms_deform_attn."""
 
 import math
 import warnings
 from typing import List, Optional, Sequence, Union
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..ops.ms_deform_attn import ms_deform_attn
+from ..ops.ms_deform_attn import flash_deform_attn, ms_deform_attn
 
 
 def _points_per_level(points: Union[int, Sequence[int]], levels: int) -> List[int]:
@@ -126,8 +125,9 @@ def _attend(module: nn.Module, query: Tensor, values: Tensor, reference_points: 
             heads: int, points_per_level: List[int], listed: bool, sampling: str,
             im2col_step: int) -> Tensor:
     """Both originals' attention, batch first: the values projected (zero at padding) and split
-    into heads, the offsets and softmax-ed weights from the query, the op (which checks the
-    values' rows against the levels' pixels), the output projection. `listed`: the points
+    into heads, the offsets and the weights' logits from the query, the op (which checks the
+    values' rows against the levels' pixels, and normalises the logits by the originals'
+    softmax over each head's samples), the output projection. `listed`: the points
     given per level, in the op's flat layout of samples; else P on every level, in its
     (L, P) layout."""
     N, queries, _ = query.shape
@@ -135,21 +135,34 @@ def _attend(module: nn.Module, query: Tensor, values: Tensor, reference_points: 
     if padding_mask is not None:
         value = value.masked_fill(padding_mask[..., None], 0.0)
     value = value.view(N, values.shape[1], heads, -1)
-    weights = F.softmax(module.attention_weights(query).view(N, queries, heads, -1), -1)
+    logits = module.attention_weights(query).view(N, queries, heads, -1)
     if listed:
         offsets = module.sampling_offsets(query).view(N, queries, heads, -1, 2)
         locations = _listed_sampling_locations(reference_points, offsets, spatial_shapes,
                                                points_per_level)
-        output = ms_deform_attn(value, spatial_shapes, level_start_index, locations, weights,
-                                im2col_step, points_per_level, sampling)
+        output = ms_deform_attn(value, spatial_shapes, level_start_index, locations, logits,
+                                im2col_step, points_per_level, sampling, softmax=True)
     else:
         points = points_per_level[0]
         shape = (N, queries, heads, len(points_per_level), points)
         offsets = module.sampling_offsets(query).view(*shape, 2)
         locations = _sampling_locations(reference_points, offsets, spatial_shapes, points)
         output = ms_deform_attn(value, spatial_shapes, level_start_index, locations,
-                                weights.view(shape), im2col_step, None, sampling)
+                                logits.view(shape), im2col_step, None, sampling, softmax=True)
     return module.output_proj(output)
+
+
+def _check_heads(module: str, d_model: int, n_heads: int) -> None:
+    """Deformable DETR's and DCNv4's check of the heads: d_model a multiple of n_heads, and
+    their warning where the channels per head are not a power of 2."""
+    if d_model % n_heads != 0:
+        raise ValueError(f"expected d_model ({d_model}) to be a multiple of n_heads "
+                         f"({n_heads})")
+    head_channels = d_model // n_heads
+    if head_channels & (head_channels - 1) != 0:
+        warnings.warn(f"{module}: channels per head (d_model / n_heads = {head_channels}) that "
+                      "are not a power of 2 run less efficiently in the originals' CUDA "
+                      "kernels", stacklevel=3)
 
 
 class MSDeformAttn(nn.Module):
@@ -169,14 +182,7 @@ class MSDeformAttn(nn.Module):
     def __init__(self, d_model: int = 256, n_levels: int = 4, n_heads: int = 8,
                  n_points: Union[int, Sequence[int]] = 4, sampling: str = "bilinear"):
         super().__init__()
-        if d_model % n_heads != 0:
-            raise ValueError(f"expected d_model ({d_model}) to be a multiple of n_heads "
-                             f"({n_heads})")
-        head_channels = d_model // n_heads
-        if head_channels & (head_channels - 1) != 0:
-            warnings.warn("MSDeformAttn: channels per head (d_model / n_heads = "
-                          f"{head_channels}) that are not a power of 2 run less efficiently "
-                          "in the originals' CUDA kernels", stacklevel=2)
+        _check_heads(type(self).__name__, d_model, n_heads)
         self.im2col_step = 64
         self.d_model = d_model
         self.n_levels = n_levels
@@ -278,3 +284,51 @@ class MultiScaleDeformableAttention(nn.Module):
         if not self.batch_first:
             output = output.transpose(0, 1)
         return self.dropout(output) + identity
+
+
+class FlashDeformAttn(nn.Module):
+    """DCNv4's flash deformable attention module (``DCNv4.FlashDeformAttn``): Deformable DETR's
+    submodules, initialisation and forward arguments, the locations and the weights' logits
+    packed in one operand of :func:`deformconv.flash_deform_attn`, which applies the softmax.
+    Its state_dict is MSDeformAttn's. The locations keep the dtype of the values (the
+    original rounds them to float16 for its kernel).
+
+    Args:
+        d_model: channels of the queries and values; a multiple of ``n_heads``.
+        n_levels, n_heads, n_points: feature levels, attention heads, points per head and
+            level.
+    """
+
+    def __init__(self, d_model: int = 256, n_levels: int = 4, n_heads: int = 8,
+                 n_points: int = 4):
+        super().__init__()
+        _check_heads(type(self).__name__, d_model, n_heads)
+        self.im2col_step = 64
+        self.d_model = d_model
+        self.n_levels = n_levels
+        self.n_heads = n_heads
+        self.n_points = n_points
+        _add_attention(self, d_model, d_model, n_heads, n_levels, n_points, "bilinear")
+        self._reset_parameters()
+
+    def _reset_parameters(self) -> None:
+        _init_attention(self, self.n_heads, self.points_per_level)
+
+    def forward(self, query: Tensor, reference_points: Tensor, input_flatten: Tensor,
+                input_spatial_shapes: Tensor, input_level_start_index: Tensor,
+                input_padding_mask: Optional[Tensor] = None) -> Tensor:
+        """MSDeformAttn's arguments and result."""
+        N, queries, _ = query.shape
+        value = self.value_proj(input_flatten)
+        if input_padding_mask is not None:
+            value = value.masked_fill(input_padding_mask[..., None], 0.0)
+        value = value.view(N, input_flatten.shape[1], self.n_heads, -1)
+        shape = (N, queries, self.n_heads, self.n_levels, self.n_points)
+        offsets = self.sampling_offsets(query).view(*shape, 2)
+        locations = _sampling_locations(reference_points, offsets, input_spatial_shapes,
+                                        self.n_points)
+        logits = self.attention_weights(query).view(N, queries, self.n_heads, -1)
+        sampling_loc_attn = torch.cat([locations.flatten(-3), logits], -1)
+        output = flash_deform_attn(value, input_spatial_shapes, input_level_start_index,
+                                   sampling_loc_attn, self.im2col_step, self.n_points)
+        return self.output_proj(output)

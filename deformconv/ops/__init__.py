@@ -3,6 +3,6 @@ kernels, which importing this package registers."""
 
 from .dcnv3 import dcnv3, dcnv4
 from .deform_conv2d import deform_conv2d
-from .ms_deform_attn import ms_deform_attn
+from .ms_deform_attn import flash_deform_attn, ms_deform_attn
 
-__all__ = ["dcnv3", "dcnv4", "deform_conv2d", "ms_deform_attn"]
+__all__ = ["dcnv3", "dcnv4", "deform_conv2d", "flash_deform_attn", "ms_deform_attn"]

@@ -74,6 +74,39 @@ def ms_deform_attn(
                                                im2col_step, points, sampling, softmax)
 
 
+def flash_deform_attn(value: Tensor, value_spatial_shapes: Tensor,
+                      value_level_start_index: Tensor, sampling_loc_attn: Tensor,
+                      im2col_step: int = 64, K: int = 8) -> Tensor:
+    """DCNv4's flash deformable attention (``FlashDeformAttnFunction.apply``, the same
+    positional arguments): multi-scale deformable attention with K points on each of the L
+    levels, the locations and the weights' logits packed in one operand, the softmax in the op.
+
+    Args:
+        value: (N, S, M, D), as ms_deform_attn's.
+        value_spatial_shapes, value_level_start_index: ms_deform_attn's spatial_shapes and
+            level_start_index.
+        sampling_loc_attn: (N, Lq, M, 3 * L * K): each head's L * K locations (x, y), level by
+            level, then its L * K logits. Cast to value's dtype (the original's kernel runs in
+            float16 under its autocast).
+        im2col_step: accepted for the original's signature.
+        K: points per level.
+
+    Returns:
+        (N, Lq, M * D).
+    """
+    N, Lq, M, packed = sampling_loc_attn.shape
+    L = value_spatial_shapes.shape[0]
+    if packed != 3 * L * K:
+        raise ValueError(f"flash_deform_attn(): expected sampling_loc_attn's last dimension to "
+                         f"be 3 * levels * K = {3 * L * K} ({L} levels, K={K}: the locations "
+                         f"then the logits), but got {packed}")
+    packed_operand = sampling_loc_attn.to(value.dtype)
+    locations = packed_operand[..., :2 * L * K].reshape(N, Lq, M, L, K, 2)
+    logits = packed_operand[..., 2 * L * K:].reshape(N, Lq, M, L, K)
+    return ms_deform_attn(value, value_spatial_shapes, value_level_start_index, locations,
+                          logits, im2col_step, softmax=True)
+
+
 @torch.library.register_fake("deformconv::ms_deform_attn")
 def _ms_deform_attn_fake(value, spatial_shapes, level_start_index, sampling_locations,
                          attention_weights, im2col_step, points_per_level=(),
