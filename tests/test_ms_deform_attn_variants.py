@@ -194,6 +194,35 @@ def test_nearest_gradcheck_of_value_and_weights():
     assert torch.equal(grad, torch.zeros_like(grad))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_softmax_weights_are_torch_softmax_over_the_exponent_range(emulated, dtype):
+    """The op's normalised weights, read back as the value's gradient (64 samples, each on a
+    pixel centre of a 1 x 64 level: d out / d value[s] = a_s), against torch.softmax, on the CPU
+    (whose exponentials are its own, vectorised) and the emulated GPU, for logits from 0 down
+    past the smallest normal exponential, -inf and a NaN-free row: to a few units in the last
+    place; below the smallest normal number (tiny), 0 on the CPU where torch's may be a
+    denormal."""
+    samples = 64
+    spatial_shapes, starts, _ = levels_of([(1, samples)])
+    value = torch.zeros(1, samples, 1, 1, dtype=dtype)
+    x = (torch.arange(samples, dtype=dtype) + 0.5) / samples
+    locations = torch.stack([x, torch.full_like(x, 0.5)], -1).view(1, 1, 1, 1, samples, 2)
+    logits = torch.cat([torch.linspace(0, -120, samples - 4, dtype=dtype),
+                        torch.tensor([-float("inf"), -745.0, 3.5, 1e-3], dtype=dtype)])
+    logits = logits.view(1, 1, 1, 1, samples)
+    expected = torch.softmax(logits.flatten(), 0)
+    for ops in (torch.ops.deformconv, emulated):
+        grad_value, _, _ = ops.ms_deform_attn_backward(
+            torch.ones(1, 1, 1, dtype=dtype), value, spatial_shapes, starts, locations, logits,
+            64, [], "bilinear", True, [True, False, False])
+        weights = grad_value.flatten()
+        torch.testing.assert_close(weights, expected, rtol=8 * torch.finfo(dtype).eps,
+                                   atol=torch.finfo(dtype).tiny)
+        if ops is torch.ops.deformconv:
+            # The CPU's exponential flushes what would be denormal to 0 (the GPU's keeps it).
+            assert torch.equal(weights == 0, expected < torch.finfo(dtype).tiny)
+
+
 def test_equal_counts_give_the_bits_of_the_layout_by_level():
     """[P] * L in the flat layout computes what P points on every level in the (L, P) layout
     do, bit for bit."""

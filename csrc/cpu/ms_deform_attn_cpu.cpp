@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <limits>
 #include <vector>
 
 #include "../common/bilinear_sampling.cuh"
@@ -23,6 +24,7 @@
 #include "cpu_loops.h"
 #include "located_samples.h"
 #include "sample_gradients.h"
+#include "vector_exp.h"
 
 #define DEFORMCONV_CPU_COPY_BODY "ms_deform_attn_cpu.cpp"
 #include "cpu_copies.h"
@@ -128,7 +130,8 @@ class LevelSamples {
 };
 
 // With softmax, the normalised weights of the (query, head)s whose logits start at
-// logits + first[k] * samples, k < count, into normalised[k * samples + s].
+// logits + (first + k * step) * samples, k < count, into normalised[k * samples + s]
+// (SoftmaxNormaliser's): the exponentials of all count * samples in one vectorised loop.
 template <typename scalar_t>
 DEFORMCONV_INLINE void normalise_logits(const scalar_t* logits, int64_t samples, int64_t count,
                                         int64_t first, int64_t step,
@@ -136,9 +139,27 @@ DEFORMCONV_INLINE void normalise_logits(const scalar_t* logits, int64_t samples,
   using opmath_t = opmath_type<scalar_t>;
   for (int64_t k = 0; k < count; ++k) {
     const scalar_t* head = logits + (first + k * step) * samples;
-    const auto normaliser = SoftmaxNormaliser<opmath_t>::of(head, 0, samples, 1);
+    opmath_t* out = normalised + k * samples;
+    opmath_t largest = -std::numeric_limits<opmath_t>::infinity();
     for (int64_t s = 0; s < samples; ++s) {
-      normalised[k * samples + s] = normaliser.weight(static_cast<opmath_t>(head[s]));
+      const opmath_t logit = static_cast<opmath_t>(head[s]);
+      largest = logit > largest ? logit : largest;
+    }
+    for (int64_t s = 0; s < samples; ++s) {
+      out[s] = static_cast<opmath_t>(head[s]) - largest;
+    }
+  }
+  for (int64_t i = 0; i < count * samples; ++i) {
+    normalised[i] = vectorisable_exp(normalised[i]);
+  }
+  for (int64_t k = 0; k < count; ++k) {
+    opmath_t* out = normalised + k * samples;
+    opmath_t sum = 0;
+    for (int64_t s = 0; s < samples; ++s) {
+      sum += out[s];
+    }
+    for (int64_t s = 0; s < samples; ++s) {
+      out[s] /= sum;
     }
   }
 }

@@ -65,15 +65,31 @@ def msda_contenders(shape: MsdaShape, tensors) -> Dict[str, Tuple[Callable, list
     mmcv's pure-PyTorch fallbacks compute (deformconv.decompositions'), on the same operands;
     where transformers is installed, its multi_scale_deformable_attention_v2 (RT-DETRv2's,
     D-FINE's and DEIMv2's; the same grid_sample steps, level by level) on the locations and
-    weights in the flat layout it takes."""
+    weights in the flat layout it takes. With shape.softmax the weights are logits: the op
+    normalises them itself, and also runs as today's op after a separate torch.softmax, as the
+    peers do."""
     points = list(shape.points_per_level or [])
+    softmax = shape.softmax
+
+    def normalised(weights):
+        return weights.flatten(3).softmax(-1).view(weights.shape) if softmax else weights
+
     runs = {
         "ms_deform_attn": (
-            lambda *operands: deformconv.ms_deform_attn(*operands, points_per_level=points or None),
+            lambda *operands: deformconv.ms_deform_attn(*operands, points_per_level=points or None,
+                                                        softmax=softmax),
             tensors),
         "grid_sample formulation": (
-            lambda *operands: decompositions.ms_deform_attn(*operands, 64, points), tensors),
+            lambda *operands: decompositions.ms_deform_attn(*operands, 64, points, "bilinear",
+                                                            softmax),
+            tensors),
     }
+    if softmax:
+        runs["ms_deform_attn + softmax"] = (
+            lambda value, spatial_shapes, level_start_index, locations, logits:
+            deformconv.ms_deform_attn(value, spatial_shapes, level_start_index, locations,
+                                      normalised(logits), points_per_level=points or None),
+            tensors)
     try:
         from transformers.models.d_fine.modeling_d_fine import multi_scale_deformable_attention_v2
     except ImportError:
@@ -83,8 +99,8 @@ def msda_contenders(shape: MsdaShape, tensors) -> Dict[str, Tuple[Callable, list
     def transformers_v2(value, spatial_shapes, level_start_index, locations, weights):
         N, Lq, M = locations.shape[:3]
         return multi_scale_deformable_attention_v2(
-            value, levels, locations.reshape(N, Lq, M, -1, 2), weights.reshape(N, Lq, M, -1),
-            list(shape.level_points()), "default")
+            value, levels, locations.reshape(N, Lq, M, -1, 2),
+            normalised(weights).reshape(N, Lq, M, -1), list(shape.level_points()), "default")
 
     runs["transformers"] = (transformers_v2, tensors)
     return runs

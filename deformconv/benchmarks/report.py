@@ -168,12 +168,17 @@ def msda_table(report: dict) -> List[str]:
     with_roofline = any("roofline" in result for result in results)
     with_transformers = any("transformers forward" in result["median_seconds"]
                             for result in results)
+    separate = "ms_deform_attn + softmax"
+    with_softmax = any(f"{separate} forward" in result["median_seconds"] for result in results)
     header = ("| shape | N | levels | Lq | M × D | P | ours fwd / fwd+bwd (ms) | grid_sample fwd "
               "/ fwd+bwd (ms) | grid_sample / ours, fwd | grid_sample / ours, fwd+bwd | peak "
               "fwd MiB (ours / grid_sample) |")
     columns = 11
     if with_transformers:
         header += " transformers / ours, fwd / fwd+bwd |"
+        columns += 1
+    if with_softmax:
+        header += " op + separate softmax / softmax in the op, fwd / fwd+bwd / peak fwd |"
         columns += 1
     if with_roofline:
         header += " DRAM roofline reached, fwd / fwd+bwd |"
@@ -201,6 +206,11 @@ def msda_table(report: dict) -> List[str]:
             row += (f" {ratios[f'transformers/{ours} forward']:.1f}× / "
                     f"{ratios[f'transformers/{ours} forward+backward']:.1f}× |"
                     if f"transformers/{ours} forward" in ratios else " – |")
+        if with_softmax:
+            row += (f" {ratios[f'{separate}/{ours} forward']:.2f}× / "
+                    f"{ratios[f'{separate}/{ours} forward+backward']:.2f}× / "
+                    f"{peaks[separate] / peaks[ours]:.2f}× |"
+                    if f"{separate}/{ours} forward" in ratios else " – |")
         if with_roofline:
             fraction = result["roofline"]["fraction"]
             row += (f" {fraction[f'{ours} forward']:.1%} / "

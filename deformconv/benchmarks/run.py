@@ -45,9 +45,12 @@ def benchmark_against_formulation(shape, runs, ops, args, bandwidth: Optional[di
     grid_sample formulation and the originals that args.loaded_originals holds, every contender
     of runs ({name: (run, inputs)}) timed forward and forward+backward: the ratios, peak forward
     memory, each peer's agreement with ops[0], and on a run with the copy bandwidth the memory
-    roofline."""
-    originals, originals_not_run = original_contenders(args.loaded_originals, runs,
-                                                       dcnv3_geometry)
+    roofline. A shape with the softmax in the op runs no original: theirs take the weights
+    normalised, which "ms_deform_attn + softmax" measures on our op."""
+    loaded = args.loaded_originals
+    if getattr(shape, "softmax", False):
+        loaded = {}
+    originals, originals_not_run = original_contenders(loaded, runs, dcnv3_geometry)
     runs = {**runs, **originals}
     steps = {}
     for name, (run, inputs) in runs.items():
@@ -71,9 +74,10 @@ def benchmark_against_formulation(shape, runs, ops, args, bandwidth: Optional[di
             ours = PEERS[name]
             result["ratios"][f"{name}/{ours} {phase}"] = (
                 medians[f"{name} {phase}"] / medians[f"{ours} {phase}"])
-        if "transformers" in runs:
-            result["ratios"][f"transformers/{ops[0]} {phase}"] = (
-                medians[f"transformers {phase}"] / medians[f"{ops[0]} {phase}"])
+        for peer in ("transformers", "ms_deform_attn + softmax"):
+            if peer in runs:
+                result["ratios"][f"{peer}/{ops[0]} {phase}"] = (
+                    medians[f"{peer} {phase}"] / medians[f"{ops[0]} {phase}"])
     for name, (run, inputs) in runs.items():
         result["peak_forward_bytes"][name] = peak_forward_bytes(run, inputs, args.device)
     grid_sample_peak = result["peak_forward_bytes"]["grid_sample formulation"]

@@ -58,7 +58,8 @@ class MsdaShape:
     """Multi-scale deformable attention: batch images of the given levels (H, W), heads heads of
     channels channels, points points per level (or points_per_level's count on each, the op's
     flat layout of samples); queries queries per image, or one per pixel of every level (an
-    encoder's self-attention) when None."""
+    encoder's self-attention) when None; with softmax, the attention weights are logits that
+    the op normalises (softmax=True), which its peers normalise before they attend."""
     name: str
     batch: int
     levels: Tuple[Tuple[int, int], ...]
@@ -67,6 +68,7 @@ class MsdaShape:
     points: int
     queries: Optional[int] = None
     points_per_level: Optional[Tuple[int, ...]] = None
+    softmax: bool = False
 
     def level_points(self) -> Tuple[int, ...]:
         return self.points_per_level or (self.points,) * len(self.levels)
@@ -82,16 +84,20 @@ class MsdaShape:
         points = (self.points if self.points_per_level is None
                   else "[" + ", ".join(map(str, self.points_per_level)) + "]")
         return (f"MSDA N={self.batch} levels {levels} (S={self.pixels()}) "
-                f"Lq={self.query_count()} M={self.heads} D={self.channels} P={points}")
+                f"Lq={self.query_count()} M={self.heads} D={self.channels} P={points}"
+                + (" softmax in the op" if self.softmax else ""))
 
 
 # Deformable DETR's four levels of a 512 x 512 image (strides 8 to 64) at 256 channels in 8
 # heads: the encoder attends from every pixel, a decoder from 300 object queries.
 DETR_LEVELS = ((64, 64), (32, 32), (16, 16), (8, 8))
 # D-FINE's decoder (transformers' DFineMultiscaleDeformableAttention): 300 queries over the
-# three levels of a 640 x 640 image (strides 8 to 32), [3, 6, 3] points.
+# three levels of a 640 x 640 image (strides 8 to 32), [3, 6, 3] points. The encoder once more
+# with the softmax in the op (DCNv4's flash deformable attention).
 MSDA_SHAPES = [
     MsdaShape("detr-encoder", 2, DETR_LEVELS, heads=8, channels=32, points=4),
+    MsdaShape("detr-encoder-softmax", 2, DETR_LEVELS, heads=8, channels=32, points=4,
+              softmax=True),
     MsdaShape("detr-decoder", 2, DETR_LEVELS, heads=8, channels=32, points=4, queries=300),
     MsdaShape("dfine-decoder", 2, ((80, 80), (40, 40), (20, 20)), heads=8, channels=32,
               points=0, queries=300, points_per_level=(3, 6, 3)),
@@ -191,8 +197,9 @@ def make_msda_tensors(shape: MsdaShape, dtype: torch.dtype, seed: int = 0,
     """value, spatial_shapes, level_start_index, sampling_locations, attention_weights as
     Deformable DETR makes them: each query's reference point (in the encoder, the centre of its
     own pixel; in the decoder, anywhere) moved by offsets of a few pixels of each level, and
-    weights softmax-normalised over a head's levels and points. With points_per_level, the
-    locations and weights in the op's flat layout of samples."""
+    weights softmax-normalised over a head's levels and points (with shape.softmax, the logits
+    themselves). With points_per_level, the locations and weights in the op's flat layout of
+    samples."""
     generator = torch.Generator().manual_seed(seed)
     N, M, D, L = shape.batch, shape.heads, shape.channels, len(shape.levels)
     counts = shape.level_points()
@@ -215,7 +222,9 @@ def make_msda_tensors(shape: MsdaShape, dtype: torch.dtype, seed: int = 0,
     pixel = (1.0 / spatial_shapes.flip(-1))[level_of_sample]
     offsets = torch.randn(N, Lq, M, samples, 2, generator=generator) * 2
     locations = reference.view(N, Lq, 1, 1, 2) + offsets * pixel
-    weights = torch.randn(N, Lq, M, samples, generator=generator).softmax(-1)
+    weights = torch.randn(N, Lq, M, samples, generator=generator)
+    if not shape.softmax:
+        weights = weights.softmax(-1)
     if shape.points_per_level is None:
         locations = locations.view(N, Lq, M, L, shape.points, 2)
         weights = weights.view(N, Lq, M, L, shape.points)
