@@ -120,6 +120,15 @@ def _init_attention(module: nn.Module, heads: int, points_per_level: Sequence[in
         nn.init.zeros_(projection.bias)
 
 
+def _projected_value(module: nn.Module, values: Tensor, padding_mask: Optional[Tensor],
+                     heads: int) -> Tensor:
+    """The originals' values, (N, S, heads, channels per head): projected, zero at padding."""
+    value = module.value_proj(values)
+    if padding_mask is not None:
+        value = value.masked_fill(padding_mask[..., None], 0.0)
+    return value.view(values.shape[0], values.shape[1], heads, -1)
+
+
 def _attend(module: nn.Module, query: Tensor, values: Tensor, reference_points: Tensor,
             spatial_shapes: Tensor, level_start_index: Tensor, padding_mask: Optional[Tensor],
             heads: int, points_per_level: List[int], listed: bool, sampling: str,
@@ -131,10 +140,7 @@ def _attend(module: nn.Module, query: Tensor, values: Tensor, reference_points: 
     given per level, in the op's flat layout of samples; else P on every level, in its
     (L, P) layout."""
     N, queries, _ = query.shape
-    value = module.value_proj(values)
-    if padding_mask is not None:
-        value = value.masked_fill(padding_mask[..., None], 0.0)
-    value = value.view(N, values.shape[1], heads, -1)
+    value = _projected_value(module, values, padding_mask, heads)
     logits = module.attention_weights(query).view(N, queries, heads, -1)
     if listed:
         offsets = module.sampling_offsets(query).view(N, queries, heads, -1, 2)
@@ -162,7 +168,22 @@ def _check_heads(module: str, d_model: int, n_heads: int) -> None:
     if head_channels & (head_channels - 1) != 0:
         warnings.warn(f"{module}: channels per head (d_model / n_heads = {head_channels}) that "
                       "are not a power of 2 run less efficiently in the originals' CUDA "
-                      "kernels", stacklevel=3)
+                      "kernels", stacklevel=4)
+
+
+def _init_deformable_detr_module(module: nn.Module, d_model: int, n_levels: int,
+                                 n_heads: int, n_points: Union[int, Sequence[int]],
+                                 sampling: str) -> None:
+    """The constructor of Deformable DETR's module, which DCNv4's FlashDeformAttn shares: the
+    heads checked, the originals' attributes and submodules, their initialisation."""
+    _check_heads(type(module).__name__, d_model, n_heads)
+    module.im2col_step = 64
+    module.d_model = d_model
+    module.n_levels = n_levels
+    module.n_heads = n_heads
+    module.n_points = n_points
+    _add_attention(module, d_model, d_model, n_heads, n_levels, n_points, sampling)
+    module._reset_parameters()
 
 
 class MSDeformAttn(nn.Module):
@@ -182,14 +203,7 @@ class MSDeformAttn(nn.Module):
     def __init__(self, d_model: int = 256, n_levels: int = 4, n_heads: int = 8,
                  n_points: Union[int, Sequence[int]] = 4, sampling: str = "bilinear"):
         super().__init__()
-        _check_heads(type(self).__name__, d_model, n_heads)
-        self.im2col_step = 64
-        self.d_model = d_model
-        self.n_levels = n_levels
-        self.n_heads = n_heads
-        self.n_points = n_points
-        _add_attention(self, d_model, d_model, n_heads, n_levels, n_points, sampling)
-        self._reset_parameters()
+        _init_deformable_detr_module(self, d_model, n_levels, n_heads, n_points, sampling)
 
     def _reset_parameters(self) -> None:
         _init_attention(self, self.n_heads, self.points_per_level)
@@ -302,14 +316,7 @@ class FlashDeformAttn(nn.Module):
     def __init__(self, d_model: int = 256, n_levels: int = 4, n_heads: int = 8,
                  n_points: int = 4):
         super().__init__()
-        _check_heads(type(self).__name__, d_model, n_heads)
-        self.im2col_step = 64
-        self.d_model = d_model
-        self.n_levels = n_levels
-        self.n_heads = n_heads
-        self.n_points = n_points
-        _add_attention(self, d_model, d_model, n_heads, n_levels, n_points, "bilinear")
-        self._reset_parameters()
+        _init_deformable_detr_module(self, d_model, n_levels, n_heads, n_points, "bilinear")
 
     def _reset_parameters(self) -> None:
         _init_attention(self, self.n_heads, self.points_per_level)
@@ -319,10 +326,7 @@ class FlashDeformAttn(nn.Module):
                 input_padding_mask: Optional[Tensor] = None) -> Tensor:
         """MSDeformAttn's arguments and result."""
         N, queries, _ = query.shape
-        value = self.value_proj(input_flatten)
-        if input_padding_mask is not None:
-            value = value.masked_fill(input_padding_mask[..., None], 0.0)
-        value = value.view(N, input_flatten.shape[1], self.n_heads, -1)
+        value = _projected_value(self, input_flatten, input_padding_mask, self.n_heads)
         shape = (N, queries, self.n_heads, self.n_levels, self.n_points)
         offsets = self.sampling_offsets(query).view(*shape, 2)
         locations = _sampling_locations(reference_points, offsets, input_spatial_shapes,
