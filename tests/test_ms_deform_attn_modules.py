@@ -79,24 +79,13 @@ def inputs(N=2, Lq=7, channels=16, box=False, seed=1):
 
 
 @pytest.mark.parametrize("box", [False, True], ids=["points", "boxes"])
-def test_msdeformattn_loads_the_originals_state_dict(box):
-    module = deformconv.MSDeformAttn(d_model=16, n_levels=4, n_heads=2, n_points=3)
-    state = originals_state_dict(16, 2, 4, 3)
-    assert {k: v.shape for k, v in module.state_dict().items()} == \
-        {k: v.shape for k, v in state.items()}
-    module.load_state_dict(state, strict=True)
-    query, reference, values, shapes, starts, padding = inputs(box=box)
-    out = module(query, reference, values, shapes, starts, padding)
-    expected = originals_attention(state, 2, 4, 3, query, reference, values, shapes, starts,
-                                   padding)
-    torch.testing.assert_close(out, expected)
-
-
-@pytest.mark.parametrize("box", [False, True], ids=["points", "boxes"])
-def test_flash_deform_attn_loads_the_originals_state_dict(box):
-    """DCNv4's FlashDeformAttn has Deformable DETR's parameters and forward; only the operand
-    of its op differs (locations and logits packed, the softmax in the op)."""
-    module = deformconv.FlashDeformAttn(d_model=16, n_levels=4, n_heads=2, n_points=3)
+@pytest.mark.parametrize("module_class", [deformconv.MSDeformAttn, deformconv.FlashDeformAttn],
+                         ids=["MSDeformAttn", "FlashDeformAttn"])
+def test_deformable_detr_modules_load_the_originals_state_dict(module_class, box):
+    """Deformable DETR's MSDeformAttn, and DCNv4's FlashDeformAttn, which has its parameters and
+    forward (only the operand of its op differs: locations and logits packed, the softmax in
+    the op)."""
+    module = module_class(d_model=16, n_levels=4, n_heads=2, n_points=3)
     state = originals_state_dict(16, 2, 4, 3)
     assert {k: v.shape for k, v in module.state_dict().items()} == \
         {k: v.shape for k, v in state.items()}
