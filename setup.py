@@ -25,6 +25,7 @@ isolation installs one into the build environment (pyproject.toml); --no-build-i
 against the one installed.
 """
 
+import hashlib
 import os
 import re
 import shlex
@@ -307,6 +308,27 @@ def check_compiler():
                  "newer compiler, for example CXX=g++-12.")
 
 
+def keep_headers_copy(source: Path, copy: Path) -> None:
+    """Makes `copy` a copy of the header folder `source` unless it is one already.
+
+    The extension compiles against this copy of torch's headers, kept beside its objects, rather
+    than against torch's own folder, so that a second build against the same torch release from
+    another place (pip's isolated build environment, then the venv's torch) gives ninja the same
+    commands and the same header files, and ninja recompiles nothing. The copy is replaced, with
+    new timestamps, when the headers' contents differ."""
+    digest = hashlib.sha256()
+    for path in sorted(p for p in source.rglob("*") if p.is_file()):
+        digest.update(str(path.relative_to(source)).encode() + b"\0" + path.read_bytes())
+    stamp = copy.with_name(copy.name + ".sha256")
+    if copy.is_dir() and stamp.is_file() and stamp.read_text() == digest.hexdigest():
+        return
+    shutil.rmtree(copy, ignore_errors=True)
+    # copyfile, not copy2: a replaced header must look newer than the objects compiled from
+    # the old one.
+    shutil.copytree(source, copy, copy_function=shutil.copyfile)
+    stamp.write_text(digest.hexdigest())
+
+
 def build_options():
     """setup() arguments for compiling the extension against the torch installed here."""
     import torch
@@ -330,13 +352,27 @@ def build_options():
             super().finalize_options()
             # pip's editable installs compile in a new temporary folder each time, so a second
             # `pip install -e .` would compile everything again. A folder of the source tree,
-            # one per Python and torch, lets ninja recompile only what changed (it also reruns
-            # any command whose flags changed).
+            # one per Python and torch release, lets ninja recompile only what changed (it also
+            # reruns any command whose flags changed), with torch's headers copied there
+            # (keep_headers_copy).
             torch_tag = "".join(c if c.isalnum() else "_" for c in torch.__version__)
             self.build_temp = str(ROOT / "build" /
                                   f"objects-{sys.implementation.cache_tag}-torch{torch_tag}")
 
+        def against_headers_copy(self):
+            """The extension's include folders under torch's headers, moved to their copy
+            (keep_headers_copy)."""
+            headers = Path(cpp_extension.include_paths()[0])
+            copy = Path(self.build_temp) / "torch-include"
+            keep_headers_copy(headers, copy)
+            for compiled in self.extensions:
+                compiled.include_dirs = [
+                    str(copy / Path(folder).relative_to(headers))
+                    if Path(folder).is_relative_to(headers) else folder
+                    for folder in compiled.include_dirs]
+
         def build_extensions(self):
+            self.against_headers_copy()
             try:
                 super().build_extensions()
             except Exception as error:
@@ -348,6 +384,7 @@ def build_options():
                 # In place: setuptools has annotated the Extension object already.
                 (compiled,) = self.extensions
                 vars(compiled).update(vars(extension(cpp_extension, with_cuda=False)))
+                self.against_headers_copy()
                 super().build_extensions()
 
         def run(self):

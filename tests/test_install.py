@@ -2,6 +2,7 @@
 run under."""
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -144,3 +145,32 @@ def test_an_op_on_cuda_without_cuda_kernels_names_force_cuda(op, monkeypatch):
         "FORCE_CUDA=1 set (pip install --no-build-isolation --force-reinstall --no-deps . from "
         "its source folder, with a CUDA toolkit and a CUDA build of torch); python -m deformconv "
         "info shows the build.")
+
+
+def test_the_headers_copy_is_kept_while_the_headers_are_the_same(tmp_path):
+    """setup.py compiles against a copy of torch's headers in the build folder, so that the same
+    torch release installed elsewhere recompiles nothing: the copy is left as it is (its
+    timestamps too) while the headers' contents are the same, and replaced, newer than before,
+    when they differ."""
+    if not setup_py.PATH.is_file():
+        pytest.skip("no setup.py beside the tests")
+    module = setup_py.load_setup_py()
+    headers, copy = tmp_path / "torch" / "include", tmp_path / "build" / "torch-include"
+    (headers / "c10").mkdir(parents=True)
+    (headers / "c10" / "a.h").write_text("int a;\n")
+    (headers / "b.h").write_text("int b;\n")
+    module.keep_headers_copy(headers, copy)
+    assert (copy / "c10" / "a.h").read_text() == "int a;\n"
+    assert (copy / "b.h").read_text() == "int b;\n"
+    past = 1_000_000_000
+    os.utime(copy / "b.h", (past, past))
+    # The same contents from another folder (the venv's torch after the build environment's).
+    other = tmp_path / "venv" / "include"
+    shutil.copytree(headers, other)
+    module.keep_headers_copy(other, copy)
+    assert (copy / "b.h").stat().st_mtime == past
+    (other / "b.h").write_text("int b, c;\n")
+    module.keep_headers_copy(other, copy)
+    assert (copy / "b.h").read_text() == "int b, c;\n"
+    assert (copy / "b.h").stat().st_mtime > past
+    assert (copy / "c10" / "a.h").read_text() == "int a;\n"
