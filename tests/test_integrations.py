@@ -192,7 +192,7 @@ print(json.dumps({
 
 def test_unknown_codebase_is_refused(monkeypatch):
     monkeypatch.setattr(sys, "modules", dict(sys.modules))
-    with pytest.raises(ValueError, match="'flash_internimage', 'deformable_detr', got 'mmdet'"):
+    with pytest.raises(ValueError, match="'deformable_detr', 'transformers', got 'mmdet'"):
         integrations.use_for("mmdet")
     assert "ops_dcnv3" not in sys.modules and "DCNv4" not in sys.modules
 
