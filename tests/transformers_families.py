@@ -45,17 +45,17 @@ def _rt_detr_options(**options):
                 num_denoising=0, num_labels=3, decoder_n_points=2, **options)
 
 
-def _grounding_dino():
+def _grounding_dino(config_class=T.GroundingDinoConfig,
+                    model_class=T.GroundingDinoForObjectDetection):
     text = T.BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1,
                         num_attention_heads=2, intermediate_size=16)
-    config = T.GroundingDinoConfig(
+    config = config_class(
         backbone_config=_resnet(), use_timm_backbone=False, use_pretrained_backbone=False,
         text_config=text, d_model=32, encoder_layers=1, decoder_layers=2,
         encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=32,
         decoder_ffn_dim=32, num_queries=8, encoder_n_points=2, decoder_n_points=2,
         max_text_len=8)
-    return (T.GroundingDinoForObjectDetection(config),
-            {**_image(96), "input_ids": _seeded((1, 6), high=50)})
+    return model_class(config), {**_image(96), "input_ids": _seeded((1, 6), high=50)}
 
 
 _SEGMENTATION = dict(backbone_config=_resnet(("stage1", "stage2", "stage3", "stage4")),
@@ -101,6 +101,9 @@ FAMILIES = {
     "deimv2": (lambda: (T.Deimv2ForObjectDetection(T.Deimv2Config(**_rt_detr_options())),
                         _image(64)), _modeling("deimv2"), V2_FORM),
     "grounding_dino": (_grounding_dino, _modeling("grounding_dino"), CLASS_FORM),
+    "mm_grounding_dino": (
+        lambda: _grounding_dino(T.MMGroundingDinoConfig, T.MMGroundingDinoForObjectDetection),
+        _modeling("mm_grounding_dino"), CLASS_FORM),
     "mask2former": (_mask2former, _modeling("mask2former"), PIXEL_DECODER_FORM),
     "oneformer": (_oneformer, _modeling("oneformer"), PIXEL_DECODER_FORM),
 }
