@@ -136,19 +136,6 @@ def route_module(module: types.ModuleType) -> None:
             setattr(module, name, replacement)
 
 
-def unroute_all() -> None:
-    """Puts every routed original back (modules built meanwhile keep what they stored)."""
-    for (module_name, name), original in list(_originals.items()):
-        module = sys.modules.get(module_name)
-        if module is not None:
-            target = vars(module).get(name)
-            if isinstance(target, type):
-                target.forward = original
-            else:
-                setattr(module, name, original)
-        del _originals[(module_name, name)]
-
-
 class _RoutingLoader(importlib.abc.Loader):
     """The modeling module's own loader, which routes the module once it has run."""
 
@@ -201,7 +188,16 @@ def route() -> None:
 
 
 def unroute() -> None:
-    """Undoes route(): the finder leaves sys.meta_path and the originals go back."""
+    """Undoes route(): the finder leaves sys.meta_path and every routed original goes back
+    (modules built meanwhile keep what they stored)."""
     sys.meta_path[:] = [finder for finder in sys.meta_path
                         if not isinstance(finder, ModelingModuleFinder)]
-    unroute_all()
+    for (module_name, name), original in list(_originals.items()):
+        module = sys.modules.get(module_name)
+        if module is not None:
+            target = vars(module).get(name)
+            if isinstance(target, type):
+                target.forward = original
+            else:
+                setattr(module, name, original)
+        del _originals[(module_name, name)]
