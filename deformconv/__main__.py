@@ -1,4 +1,4 @@
-"""python -m deformconv {info,benchmark,benchmark-training,demo}."""
+"""python -m deformconv {info,benchmark,benchmark-training,benchmark-transformers,demo}."""
 
 import argparse
 import sys
@@ -45,10 +45,13 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m deformconv",
         description="deformconv: deformable convolution for PyTorch")
-    parser.add_argument("command", choices=["info", "benchmark", "benchmark-training", "demo"],
+    parser.add_argument("command", choices=["info", "benchmark", "benchmark-training",
+                                             "benchmark-transformers", "demo"],
                         help="info: versions and build; benchmark: speed against "
                              "torchvision and dense conv; benchmark-training: a ResNet-50 "
-                             "training step with DCN v2; demo: train DCN vs plain CNN")
+                             "training step with DCN v2; benchmark-transformers: transformers' "
+                             "Deformable DETR and Mask2Former, routed to deformconv and not; "
+                             "demo: train DCN vs plain CNN")
     parser.add_argument("args", nargs=argparse.REMAINDER,
                         help="options of the command (python -m deformconv COMMAND --help)")
     parsed = parser.parse_args(argv[:1])
@@ -63,6 +66,10 @@ def main(argv=None) -> int:
         from .benchmarks.training import main as training_main
 
         return training_main(rest)
+    if parsed.command == "benchmark-transformers":
+        from .benchmarks.transformers_models import main as transformers_main
+
+        return transformers_main(rest)
     from .demo import main as demo_main
 
     return demo_main(rest)

@@ -4,6 +4,7 @@ import importlib.util
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ import torch
 from deformconv.__main__ import main
 from deformconv.benchmarks.timing import (MOST_STEPS_PER_BLOCK, busy_core, seconds_of,
                                            steps_per_sample)
+from deformconv.benchmarks.transformers_models import MsdaClock
 
 pytestmark = pytest.mark.workflows
 
@@ -186,6 +188,60 @@ def test_benchmark_of_a_training_step(tmp_path):
     assert report["ratios"]["deformconv/plain step"] > 0
     # The same weights through both ops: the same logits, to float32's rounding.
     assert report["agreement"]["torchvision max abs logit difference"] < 1e-3
+
+
+def test_benchmark_of_transformers_models(tmp_path):
+    pytest.importorskip("transformers")
+    pytest.importorskip("scipy")
+    output = tmp_path / "transformers.json"
+    assert main(["benchmark-transformers", "--image", "64", "64", "--repeats", "1",
+                 "--warmup", "0", "--output", str(output)]) == 0
+    report = json.loads(output.read_text())
+    steps = [f"{route} {step}" for route in ("transformers", "deformconv")
+             for step in ("inference", "training step")]
+    # Deformable DETR: 6 encoder and 6 decoder layers; Mask2Former's pixel decoder: 6.
+    for result, calls in zip(report["models"], (12, 6)):
+        assert result["msda_calls"] == {step: calls for step in steps}
+        for step in steps:
+            # The time inside MSDA is a part of the step's, and not nothing.
+            assert 0 < result["msda_median_seconds"][step] < result["median_seconds"][step]
+            assert result["peak_bytes"][step] > 0
+        # The same weights on both paths: the same outputs, to float32's rounding.
+        assert all(value < 1e-3 for value in result["agreement"].values()), result["agreement"]
+    document = tmp_path / "ms_deform_attn.md"
+    document.write_text("<!-- table: transformers.json -->\n<!-- end table -->\n")
+    assert main(["benchmark", "--report", str(document)]) == 0
+    rows = [line for line in document.read_text().split("\n") if line.startswith("| mask")]
+    assert [row.split(" | ")[1] for row in rows] == ["inference", "training step"]
+    result = report["models"][1]
+    assert rows[1].startswith(f"| mask2former (64 × 64) | training step | "
+                              f"{result['median_seconds']['transformers training step'] * 1e3:.0f}"
+                              f" ms | ")
+
+
+def test_msda_clock_times_a_call_and_its_backward():
+    # A function whose forward and backward each sleep: the clock sees both, and nothing of
+    # the work outside the call.
+    class Slow(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            time.sleep(0.05)
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, grad):
+            time.sleep(0.1)
+            return grad * 2
+
+    clock = MsdaClock()
+    timed = clock.timed(Slow.apply)
+    x = torch.ones(3, requires_grad=True)
+    y = torch.exp(timed(x))
+    time.sleep(0.2)
+    y.sum().backward()
+    assert clock.calls == 1
+    assert 0.15 <= clock.seconds < 0.3
+    torch.testing.assert_close(x.grad, 2 * torch.exp(2 * torch.ones(3)))
 
 
 def test_busy_core_spins_a_process_for_the_run_only():

@@ -290,6 +290,29 @@ def kernels_table(report: dict) -> List[str]:
     return rows
 
 
+def transformers_table(report: dict) -> List[str]:
+    """benchmark-transformers' report: whole models on transformers' own MSDA and routed to
+    deformconv, each step's time, the MSDA inside it and its peak memory."""
+    rows = ["| model (image) | step | transformers' own | routed to deformconv | own / routed | "
+            "MSDA inside: own, routed | MSDA own / routed | peak memory: own, routed |",
+            "|---" * 8 + "|"]
+    for result in report["models"]:
+        medians, msda, peaks = (result["median_seconds"], result["msda_median_seconds"],
+                                result["peak_bytes"])
+        height, width = result["image"]
+        for step in ("inference", "training step"):
+            own, routed = f"transformers {step}", f"deformconv {step}"
+            rows.append(
+                f"| {result['model']} ({height} × {width}) | {step} | "
+                f"{medians[own] * 1e3:.0f} ms | {medians[routed] * 1e3:.0f} ms | "
+                f"{result['speedups'][step]:.2f}× | "
+                f"{msda[own] * 1e3:.1f} ms ({msda[own] / medians[own]:.0%}), "
+                f"{msda[routed] * 1e3:.1f} ms ({msda[routed] / medians[routed]:.0%}) | "
+                f"{result['speedups'][f'MSDA in {step}']:.1f}× | "
+                f"{_mib(peaks[own], 0)}, {_mib(peaks[routed], 0)} MiB |")
+    return rows
+
+
 RUNTIMES = {"onnxruntime": "ONNX Runtime, DeformConv",
             "onnxruntime standard form": "ONNX Runtime, standard form",
             "openvino standard form": "OpenVINO, standard form"}
@@ -322,7 +345,8 @@ def runtimes_table(report: dict) -> List[str]:
 
 TABLES = {"deform_conv2d": deform_conv2d_table, "runtimes": runtimes_table, "dcnv3": dcnv3_table,
           "msda": msda_table, "originals": originals_table, "training": training_table,
-          "internimage": internimage_table, "kernels": kernels_table}
+          "internimage": internimage_table, "kernels": kernels_table,
+          "transformers": transformers_table}
 
 
 def table_of(report: dict, kind: Optional[str] = None) -> List[str]:
@@ -334,6 +358,8 @@ def table_of(report: dict, kind: Optional[str] = None) -> List[str]:
         return internimage_table(report)
     if "kernels" in report:
         return kernels_table(report)
+    if "models" in report:
+        return transformers_table(report)
     if "results" not in report:
         return training_table(report)
     if any("group" in result["shape"] for result in report["results"]):

@@ -103,6 +103,9 @@ _ROUTES = {
         multi_scale_deformable_attention),
 }
 
+# The routed names, which a modeling module holds where it computes MSDA.
+FORMS = tuple(_ROUTES)
+
 # (module name, routed name) -> the original function (for the class, its forward).
 _originals: Dict[Tuple[str, str], types.FunctionType] = {}
 
