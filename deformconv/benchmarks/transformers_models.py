@@ -3,7 +3,8 @@ deformconv (``deformconv.integrations.use_for("transformers")``) and on their ow
 
 Two models of Hugging Face transformers, built from their configs with random weights (nothing
 downloaded): Deformable DETR with a ResNet-50 (transformers' own ResNet, not timm's; the
-config's defaults: 4 levels, 6 encoder and 6 decoder layers, 300 queries) at COCO's 800 x 1066, and Mask2Former with a ResNet-50 (its pixel decoder's 6 MSDA layers over 3 levels,
+config's defaults: 4 levels, 6 encoder and 6 decoder layers, 300 queries) at COCO's
+800 x 1066, and Mask2Former with a ResNet-50 (its pixel decoder's 6 MSDA layers over 3 levels,
 10 decoder layers, 100 queries) at ADE20K's 512 x 512. For each, one model, and in one process,
 interleaved after warm-up (each repeat runs every contender once; the routing is switched
 between them, untimed): inference (eval mode, no gradients) and one training step (train mode,
@@ -38,7 +39,6 @@ from .environment import cpu_description
 from .timing import peak_bytes
 from ..integrations import restore, transformers_models, use_for
 
-MODELS = ("deformable-detr", "mask2former")
 DEFAULT_IMAGES = {"deformable-detr": (800, 1066), "mask2former": (512, 512)}
 
 
@@ -126,7 +126,9 @@ class MsdaClock:
 
 
 def deformable_detr(image: Tuple[int, int]):
-    """(model, its modeling module, inputs, training targets, output names to compare)."""
+    """(model, its modeling module, the keyword arguments of its loss's targets, the names of
+    the outputs to compare); the image's size is that of the targets' masks where they have
+    any."""
     import transformers as T
     from transformers.models.deformable_detr import modeling_deformable_detr
 
@@ -138,10 +140,10 @@ def deformable_detr(image: Tuple[int, int]):
     objects = 8
     boxes = torch.cat([0.2 + 0.6 * torch.rand(objects, 2, generator=generator),
                        0.05 + 0.3 * torch.rand(objects, 2, generator=generator)], 1)
-    labels = [{"class_labels": torch.randint(0, config.num_labels, (objects,),
-                                             generator=generator),
-               "boxes": boxes}]
-    return model, modeling_deformable_detr, labels, ("logits", "pred_boxes")
+    targets = {"labels": [{"class_labels": torch.randint(0, config.num_labels, (objects,),
+                                                         generator=generator),
+                           "boxes": boxes}]}
+    return model, modeling_deformable_detr, targets, ("logits", "pred_boxes")
 
 
 def mask2former(image: Tuple[int, int]):
@@ -159,18 +161,18 @@ def mask2former(image: Tuple[int, int]):
     for mask in masks:
         top, left = (int(torch.randint(0, size // 2, (), generator=generator)) for size in image)
         mask[top:top + image[0] // 3, left:left + image[1] // 3] = 1
-    labels = {"mask_labels": [masks],
-              "class_labels": [torch.randint(0, config.num_labels, (objects,),
-                                             generator=generator)]}
-    return model, modeling_mask2former, labels, ("class_queries_logits", "masks_queries_logits")
+    targets = {"mask_labels": [masks],
+               "class_labels": [torch.randint(0, config.num_labels, (objects,),
+                                              generator=generator)]}
+    return model, modeling_mask2former, targets, ("class_queries_logits", "masks_queries_logits")
 
 
 BUILDERS = {"deformable-detr": deformable_detr, "mask2former": mask2former}
+MODELS = tuple(BUILDERS)
 
 
-def _steps(model, images: Tensor, labels) -> Dict[str, Callable[[], None]]:
+def _steps(model, images: Tensor, targets: dict) -> Dict[str, Callable[[], None]]:
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9)
-    targets = labels if isinstance(labels, dict) else {"labels": labels}
 
     def inference():
         model.eval()
@@ -203,9 +205,9 @@ ROUTES = {"transformers": False, "deformconv": True}
 
 def benchmark_model(name: str, image: Tuple[int, int], repeats: int, warmup: int) -> dict:
     torch.manual_seed(0)
-    model, module, labels, outputs = BUILDERS[name](image)
+    model, module, targets, outputs = BUILDERS[name](image)
     images = torch.randn(1, 3, *image, generator=torch.Generator().manual_seed(1))
-    steps = _steps(model, images, labels)
+    steps = _steps(model, images, targets)
     contenders = {f"{route} {step}": (routed, run) for step, run in steps.items()
                   for route, routed in ROUTES.items()}
     clock = MsdaClock()
