@@ -6,6 +6,7 @@ import torch
 from torch import Tensor
 
 from .. import decompositions
+from . import _vmap
 from ._autograd import register_gradients_and_autocast
 from ._common import (_check_cuda_kernels, _fake_gradients, _fake_output, _in_onnx_export,
                       _output_size)
@@ -164,5 +165,16 @@ def _dcnv4_backward_fake(grad_output, input, offset_mask, *trailing):
 
 # Gradients of input, offset and mask (dcnv3), of input and offset_mask (dcnv4); the backward
 # ops take every argument.
-register_gradients_and_autocast("dcnv3", gradient_arguments=range(3))
-register_gradients_and_autocast("dcnv4", gradient_arguments=range(2))
+# Every operand and every gradient of DCNv3 and DCNv4 is per image: vmap folds into the batch.
+register_gradients_and_autocast(
+    "dcnv3", gradient_arguments=range(3),
+    batching_rules=(_vmap.batch_folding(torch.ops.deformconv.dcnv3.default,
+                                        ("input", "offset", "mask")),
+                    _vmap.batch_folding(torch.ops.deformconv.dcnv3_backward.default,
+                                        ("grad_output", "input", "offset", "mask"))))
+register_gradients_and_autocast(
+    "dcnv4", gradient_arguments=range(2),
+    batching_rules=(_vmap.batch_folding(torch.ops.deformconv.dcnv4.default,
+                                        ("input", "offset_mask")),
+                    _vmap.batch_folding(torch.ops.deformconv.dcnv4_backward.default,
+                                        ("grad_output", "input", "offset_mask"))))

@@ -8,6 +8,7 @@ from torch import Tensor
 
 from .. import decompositions
 from ..onnx import deform_conv2d_in_standard_ops
+from . import _vmap
 from ._autograd import register_gradients_and_autocast
 from ._common import (IntOrPair, _check_cuda_kernels, _fake_gradients, _fake_output,
                       _in_onnx_export, _output_size, _pair)
@@ -107,4 +108,6 @@ def _deform_conv2d_backward_fake(grad_output, input, offset, weight, mask, strid
 
 # Gradients of input, offset, weight, mask and bias; the backward op takes every argument but
 # bias, whose gradient needs only grad_output.
-register_gradients_and_autocast("deform_conv2d", gradient_arguments=range(5))
+register_gradients_and_autocast(
+    "deform_conv2d", gradient_arguments=range(5),
+    batching_rules=(_vmap.deform_conv2d_rule, _vmap.deform_conv2d_backward_rule))

@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 
 from .. import decompositions
+from . import _vmap
 from ._autograd import register_gradients_and_autocast
 from ._common import _check_cuda_kernels, _fake_gradients, _fake_output, _in_onnx_export
 
@@ -138,4 +139,10 @@ def _ms_deform_attn_backward_fake(grad_output, value, spatial_shapes, level_star
 
 # Gradients of value, sampling_locations and attention_weights (spatial_shapes and
 # level_start_index are integer tensors).
-register_gradients_and_autocast("ms_deform_attn", gradient_arguments=(0, 3, 4))
+register_gradients_and_autocast(
+    "ms_deform_attn", gradient_arguments=(0, 3, 4),
+    batching_rules=(_vmap.batch_folding(torch.ops.deformconv.ms_deform_attn.default,
+                                        ("value", "sampling_locations", "attention_weights")),
+                    _vmap.batch_folding(torch.ops.deformconv.ms_deform_attn_backward.default,
+                                        ("grad_output", "value", "sampling_locations",
+                                         "attention_weights"))))
