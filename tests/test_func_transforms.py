@@ -15,6 +15,8 @@ import deformconv
 import ms_deform_attn_reference
 from op_cases import CASES, GRADIENTS, OpCalls, deform_conv2d_case
 
+pytestmark = pytest.mark.workflows
+
 ELEMENTS = 3
 # The operands that each batch element has of its own (the others are the layer's: weight, bias).
 PER_SAMPLE = {"deform_conv2d": ("input", "offset", "mask"), "dcnv3": GRADIENTS["dcnv3"],

@@ -1,12 +1,10 @@
-"""Property tests against the reference, threads, large tensors and distributed training."""
+"""Property tests against the reference, threads and large tensors (distributed training is in
+test_distributed_training.py)."""
 
-import os
 import threading
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import deformconv
 from deform_conv2d_cases import (Geometry, check_indices_past_two_to_the_31, forward_and_grads,
@@ -144,64 +142,3 @@ def test_results_do_not_depend_on_thread_count():
 
 def test_indices_past_two_to_the_31():
     check_indices_past_two_to_the_31("cpu")
-
-
-def make_model():
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(
-        deformconv.DeformConv2dPack(3, 6, 3, padding=1),
-        torch.nn.ReLU(),
-        deformconv.ModulatedDeformConv2dPack(6, 4, 3, padding=1, deform_groups=2),
-    ).double()
-    with torch.no_grad():  # offsets away from zero, so that the offset branch learns too
-        model[0].conv_offset.weight.normal_(0, 0.2)
-        model[2].conv_offset.weight.normal_(0, 0.2)
-    return model
-
-
-def training_data():
-    generator = torch.Generator().manual_seed(1)
-    x = torch.randn(8, 3, 7, 6, generator=generator, dtype=torch.float64)
-    target = torch.randn(8, 4, 7, 6, generator=generator, dtype=torch.float64)
-    return x, target
-
-
-STEPS = 3
-
-
-def train(model, x, target):
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    for _ in range(STEPS):
-        optimizer.zero_grad()
-        torch.nn.functional.mse_loss(model(x), target).backward()
-        optimizer.step()
-
-
-def ddp_worker(rank, world_size, init_file, result_file):
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=world_size)
-    torch.set_num_threads(1)
-    model = torch.nn.parallel.DistributedDataParallel(make_model())
-    x, target = training_data()
-    shard = slice(rank * 4, rank * 4 + 4)
-    train(model, x[shard], target[shard])
-    if rank == 0:
-        torch.save(model.module.state_dict(), result_file)
-    # Both ranks reach this point, then leave at once, without tearing gloo down: its teardown
-    # can destroy a thread that is still running, which aborts the process ("terminate called
-    # without an active exception", seen in CI after this barrier and destroy_process_group). The
-    # result is on disk; closing the sockets is all the exit has to do.
-    dist.barrier()
-    os._exit(0)
-
-
-def test_distributed_data_parallel_matches_single_process(tmp_path):
-    # 2 processes on the gloo backend, each with half the batch; DDP averages gradients, which
-    # for a mean loss over equal halves equals the gradient on the whole batch.
-    result_file = str(tmp_path / "ddp.pt")
-    mp.spawn(ddp_worker, args=(2, str(tmp_path / "init"), result_file), nprocs=2, join=True)
-    distributed = torch.load(result_file)
-    model = make_model()
-    train(model, *training_data())
-    for key, value in model.state_dict().items():
-        torch.testing.assert_close(distributed[key], value, atol=1e-10, rtol=1e-10)

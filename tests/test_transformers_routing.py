@@ -204,8 +204,7 @@ def test_restore_puts_the_originals_back(unrouted):
     integrations.restore("transformers")
     assert module.multi_scale_deformable_attention is original_function
     assert detr.MultiScaleDeformableAttention.forward is original_forward
-    assert not any(isinstance(finder, transformers_models.ModelingModuleFinder)
-                   for finder in sys.meta_path)
+    assert not transformers_models._IMPORTED_LATER.installed()
 
 
 def test_a_form_of_another_signature_keeps_its_own_code(unrouted, monkeypatch):

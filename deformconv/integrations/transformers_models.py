@@ -22,7 +22,6 @@ before the routing are routed at once; those imported later (transformers import
 from its auto classes too) as they are imported, by a finder on ``sys.meta_path``.
 """
 
-import importlib.abc
 import inspect
 import sys
 import types
@@ -31,6 +30,7 @@ from typing import Dict, List, Sequence, Tuple, Union
 import torch
 from torch import Tensor
 
+from .._after_import import AfterImport
 from ..ops import ms_deform_attn
 
 
@@ -139,52 +139,13 @@ def route_module(module: types.ModuleType) -> None:
             setattr(module, name, replacement)
 
 
-class _RoutingLoader(importlib.abc.Loader):
-    """The modeling module's own loader, which routes the module once it has run."""
-
-    def __init__(self, loader):
-        self._loader = loader
-
-    def create_module(self, spec):
-        return self._loader.create_module(spec)
-
-    def exec_module(self, module):
-        self._loader.exec_module(module)
-        if ModelingModuleFinder.installed():
-            route_module(module)
-
-    def __getattr__(self, name):
-        # get_source, get_filename, is_package...: linecache, inspect and torch.compile read
-        # the module's source through its loader.
-        return getattr(self._loader, name)
-
-
-class ModelingModuleFinder(importlib.abc.MetaPathFinder):
-    """Finds transformers' modeling modules through the finders after it and gives each a
-    loader that routes it when it has been executed."""
-
-    @staticmethod
-    def installed() -> bool:
-        return any(isinstance(finder, ModelingModuleFinder) for finder in sys.meta_path)
-
-    def find_spec(self, fullname, path, target=None):
-        if not is_modeling_module(fullname):
-            return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(fullname, path, target)
-            if spec is not None:
-                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
-                    spec.loader = _RoutingLoader(spec.loader)
-                return spec
-        return None
+# Routes each modeling module as it is imported, while route() holds.
+_IMPORTED_LATER = AfterImport(is_modeling_module, route_module)
 
 
 def route() -> None:
     """Routes the modeling modules imported so far and those imported from now on."""
-    if not ModelingModuleFinder.installed():
-        sys.meta_path.insert(0, ModelingModuleFinder())
+    _IMPORTED_LATER.install()
     for name, module in list(sys.modules.items()):
         if is_modeling_module(name) and isinstance(module, types.ModuleType):
             route_module(module)
@@ -193,8 +154,7 @@ def route() -> None:
 def unroute() -> None:
     """Undoes route(): the finder leaves sys.meta_path and every routed original goes back
     (modules built meanwhile keep what they stored)."""
-    sys.meta_path[:] = [finder for finder in sys.meta_path
-                        if not isinstance(finder, ModelingModuleFinder)]
+    _IMPORTED_LATER.uninstall()
     for (module_name, name), original in list(_originals.items()):
         module = sys.modules.get(module_name)
         if module is not None:
