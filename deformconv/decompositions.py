@@ -9,14 +9,23 @@ standard operators.
 table() is torch's default table (core ATen) with these added: no ``deformconv::`` node is left,
 and OpenVINO, ExecuTorch and the other consumers of core ATen graphs run the program.
 
-Every form samples bilinearly with ``F.grid_sample`` (``aten.grid_sampler_2d``, ONNX's
-GridSample), whose zero padding and ``align_corners=False`` are the ops' convention exactly: a
-corner outside the image counts zero, and a sample past a pixel of the border gets nothing. The
-positions are worked out in at least float32 and sampled in it: half-precision positions would
-be off by a fraction of a pixel, and the ops accumulate half-precision operands in float32 too.
-Only the forward is decomposed; autograd differentiates these forms where a backward is needed.
+Every form samples bilinearly in one of two sampling forms (SAMPLING_FORMS; table's
+sampling_form, each function's keyword of that name):
+
+- "grid_sample": ``F.grid_sample`` (``aten.grid_sampler_2d``, ONNX's GridSample), whose zero
+  padding and ``align_corners=False`` are the ops' convention exactly: a corner outside the
+  image counts zero, and a sample past a pixel of the border gets nothing;
+- "gather": the same sampling as index arithmetic (``_gathered``): each of the four corners
+  gathered by its flat index (``aten.gather``, ONNX's GatherElements) with its weight, zero
+  outside. No GridSample: for the runtimes that lack it or miscompile it (Core ML, TensorRT).
+
+The positions are worked out in at least float32 and sampled in it: half-precision positions
+would be off by a fraction of a pixel, and the ops accumulate half-precision operands in
+float32 too. Only the forward is decomposed; autograd differentiates these forms where a
+backward is needed.
 """
 
+import functools
 import warnings
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
@@ -30,7 +39,35 @@ def _pixel_centres(positions: Tensor, size: int) -> Tensor:
     return (2 * positions + 1) / size - 1
 
 
-def _sampled(images: Tensor, grid: Tensor) -> Tensor:
+SAMPLING_FORMS = ("grid_sample", "gather")
+
+
+def _gathered(images: Tensor, grid: Tensor) -> Tensor:
+    """grid_sample's bilinear sampling of images (B, C, H, W) at grid (B, Hg, Wg, 2), with zero
+    padding and align_corners=False, as index arithmetic: (B, C, Hg, Wg). A corner outside the
+    image, or of a position that is not finite, has weight zero and reads pixel 0 (selected
+    away with torch.where rather than multiplied, which would keep a NaN)."""
+    B, C, H, W = images.shape
+    Hg, Wg = grid.shape[1], grid.shape[2]
+    x = ((grid[..., 0] + 1) * W - 1) / 2
+    y = ((grid[..., 1] + 1) * H - 1) / 2
+    x0, y0 = torch.floor(x), torch.floor(y)
+    fx, fy = x - x0, y - y0
+    flat = images.reshape(B, C, H * W)
+    out = images.new_zeros(B, C, Hg * Wg)
+    for row, weight_y in ((y0, 1 - fy), (y0 + 1, fy)):
+        for column, weight_x in ((x0, 1 - fx), (x0 + 1, fx)):
+            inside = (row >= 0) & (row <= H - 1) & (column >= 0) & (column <= W - 1)
+            index = torch.where(inside, row * W + column, torch.zeros_like(row))
+            index = index.to(torch.int64).reshape(B, 1, Hg * Wg).expand(B, C, Hg * Wg)
+            weight = torch.where(inside, weight_y * weight_x, torch.zeros_like(weight_x))
+            out = out + flat.gather(2, index) * weight.reshape(B, 1, Hg * Wg)
+    return out.reshape(B, C, Hg, Wg)
+
+
+def _sampled(images: Tensor, grid: Tensor, sampling_form: str) -> Tensor:
+    if sampling_form == "gather":
+        return _gathered(images, grid)
     return F.grid_sample(images, grid, mode="bilinear", padding_mode="zeros",
                          align_corners=False)
 
@@ -42,7 +79,7 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
 def deform_conv2d(input: Tensor, offset: Tensor, weight: Tensor, mask: Optional[Tensor],
                   bias: Optional[Tensor], stride: List[int], padding: List[int],
                   dilation: List[int], groups: int, offset_groups: int,
-                  im2col_step: int = 0) -> Tensor:
+                  im2col_step: int = 0, *, sampling_form: str = "grid_sample") -> Tensor:
     """DCN v1/v2 (torch.ops.deformconv.deform_conv2d's arguments; im2col_step has no effect):
     each deform group's channels an image that grid_sample samples at every tap and output
     pixel at once, the samples weighted by the mask, then one batched matrix product per
@@ -64,7 +101,8 @@ def deform_conv2d(input: Tensor, offset: Tensor, weight: Tensor, mask: Optional[
     x = cols.view(1, 1, 1, 1, -1) + tap_x.view(1, 1, -1, 1, 1) + displacement[:, :, :, 1]
     grid = torch.stack([_pixel_centres(x, W), _pixel_centres(y, H)], dim=-1)
     images = input.to(dtype).reshape(N * G, C // G, H, W)
-    samples = _sampled(images, grid.reshape(N * G, K, Ho * Wo, 2))  # (N G, C / G, K, Ho Wo)
+    # (N G, C / G, K, Ho Wo)
+    samples = _sampled(images, grid.reshape(N * G, K, Ho * Wo, 2), sampling_form)
     if mask is not None:
         samples = samples * mask.to(dtype).reshape(N * G, 1, K, Ho * Wo)
     # The columns of each convolution group, rows (channel, tap) as the weight's.
@@ -79,7 +117,7 @@ def deform_conv2d(input: Tensor, offset: Tensor, weight: Tensor, mask: Optional[
 def _dcnv3_points(input: Tensor, offset: Tensor, mask: Tensor, kernel_h: int, kernel_w: int,
                   stride_h: int, stride_w: int, pad_h: int, pad_w: int, dilation_h: int,
                   dilation_w: int, group: int, group_channels: int, offset_scale: float,
-                  remove_center: bool) -> Tensor:
+                  remove_center: bool, sampling_form: str) -> Tensor:
     """DCNv3 and DCNv4 (docs/dcnv3_dcnv4.md) over offset (N, H_out, W_out, group, P, 2) and
     mask (N, H_out, W_out, group, P), the layouts of both ops viewed per group and point. Each
     group is an image of group_channels channels that grid_sample samples at all its points at
@@ -108,7 +146,7 @@ def _dcnv3_points(input: Tensor, offset: Tensor, mask: Tensor, kernel_h: int, ke
     grid = torch.stack([_pixel_centres(x, W), _pixel_centres(y, H)], dim=-1)
     grid = grid.permute(0, 3, 1, 2, 4, 5).reshape(N * G, Ho * Wo, P, 2)
     images = input.to(dtype).reshape(N, H, W, G, D).permute(0, 3, 4, 1, 2)
-    samples = _sampled(images.reshape(N * G, D, H, W), grid)  # (N G, D, Ho Wo, P)
+    samples = _sampled(images.reshape(N * G, D, H, W), grid, sampling_form)  # (N G, D, Ho Wo, P)
     weights = mask.to(dtype).permute(0, 3, 1, 2, 4).reshape(N * G, 1, Ho * Wo, P)
     out = (samples * weights).sum(dim=-1)
     out = out.reshape(N, G, D, Ho, Wo).permute(0, 3, 4, 1, 2).reshape(N, Ho, Wo, G * D)
@@ -118,20 +156,21 @@ def _dcnv3_points(input: Tensor, offset: Tensor, mask: Tensor, kernel_h: int, ke
 def dcnv3(input: Tensor, offset: Tensor, mask: Tensor, kernel_h: int, kernel_w: int,
           stride_h: int, stride_w: int, pad_h: int, pad_w: int, dilation_h: int,
           dilation_w: int, group: int, group_channels: int, offset_scale: float,
-          im2col_step: int = 0, remove_center: bool = False) -> Tensor:
+          im2col_step: int = 0, remove_center: bool = False, *,
+          sampling_form: str = "grid_sample") -> Tensor:
     """DCNv3 (torch.ops.deformconv.dcnv3's arguments; im2col_step has no effect)."""
     N, Ho, Wo = offset.shape[0], offset.shape[1], offset.shape[2]
     P = kernel_h * kernel_w - int(remove_center)
     return _dcnv3_points(
         input, offset.reshape(N, Ho, Wo, group, P, 2), mask.reshape(N, Ho, Wo, group, P),
         kernel_h, kernel_w, stride_h, stride_w, pad_h, pad_w, dilation_h, dilation_w, group,
-        group_channels, offset_scale, remove_center)
+        group_channels, offset_scale, remove_center, sampling_form)
 
 
 def dcnv4(input: Tensor, offset_mask: Tensor, kernel_h: int, kernel_w: int, stride_h: int,
           stride_w: int, pad_h: int, pad_w: int, dilation_h: int, dilation_w: int, group: int,
           group_channels: int, offset_scale: float, im2col_step: int = 0,
-          remove_center: bool = False) -> Tensor:
+          remove_center: bool = False, *, sampling_form: str = "grid_sample") -> Tensor:
     """DCNv4 (torch.ops.deformconv.dcnv4's arguments; im2col_step has no effect): the packed
     offsets and mask sliced out of offset_mask, its padding channels left unread."""
     N, Ho, Wo = offset_mask.shape[0], offset_mask.shape[1], offset_mask.shape[2]
@@ -140,13 +179,14 @@ def dcnv4(input: Tensor, offset_mask: Tensor, kernel_h: int, kernel_w: int, stri
     return _dcnv3_points(
         input, packed[..., :2 * P].reshape(N, Ho, Wo, group, P, 2), packed[..., 2 * P:],
         kernel_h, kernel_w, stride_h, stride_w, pad_h, pad_w, dilation_h, dilation_w, group,
-        group_channels, offset_scale, remove_center)
+        group_channels, offset_scale, remove_center, sampling_form)
 
 
 def ms_deform_attn(value: Tensor, spatial_shapes: Tensor, level_start_index: Tensor,
                    sampling_locations: Tensor, attention_weights: Tensor,
                    im2col_step: int = 64, points_per_level: Sequence[int] = (),
-                   sampling: str = "bilinear", softmax: bool = False) -> Tensor:
+                   sampling: str = "bilinear", softmax: bool = False, *,
+                   sampling_form: str = "grid_sample") -> Tensor:
     """Multi-scale deformable attention (torch.ops.deformconv.ms_deform_attn's arguments;
     im2col_step has no effect; docs/ms_deform_attn.md): each level of each head an image of D
     channels, sampled at 2 loc - 1 (the op's locations are normalised already), weighted and
@@ -199,7 +239,8 @@ def ms_deform_attn(value: Tensor, spatial_shapes: Tensor, level_start_index: Ten
             samples = _nearest_samples(image, locations, spatial_shapes[level])
         else:
             grid = (2 * locations.to(dtype) - 1).transpose(1, 2)
-            samples = _sampled(image, grid.reshape(N * M, Lq, P, 2))  # (N M, D, Lq, P)
+            samples = _sampled(image, grid.reshape(N * M, Lq, P, 2),
+                               sampling_form)  # (N M, D, Lq, P)
         weights = weights.to(dtype).transpose(1, 2)
         output = output + (samples * weights.reshape(N * M, 1, Lq, P)).sum(dim=-1)
     output = output.view(N, M, D, Lq).permute(0, 3, 1, 2).reshape(N, Lq, M * D)
@@ -221,13 +262,16 @@ def _nearest_samples(image: Tensor, locations: Tensor, shape: Tensor) -> Tensor:
     return flat.gather(2, index).reshape(N * M, flat.shape[1], Lq, P)
 
 
-def table() -> Dict[Any, Callable]:
+def table(sampling_form: str = "grid_sample") -> Dict[Any, Callable]:
     """torch.export's default decomposition table (core ATen) with each deformconv op's
-    decomposition, for ``ExportedProgram.run_decompositions``."""
+    decomposition, for ``ExportedProgram.run_decompositions``, sampling in `sampling_form`
+    ("grid_sample" or "gather")."""
+    if sampling_form not in SAMPLING_FORMS:
+        raise ValueError(f"decompositions.table(): expected sampling_form to be one of "
+                         f"{SAMPLING_FORMS}, but got {sampling_form!r}")
     decompositions = torch.export.default_decompositions()
     ops = torch.ops.deformconv
-    decompositions[ops.deform_conv2d.default] = deform_conv2d
-    decompositions[ops.dcnv3.default] = dcnv3
-    decompositions[ops.dcnv4.default] = dcnv4
-    decompositions[ops.ms_deform_attn.default] = ms_deform_attn
+    for op, form in ((ops.deform_conv2d, deform_conv2d), (ops.dcnv3, dcnv3),
+                     (ops.dcnv4, dcnv4), (ops.ms_deform_attn, ms_deform_attn)):
+        decompositions[op.default] = functools.partial(form, sampling_form=sampling_form)
     return decompositions

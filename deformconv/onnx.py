@@ -26,12 +26,15 @@ from typing import Any, Dict, Iterator, Optional
 
 import torch
 
+from .decompositions import SAMPLING_FORMS
+
 OPSET = 19
 # GridSample, the first opset of the standard-operator forms.
 STANDARD_FORM_OPSET = 16
 DEFORM_CONV2D_FORMS = ("DeformConv", "standard")
 
 _deform_conv2d_in_standard_ops = False
+_sampling_form = "grid_sample"
 
 
 def deform_conv2d_in_standard_ops() -> bool:
@@ -39,15 +42,21 @@ def deform_conv2d_in_standard_ops() -> bool:
     return _deform_conv2d_in_standard_ops
 
 
+def sampling_form() -> str:
+    """The sampling form (decompositions.SAMPLING_FORMS) of the export_onnx under way."""
+    return _sampling_form
+
+
 @contextlib.contextmanager
-def _deform_conv2d_form(form: str) -> Iterator[None]:
-    global _deform_conv2d_in_standard_ops
-    outer = _deform_conv2d_in_standard_ops
-    _deform_conv2d_in_standard_ops = form == "standard"
+def _export_forms(deform_conv2d_form: str, sampling: str) -> Iterator[None]:
+    global _deform_conv2d_in_standard_ops, _sampling_form
+    outer = _deform_conv2d_in_standard_ops, _sampling_form
+    _deform_conv2d_in_standard_ops = deform_conv2d_form == "standard"
+    _sampling_form = sampling
     try:
         yield
     finally:
-        _deform_conv2d_in_standard_ops = outer
+        _deform_conv2d_in_standard_ops, _sampling_form = outer
 
 
 def _deform_conv2d_to_onnx(input, offset, weight, mask, bias, stride, padding, dilation,
@@ -111,16 +120,22 @@ def register_torchscript_symbolic(opset_version: int = OPSET) -> None:
 
 def export_onnx(model: torch.nn.Module, args: tuple, path: str,
                 opset_version: int = OPSET, dynamo: bool = True,
-                deform_conv2d_form: str = "DeformConv", **kwargs: Optional[Any]):
+                deform_conv2d_form: str = "DeformConv", sampling_form: str = "grid_sample",
+                **kwargs: Optional[Any]):
     """Exports ``model`` called on ``args`` to ``path`` through the torch.export-based exporter
     (``dynamo=True``, needs onnx and onnxscript) or the TorchScript-based one
     (``dynamo=False``). deform_conv2d becomes ONNX's DeformConv node (opset 19 on), or with
-    ``deform_conv2d_form="standard"`` standard operators (GridSample, opset 16 on), which every
-    runtime reads; the other ops are always written in standard operators. Extra keyword
-    arguments go to ``torch.onnx.export``, whose result is returned."""
+    ``deform_conv2d_form="standard"`` standard operators (opset 16 on), which every runtime
+    reads; the other ops are always written in standard operators. Those sample bilinearly with
+    GridSample, or with ``sampling_form="gather"`` by GatherElements of the four corners
+    (deformconv.decompositions), for the runtimes that lack or miscompile GridSample. Extra
+    keyword arguments go to ``torch.onnx.export``, whose result is returned."""
     if deform_conv2d_form not in DEFORM_CONV2D_FORMS:
         raise ValueError(f"export_onnx(): deform_conv2d_form must be one of "
                          f"{DEFORM_CONV2D_FORMS}, but got {deform_conv2d_form!r}")
+    if sampling_form not in SAMPLING_FORMS:
+        raise ValueError(f"export_onnx(): sampling_form must be one of {SAMPLING_FORMS}, but "
+                         f"got {sampling_form!r}")
     if opset_version < STANDARD_FORM_OPSET:
         raise ValueError(f"export_onnx(): the ops' standard-operator forms need GridSample, "
                          f"opset_version >= {STANDARD_FORM_OPSET}, but got {opset_version}")
@@ -128,7 +143,7 @@ def export_onnx(model: torch.nn.Module, args: tuple, path: str,
         raise ValueError(f"export_onnx(): ONNX DeformConv needs opset_version >= {OPSET}, but "
                          f"got {opset_version}; deform_conv2d_form='standard' writes "
                          f"deform_conv2d from opset {STANDARD_FORM_OPSET} on")
-    with _deform_conv2d_form(deform_conv2d_form):
+    with _export_forms(deform_conv2d_form, sampling_form):
         if not dynamo:
             if deform_conv2d_form == "DeformConv":
                 register_torchscript_symbolic(opset_version)

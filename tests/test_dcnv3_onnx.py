@@ -13,9 +13,10 @@ from export_models import EXPORTERS, Dcnv4Op
 pytestmark = pytest.mark.workflows
 
 
+@pytest.mark.parametrize("sampling_form", deformconv.decompositions.SAMPLING_FORMS)
 @pytest.mark.parametrize("geometry", GEOMETRIES)
 @pytest.mark.parametrize("scale,remove_center", [(1.0, False), (0.5, True), (2.0, False)])
-def test_standard_operator_form_matches_the_ops(geometry, scale, remove_center):
+def test_standard_operator_form_matches_the_ops(geometry, scale, remove_center, sampling_form):
     (kh, kw), (sh, sw), (ph, pw), (dh, dw), G, D = geometry
     if remove_center and kh * kw == 1:
         pytest.skip("remove_center needs more than one point")
@@ -24,11 +25,13 @@ def test_standard_operator_form_matches_the_ops(geometry, scale, remove_center):
     scalars = (kh, kw, sh, sw, ph, pw, dh, dw, G, D, scale)
     expected = deformconv.dcnv3(input, offset, mask, *scalars, 0, remove_center)
     torch.testing.assert_close(
-        deformconv.decompositions.dcnv3(input, offset, mask, *scalars, 0, remove_center),
+        deformconv.decompositions.dcnv3(input, offset, mask, *scalars, 0, remove_center,
+                                        sampling_form=sampling_form),
         expected, rtol=1e-11, atol=1e-11)
     offset_mask = pack_offset_mask(offset, mask, G)  # NaN padding
     torch.testing.assert_close(
-        deformconv.decompositions.dcnv4(input, offset_mask, *scalars, 0, remove_center),
+        deformconv.decompositions.dcnv4(input, offset_mask, *scalars, 0, remove_center,
+                                        sampling_form=sampling_form),
         expected, rtol=1e-11, atol=1e-11)
 
 

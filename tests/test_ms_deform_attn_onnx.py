@@ -17,24 +17,32 @@ pytestmark = pytest.mark.workflows
 LEVELS = [(6, 5), (3, 3), (2, 1), (1, 1)]
 
 
+SAMPLING_FORMS = deformconv.decompositions.SAMPLING_FORMS
+
+
+@pytest.mark.parametrize("sampling_form", SAMPLING_FORMS)
 @pytest.mark.parametrize("shapes,heads,channels,points", GRID)
 @pytest.mark.parametrize("spread", [1.4, 4.0], ids=["near", "far-outside"])
-def test_standard_operator_form_matches_the_op(shapes, heads, channels, points, spread):
+def test_standard_operator_form_matches_the_op(shapes, heads, channels, points, spread,
+                                               sampling_form):
     operands = make_operands(shapes, heads=heads, channels=channels, points=points,
                              spread=spread)
-    torch.testing.assert_close(deformconv.decompositions.ms_deform_attn(*operands),
-                               call(operands), rtol=1e-11, atol=1e-11)
+    torch.testing.assert_close(
+        deformconv.decompositions.ms_deform_attn(*operands, sampling_form=sampling_form),
+        call(operands), rtol=1e-11, atol=1e-11)
 
 
-def test_standard_operator_form_on_level_borders():
+@pytest.mark.parametrize("sampling_form", SAMPLING_FORMS)
+def test_standard_operator_form_on_level_borders(sampling_form):
     # Locations on every level's edges and corners, where grid_sample's and the op's
     # zero-outside conventions meet.
     operands = list(make_operands([(4, 6), (1, 1), (3, 2)], points=4))
     edges = torch.tensor([0.0, 1.0, 0.5, -0.5 / 6, 1 + 0.5 / 6], dtype=torch.float64)
     grid = torch.cartesian_prod(edges, edges)  # 25 (x, y) pairs
     operands[3] = grid[torch.randint(0, 25, operands[3].shape[:-1])]
-    torch.testing.assert_close(deformconv.decompositions.ms_deform_attn(*operands),
-                               call(operands), rtol=1e-11, atol=1e-11)
+    torch.testing.assert_close(
+        deformconv.decompositions.ms_deform_attn(*operands, sampling_form=sampling_form),
+        call(operands), rtol=1e-11, atol=1e-11)
 
 
 class MmcvStyleCall(torch.nn.Module):

@@ -89,23 +89,39 @@ def assert_close_to_eager(actual, model, args):
 
 
 @functools.lru_cache(maxsize=None)
-def decomposed_case(op, shape):
+def decomposed_case(op, shape, sampling_form="grid_sample"):
     """(model, args, program): case(op, shape) and its exported program decomposed with
-    deformconv's table, made once for the tests that read it."""
+    deformconv's table in sampling_form, made once for the tests that read it."""
     model, args = case(op, shape)
     program = torch.export.export(model, args)
-    return model, args, program.run_decompositions(deformconv.decompositions.table())
+    return model, args, program.run_decompositions(
+        deformconv.decompositions.table(sampling_form))
 
 
+SAMPLING_FORMS = deformconv.decompositions.SAMPLING_FORMS
+
+
+@pytest.mark.parametrize("sampling_form", SAMPLING_FORMS)
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("op", OPS)
-def test_decomposition_leaves_no_deformconv_node(op, shape):
-    model, args, program = decomposed_case(op, shape)
+def test_decomposition_leaves_no_deformconv_node(op, shape, sampling_form):
+    """No deformconv node; grid_sampler_2d only in the grid_sample form, where the variant
+    samples bilinearly (nearest gathers in both)."""
+    model, args, program = decomposed_case(op, shape, sampling_form)
     targets = [str(node.target) for node in program.graph.nodes if node.op == "call_function"]
     assert not [target for target in targets if "deformconv" in target]
+    bilinear = MSDA_VARIANTS.get(op, {}).get("sampling") != "nearest"
     sampled = "aten.grid_sampler_2d.default" in targets
-    assert sampled == (MSDA_VARIANTS.get(op, {}).get("sampling") != "nearest"), targets
+    assert sampled == (bilinear and sampling_form == "grid_sample"), targets
+    if sampling_form == "gather" or not bilinear:
+        assert "aten.gather.default" in targets, targets
     assert_close_to_eager(program.module()(*args), model, args)
+
+
+def test_an_unknown_sampling_form_is_refused_by_name():
+    with pytest.raises(ValueError, match="expected sampling_form to be one of "
+                                         r"\('grid_sample', 'gather'\), but got 'bicubic'"):
+        deformconv.decompositions.table("bicubic")
 
 
 def openvino_in_float32(model):
@@ -114,24 +130,31 @@ def openvino_in_float32(model):
     return ov.Core().compile_model(model, "CPU", {"INFERENCE_PRECISION_HINT": "f32"})
 
 
+@pytest.mark.parametrize("sampling_form", SAMPLING_FORMS)
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("op", OPS)
-def test_openvino_converts_the_decomposed_program(op, shape):
+def test_openvino_converts_the_decomposed_program(op, shape, sampling_form):
     ov = pytest.importorskip("openvino")
-    model, args, program = decomposed_case(op, shape)
+    model, args, program = decomposed_case(op, shape, sampling_form)
     compiled = openvino_in_float32(ov.convert_model(program))
     assert_close_to_eager(compiled([a.numpy() for a in args])[0], model, args)
 
 
+@pytest.mark.parametrize("sampling_form", SAMPLING_FORMS)
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("op", OPS)
-def test_onnx_runtime_and_openvino_run_the_onnx_export(tmp_path, op, shape):
+def test_onnx_runtime_and_openvino_run_the_onnx_export(tmp_path, op, shape, sampling_form):
     ov = pytest.importorskip("openvino")
     ort = pytest.importorskip("onnxruntime")
+    onnx = pytest.importorskip("onnx")
     pytest.importorskip("onnxscript")
     model, args = case(op, shape)
     path = tmp_path / "model.onnx"
-    deformconv.onnx.export_onnx(model, args, str(path), deform_conv2d_form="standard")
+    deformconv.onnx.export_onnx(model, args, str(path), deform_conv2d_form="standard",
+                                sampling_form=sampling_form)
+    nodes = {node.op_type for node in onnx.load(str(path)).graph.node}
+    bilinear = MSDA_VARIANTS.get(op, {}).get("sampling") != "nearest"
+    assert ("GridSample" in nodes) == (bilinear and sampling_form == "grid_sample"), nodes
     feeds = [a.numpy() for a in args]
     compiled = openvino_in_float32(ov.Core().read_model(str(path)))
     assert_close_to_eager(compiled(feeds)[0], model, args)
@@ -226,24 +249,33 @@ def test_export_refuses_what_a_form_cannot_write(form, opset, message):
                                     deform_conv2d_form=form)
 
 
-def assert_form_matches_the_op(geometry, x, o, w, b, m):
+def test_export_refuses_an_unknown_sampling_form():
+    model, args = case("dcnv3", 0)
+    with pytest.raises(ValueError, match=r"export_onnx\(\): sampling_form must be one of "
+                                         r"\('grid_sample', 'gather'\), but got 'bicubic'"):
+        deformconv.onnx.export_onnx(model, args, "unused.onnx", sampling_form="bicubic")
+
+
+def assert_form_matches_the_op(geometry, x, o, w, b, m, sampling_form):
     g = geometry
     form = deformconv.decompositions.deform_conv2d(x, o, w, m, b, list(g.stride),
                                                    list(g.padding), list(g.dilation), g.groups,
-                                                   g.offset_groups)
+                                                   g.offset_groups, sampling_form=sampling_form)
     expected = deformconv.deform_conv2d(x, o, w, b, g.stride, g.padding, g.dilation, m)
     torch.testing.assert_close(form, expected, rtol=1e-11, atol=1e-11)
 
 
+@pytest.mark.parametrize("sampling_form", SAMPLING_FORMS)
 @pytest.mark.parametrize("geometry", GEOMETRIES, ids=str)
 @pytest.mark.parametrize("with_mask", [True, False], ids=["v2", "v1"])
-def test_deform_conv2d_form_matches_the_op(geometry, with_mask):
+def test_deform_conv2d_form_matches_the_op(geometry, with_mask, sampling_form):
     # Offsets of 3 pixels: many samples near or past the border.
     x, o, w, b, m = make_operands(geometry, with_mask=with_mask, offset_scale=3.0)
-    assert_form_matches_the_op(geometry, x, o, w, b, m)
+    assert_form_matches_the_op(geometry, x, o, w, b, m, sampling_form)
 
 
-def test_deform_conv2d_form_on_the_border():
+@pytest.mark.parametrize("sampling_form", SAMPLING_FORMS)
+def test_deform_conv2d_form_on_the_border(sampling_form):
     # Offsets of whole and half pixels from -3 to 3: every sample on a pixel or half-way
     # between two, many on, beside and past the border, where grid_sample's zero padding and
     # the op's zero-outside convention meet.
@@ -251,4 +283,4 @@ def test_deform_conv2d_form_on_the_border():
     x, o, w, b, m = make_operands(geometry)
     steps = torch.arange(-6, 7, dtype=torch.float64) / 2
     o = steps[torch.randint(0, len(steps), o.shape, generator=torch.Generator().manual_seed(0))]
-    assert_form_matches_the_op(geometry, x, o, w, b, m)
+    assert_form_matches_the_op(geometry, x, o, w, b, m, sampling_form)

@@ -11,7 +11,7 @@ from torch import Tensor, nn
 from torch.nn.modules.utils import _pair
 
 from .. import decompositions
-from ..onnx import deform_conv2d_in_standard_ops
+from ..onnx import deform_conv2d_in_standard_ops, sampling_form
 from ..ops._common import _in_onnx_export
 
 IntOrPair = Union[int, Tuple[int, int]]
@@ -106,7 +106,7 @@ class _DeformConvBase(nn.Module):
                 return decompositions.deform_conv2d(
                     x, offset, self.weight, mask, self.bias, list(self.stride),
                     list(self.padding), list(self.dilation), self.groups, self.deform_groups,
-                    self.im2col_step)
+                    self.im2col_step, sampling_form=sampling_form())
         return torch.ops.deformconv.deform_conv2d(
             x, offset, self.weight, mask, self.bias, self.stride, self.padding, self.dilation,
             self.groups, self.deform_groups, self.im2col_step)

@@ -6,6 +6,7 @@ import torch
 from torch import Tensor
 
 from .. import decompositions
+from ..onnx import sampling_form
 from . import _vmap
 from ._autograd import register_gradients_and_autocast
 from ._common import (_check_cuda_kernels, _fake_gradients, _fake_output, _in_onnx_export,
@@ -61,7 +62,7 @@ def dcnv3(
             return decompositions.dcnv3(
                 input, offset, mask, kernel_h, kernel_w, stride_h, stride_w, pad_h, pad_w,
                 dilation_h, dilation_w, group, group_channels, offset_scale, im2col_step,
-                remove_center)
+                remove_center, sampling_form=sampling_form())
     return torch.ops.deformconv.dcnv3(
         input, offset, mask, kernel_h, kernel_w, stride_h, stride_w, pad_h, pad_w, dilation_h,
         dilation_w, group, group_channels, float(offset_scale), im2col_step, bool(remove_center))
@@ -105,7 +106,7 @@ def dcnv4(
             return decompositions.dcnv4(
                 input, offset_mask, kernel_h, kernel_w, stride_h, stride_w, pad_h, pad_w,
                 dilation_h, dilation_w, group, group_channels, offset_scale, im2col_step,
-                remove_center)
+                remove_center, sampling_form=sampling_form())
     return torch.ops.deformconv.dcnv4(
         input, offset_mask, kernel_h, kernel_w, stride_h, stride_w, pad_h, pad_w, dilation_h,
         dilation_w, group, group_channels, float(offset_scale), im2col_step,

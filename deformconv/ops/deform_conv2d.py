@@ -7,7 +7,7 @@ import torch
 from torch import Tensor
 
 from .. import decompositions
-from ..onnx import deform_conv2d_in_standard_ops
+from ..onnx import deform_conv2d_in_standard_ops, sampling_form
 from . import _vmap
 from ._autograd import register_gradients_and_autocast
 from ._common import (IntOrPair, _check_cuda_kernels, _fake_gradients, _fake_output,
@@ -67,7 +67,8 @@ def deform_conv2d(
         if deform_conv2d_in_standard_ops() and _in_onnx_export():
             return decompositions.deform_conv2d(input, offset, weight, mask, bias, stride_pair,
                                                 padding_pair, dilation_pair, groups,
-                                                offset_groups, im2col_step)
+                                                offset_groups, im2col_step,
+                                                sampling_form=sampling_form())
     return torch.ops.deformconv.deform_conv2d(input, offset, weight, mask, bias, stride_pair,
                                               padding_pair, dilation_pair, groups,
                                               offset_groups, im2col_step)

@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 
 from .. import decompositions
+from ..onnx import sampling_form
 from . import _vmap
 from ._autograd import register_gradients_and_autocast
 from ._common import _check_cuda_kernels, _fake_gradients, _fake_output, _in_onnx_export
@@ -69,7 +70,8 @@ def ms_deform_attn(
         if _in_onnx_export():
             return decompositions.ms_deform_attn(value, spatial_shapes, level_start_index,
                                                  sampling_locations, attention_weights,
-                                                 im2col_step, points, sampling, softmax)
+                                                 im2col_step, points, sampling, softmax,
+                                                 sampling_form=sampling_form())
     return torch.ops.deformconv.ms_deform_attn(value, spatial_shapes, level_start_index,
                                                sampling_locations, attention_weights,
                                                im2col_step, points, sampling, softmax)
