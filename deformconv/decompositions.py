@@ -55,9 +55,14 @@ def _gathered(images: Tensor, grid: Tensor) -> Tensor:
     fx, fy = x - x0, y - y0
     flat = images.reshape(B, C, H * W)
     out = images.new_zeros(B, C, Hg * Wg)
-    for row, weight_y in ((y0, 1 - fy), (y0 + 1, fy)):
-        for column, weight_x in ((x0, 1 - fx), (x0 + 1, fx)):
-            inside = (row >= 0) & (row <= H - 1) & (column >= 0) & (column <= W - 1)
+    # Each corner row's and column's test, made once for the two corners that share it.
+    rows = [(row, (row >= 0) & (row <= H - 1), weight)
+            for row, weight in ((y0, 1 - fy), (y0 + 1, fy))]
+    columns = [(column, (column >= 0) & (column <= W - 1), weight)
+               for column, weight in ((x0, 1 - fx), (x0 + 1, fx))]
+    for row, row_inside, weight_y in rows:
+        for column, column_inside, weight_x in columns:
+            inside = row_inside & column_inside
             index = torch.where(inside, row * W + column, torch.zeros_like(row))
             index = index.to(torch.int64).reshape(B, 1, Hg * Wg).expand(B, C, Hg * Wg)
             weight = torch.where(inside, weight_y * weight_x, torch.zeros_like(weight_x))

@@ -52,8 +52,7 @@ def _register() -> None:
 
     @register_sharding(ops.deform_conv2d_backward.default)
     def deform_conv2d_backward(grad_output, input, offset, weight, mask, *others):
-        mask_gradient = _optional(mask, whole)
-        listed = [([whole] * 3 + [mask_gradient, whole],
+        listed = [([whole] * 3 + [_optional(mask, whole), whole],
                    [whole, whole, whole, whole, _optional(mask, whole)]),
                   ([batch, batch, summed, _optional(mask, batch), summed],
                    [batch, batch, batch, whole, _optional(mask, batch)])]
@@ -62,16 +61,14 @@ def _register() -> None:
                            [channels, whole, whole, batch, _optional(mask, whole)]))
         return rules(listed, others)
 
-    def per_image(op, images, shared=0):
-        """Every output per image; the first `images` tensor arguments per image, the next
-        `shared` the layer's."""
+    def per_image(op, images):
+        """Every output and the first `images` arguments, all the op's tensors, per image."""
 
         @register_sharding(op)
         def rule(*arguments):
             outputs = len(op._schema.returns)
-            others = arguments[images + shared:]
-            return rules([([whole] * outputs, [whole] * (images + shared)),
-                          ([batch] * outputs, [batch] * images + [whole] * shared)], others)
+            return rules([([whole] * outputs, [whole] * images),
+                          ([batch] * outputs, [batch] * images)], arguments[images:])
 
     per_image(ops.dcnv3.default, 3)
     per_image(ops.dcnv3_backward.default, 4)
