@@ -19,13 +19,18 @@ zeros outside as the ops do, then Mul and ReduceSum), which both exporters trans
 torch.export-based exporter reads the levels' sizes of multi-scale deformable attention from
 spatial_shapes in the graph; the TorchScript-based one, a tracer, records the sizes it saw as
 constants.
+
+With ``tensorrt_plugins``, ms_deform_attn and dcnv3 are written instead as the TensorRT plugin
+nodes of deformconv.tensorrt_plugins, for TensorRT's parser (which reads deform_conv2d's
+DeformConv itself).
 """
 
 import contextlib
-from typing import Any, Dict, Iterator, Optional
+from typing import Any, Dict, FrozenSet, Iterator, Optional, Sequence, Union
 
 import torch
 
+from . import tensorrt_plugins as _plugins
 from .decompositions import SAMPLING_FORMS
 
 OPSET = 19
@@ -35,6 +40,7 @@ DEFORM_CONV2D_FORMS = ("DeformConv", "standard")
 
 _deform_conv2d_in_standard_ops = False
 _sampling_form = "grid_sample"
+_tensorrt_plugins: FrozenSet[str] = frozenset()
 
 
 def deform_conv2d_in_standard_ops() -> bool:
@@ -47,16 +53,51 @@ def sampling_form() -> str:
     return _sampling_form
 
 
+def tensorrt_plugin(op: str) -> bool:
+    """Whether the export_onnx under way writes ``op`` as its TensorRT plugin node."""
+    return op in _tensorrt_plugins
+
+
 @contextlib.contextmanager
-def _export_forms(deform_conv2d_form: str, sampling: str) -> Iterator[None]:
-    global _deform_conv2d_in_standard_ops, _sampling_form
-    outer = _deform_conv2d_in_standard_ops, _sampling_form
+def _export_forms(deform_conv2d_form: str, sampling: str,
+                  plugins: FrozenSet[str]) -> Iterator[None]:
+    global _deform_conv2d_in_standard_ops, _sampling_form, _tensorrt_plugins
+    outer = _deform_conv2d_in_standard_ops, _sampling_form, _tensorrt_plugins
     _deform_conv2d_in_standard_ops = deform_conv2d_form == "standard"
     _sampling_form = sampling
+    _tensorrt_plugins = plugins
     try:
         yield
     finally:
-        _deform_conv2d_in_standard_ops, _sampling_form = outer
+        _deform_conv2d_in_standard_ops, _sampling_form, _tensorrt_plugins = outer
+
+
+@contextlib.contextmanager
+def _torchscript_plugin_symbolics(plugins: FrozenSet[str], opset_version: int) -> Iterator[None]:
+    # Registered for this export only: another export of the same ops writes no plugin node.
+    for op in plugins:
+        torch.onnx.register_custom_op_symbolic(f"deformconv::{op}",
+                                               _plugins.TORCHSCRIPT_SYMBOLICS[op], opset_version)
+    try:
+        yield
+    finally:
+        for op in plugins:
+            torch.onnx.unregister_custom_op_symbolic(f"deformconv::{op}", opset_version)
+
+
+def _requested_plugins(tensorrt_plugins: Union[str, Sequence[str]]) -> FrozenSet[str]:
+    requested = ([tensorrt_plugins] if isinstance(tensorrt_plugins, str)
+                 else list(tensorrt_plugins))
+    with_plugins = tuple(_plugins.PLUGIN_NODES)
+    for op in requested:
+        if op == "deform_conv2d":
+            raise ValueError("export_onnx(): tensorrt_plugins: deform_conv2d needs no plugin "
+                             "node, TensorRT reads ONNX's DeformConv (deform_conv2d_form="
+                             f"'DeformConv', the default); the ops with one are {with_plugins}")
+        if op not in _plugins.PLUGIN_NODES:
+            raise ValueError(f"export_onnx(): tensorrt_plugins: {op!r} has no TensorRT plugin "
+                             f"node; the ops with one are {with_plugins}")
+    return frozenset(requested)
 
 
 def _deform_conv2d_to_onnx(input, offset, weight, mask, bias, stride, padding, dilation,
@@ -121,15 +162,17 @@ def register_torchscript_symbolic(opset_version: int = OPSET) -> None:
 def export_onnx(model: torch.nn.Module, args: tuple, path: str,
                 opset_version: int = OPSET, dynamo: bool = True,
                 deform_conv2d_form: str = "DeformConv", sampling_form: str = "grid_sample",
-                **kwargs: Optional[Any]):
+                tensorrt_plugins: Union[str, Sequence[str]] = (), **kwargs: Optional[Any]):
     """Exports ``model`` called on ``args`` to ``path`` through the torch.export-based exporter
     (``dynamo=True``, needs onnx and onnxscript) or the TorchScript-based one
     (``dynamo=False``). deform_conv2d becomes ONNX's DeformConv node (opset 19 on), or with
     ``deform_conv2d_form="standard"`` standard operators (opset 16 on), which every runtime
     reads; the other ops are always written in standard operators. Those sample bilinearly with
     GridSample, or with ``sampling_form="gather"`` by GatherElements of the four corners
-    (deformconv.decompositions), for the runtimes that lack or miscompile GridSample. Extra
-    keyword arguments go to ``torch.onnx.export``, whose result is returned."""
+    (deformconv.decompositions), for the runtimes that lack or miscompile GridSample. The ops
+    named in ``tensorrt_plugins`` ("ms_deform_attn", "dcnv3") become TensorRT plugin nodes
+    instead (deformconv.tensorrt_plugins). Extra keyword arguments go to
+    ``torch.onnx.export``, whose result is returned."""
     if deform_conv2d_form not in DEFORM_CONV2D_FORMS:
         raise ValueError(f"export_onnx(): deform_conv2d_form must be one of "
                          f"{DEFORM_CONV2D_FORMS}, but got {deform_conv2d_form!r}")
@@ -143,14 +186,17 @@ def export_onnx(model: torch.nn.Module, args: tuple, path: str,
         raise ValueError(f"export_onnx(): ONNX DeformConv needs opset_version >= {OPSET}, but "
                          f"got {opset_version}; deform_conv2d_form='standard' writes "
                          f"deform_conv2d from opset {STANDARD_FORM_OPSET} on")
-    with _export_forms(deform_conv2d_form, sampling_form):
+    plugins = _requested_plugins(tensorrt_plugins)
+    with _export_forms(deform_conv2d_form, sampling_form, plugins):
         if not dynamo:
             if deform_conv2d_form == "DeformConv":
                 register_torchscript_symbolic(opset_version)
-            return torch.onnx.export(model, args, path, dynamo=False,
-                                     opset_version=opset_version, **kwargs)
+            with _torchscript_plugin_symbolics(plugins, opset_version):
+                return torch.onnx.export(model, args, path, dynamo=False,
+                                         opset_version=opset_version, **kwargs)
         table = dict(kwargs.pop("custom_translation_table", None) or {})
         if deform_conv2d_form == "DeformConv":
             table.update(translation_table())
+        table.update(_plugins.translation_table(plugins))
         return torch.onnx.export(model, args, path, dynamo=True, opset_version=opset_version,
                                  custom_translation_table=table, **kwargs)

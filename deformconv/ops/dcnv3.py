@@ -6,7 +6,7 @@ import torch
 from torch import Tensor
 
 from .. import decompositions
-from ..onnx import sampling_form
+from ..onnx import sampling_form, tensorrt_plugin
 from . import _vmap
 from ._autograd import register_gradients_and_autocast
 from ._common import (_check_cuda_kernels, _fake_gradients, _fake_output, _in_onnx_export,
@@ -58,7 +58,8 @@ def dcnv3(
     """
     if not torch.jit.is_scripting():
         _check_cuda_kernels("dcnv3", input.device)
-        if _in_onnx_export():
+        # With the plugin node asked for, the op itself is exported.
+        if _in_onnx_export() and not tensorrt_plugin("dcnv3"):
             return decompositions.dcnv3(
                 input, offset, mask, kernel_h, kernel_w, stride_h, stride_w, pad_h, pad_w,
                 dilation_h, dilation_w, group, group_channels, offset_scale, im2col_step,

@@ -7,8 +7,8 @@ from typing import List, Optional
 import torch
 from torch import Tensor
 
-from .. import decompositions
-from ..onnx import sampling_form
+from .. import decompositions, tensorrt_plugins
+from ..onnx import sampling_form, tensorrt_plugin
 from . import _vmap
 from ._autograd import register_gradients_and_autocast
 from ._common import _check_cuda_kernels, _fake_gradients, _fake_output, _in_onnx_export
@@ -67,7 +67,13 @@ def ms_deform_attn(
     points: List[int] = [] if points_per_level is None else points_per_level
     if not torch.jit.is_scripting():
         _check_cuda_kernels("ms_deform_attn", value.device)
-        if _in_onnx_export():
+        # The plugin node: what it cannot take is refused where the op is translated.
+        if _in_onnx_export() and tensorrt_plugin("ms_deform_attn") and sampling == "bilinear":
+            locations, weights = tensorrt_plugins.ms_deform_attn_plugin_operands(
+                sampling_locations, attention_weights, spatial_shapes.shape[0], points, softmax)
+            return torch.ops.deformconv.ms_deform_attn(value, spatial_shapes, level_start_index,
+                                                       locations, weights, im2col_step)
+        if _in_onnx_export() and not tensorrt_plugin("ms_deform_attn"):
             return decompositions.ms_deform_attn(value, spatial_shapes, level_start_index,
                                                  sampling_locations, attention_weights,
                                                  im2col_step, points, sampling, softmax,
