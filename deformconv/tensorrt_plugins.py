@@ -24,7 +24,7 @@ a softmax in the op (DCNv4's FlashDeformAttn) becomes a Softmax before the plugi
 level become every level's largest count, the extra points with weight zero.
 """
 
-from typing import Dict, List, Tuple
+from typing import Any, Dict, List, Tuple
 
 import torch
 from torch import Tensor
@@ -125,7 +125,7 @@ def _dcnv3_attributes(kernel_h, kernel_w, stride_h, stride_w, pad_h, pad_w, dila
 
 
 def _node(op: str, schema_inputs: List[Tuple[str, str]], type_strs: List[str],
-          attributes: List[str]):
+          attributes: List[Tuple[str, Any]]):
     """The onnxscript callable writing op's plugin node. onnxscript sorts a call's inputs from
     its attributes by the node's schema, which a plugin does not have in ONNX: this one states
     the plugin's interface."""
@@ -238,16 +238,10 @@ def _dcnv3_symbolic(g, input, offset, mask, kernel_h, kernel_w, stride_h, stride
     output = g.op(f"{domain}::{name}", input, offset, mask,
                   offset_scale_f=symbolic_helper._get_const(offset_scale, "f", "offset_scale"),
                   im2col_step_i=DCNV3_PLUGIN_IM2COL_STEP, **attributes)
-    N, H, W, _ = symbolic_helper._get_tensor_sizes(input)
-    output.setType(input.type().with_sizes([
-        N, _output_length(H, integers[0], integers[2], integers[4], integers[6]),
-        _output_length(W, integers[1], integers[3], integers[5], integers[7]),
-        integers[8] * integers[9]]))
+    # The output's pixels are the offset's.
+    N, Ho, Wo, _ = symbolic_helper._get_tensor_sizes(offset)
+    output.setType(input.type().with_sizes([N, Ho, Wo, integers[8] * integers[9]]))
     return output
-
-
-def _output_length(size, kernel, stride, pad, dilation):
-    return None if size is None else (size + 2 * pad - dilation * (kernel - 1) - 1) // stride + 1
 
 
 TORCHSCRIPT_SYMBOLICS = {"ms_deform_attn": _ms_deform_attn_symbolic, "dcnv3": _dcnv3_symbolic}

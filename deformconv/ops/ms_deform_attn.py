@@ -67,17 +67,20 @@ def ms_deform_attn(
     points: List[int] = [] if points_per_level is None else points_per_level
     if not torch.jit.is_scripting():
         _check_cuda_kernels("ms_deform_attn", value.device)
-        # The plugin node: what it cannot take is refused where the op is translated.
-        if _in_onnx_export() and tensorrt_plugin("ms_deform_attn") and sampling == "bilinear":
-            locations, weights = tensorrt_plugins.ms_deform_attn_plugin_operands(
-                sampling_locations, attention_weights, spatial_shapes.shape[0], points, softmax)
-            return torch.ops.deformconv.ms_deform_attn(value, spatial_shapes, level_start_index,
-                                                       locations, weights, im2col_step)
-        if _in_onnx_export() and not tensorrt_plugin("ms_deform_attn"):
-            return decompositions.ms_deform_attn(value, spatial_shapes, level_start_index,
-                                                 sampling_locations, attention_weights,
-                                                 im2col_step, points, sampling, softmax,
-                                                 sampling_form=sampling_form())
+        if _in_onnx_export():
+            if not tensorrt_plugin("ms_deform_attn"):
+                return decompositions.ms_deform_attn(value, spatial_shapes, level_start_index,
+                                                     sampling_locations, attention_weights,
+                                                     im2col_step, points, sampling, softmax,
+                                                     sampling_form=sampling_form())
+            # The plugin node; what it cannot take (nearest) reaches the op's translation,
+            # which refuses it.
+            if sampling == "bilinear":
+                locations, weights = tensorrt_plugins.ms_deform_attn_plugin_operands(
+                    sampling_locations, attention_weights, spatial_shapes.shape[0], points,
+                    softmax)
+                return torch.ops.deformconv.ms_deform_attn(
+                    value, spatial_shapes, level_start_index, locations, weights, im2col_step)
     return torch.ops.deformconv.ms_deform_attn(value, spatial_shapes, level_start_index,
                                                sampling_locations, attention_weights,
                                                im2col_step, points, sampling, softmax)
