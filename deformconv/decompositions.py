@@ -101,9 +101,10 @@ def deform_conv2d(input: Tensor, offset: Tensor, weight: Tensor, mask: Optional[
     tap_x = (torch.arange(kernel_w, **options) * dilation[1]).repeat(kernel_h)
     rows = torch.arange(Ho, **options) * stride[0] - padding[0]
     cols = torch.arange(Wo, **options) * stride[1] - padding[1]
-    displacement = offset.reshape(N, G, K, 2, Ho, Wo).to(dtype)
-    y = rows.view(1, 1, 1, -1, 1) + tap_y.view(1, 1, -1, 1, 1) + displacement[:, :, :, 0]
-    x = cols.view(1, 1, 1, 1, -1) + tap_x.view(1, 1, -1, 1, 1) + displacement[:, :, :, 1]
+    # Images and deform groups on one axis: no tensor of rank above 5 (Core ML's limit).
+    displacement = offset.reshape(N * G, K, 2, Ho, Wo).to(dtype)
+    y = rows.view(1, 1, -1, 1) + tap_y.view(1, -1, 1, 1) + displacement[:, :, 0]
+    x = cols.view(1, 1, 1, -1) + tap_x.view(1, -1, 1, 1) + displacement[:, :, 1]
     grid = torch.stack([_pixel_centres(x, W), _pixel_centres(y, H)], dim=-1)
     images = input.to(dtype).reshape(N * G, C // G, H, W)
     # (N G, C / G, K, Ho Wo)
@@ -119,16 +120,17 @@ def deform_conv2d(input: Tensor, offset: Tensor, weight: Tensor, mask: Optional[
     return out.to(input.dtype)
 
 
-def _dcnv3_points(input: Tensor, offset: Tensor, mask: Tensor, kernel_h: int, kernel_w: int,
+def _dcnv3_points(input: Tensor, offset: Tensor, mask: Tensor, Ho: int, Wo: int,
+                  kernel_h: int, kernel_w: int,
                   stride_h: int, stride_w: int, pad_h: int, pad_w: int, dilation_h: int,
                   dilation_w: int, group: int, group_channels: int, offset_scale: float,
                   remove_center: bool, sampling_form: str) -> Tensor:
-    """DCNv3 and DCNv4 (docs/dcnv3_dcnv4.md) over offset (N, H_out, W_out, group, P, 2) and
-    mask (N, H_out, W_out, group, P), the layouts of both ops viewed per group and point. Each
-    group is an image of group_channels channels that grid_sample samples at all its points at
-    once."""
+    """DCNv3 and DCNv4 (docs/dcnv3_dcnv4.md) over offset (N, H_out W_out, group, P, 2) and
+    mask (N, H_out W_out, group, P), the layouts of both ops viewed per pixel, group and point:
+    the output's rows and columns on one axis, so that no tensor has a rank above 5 (Core ML's
+    limit). Each group is an image of group_channels channels that grid_sample samples at all
+    its points at once."""
     N, H, W = input.shape[0], input.shape[1], input.shape[2]
-    Ho, Wo = offset.shape[1], offset.shape[2]
     G, D = group, group_channels
     dtype = _compute_dtype(input.dtype)
     options = dict(dtype=dtype, device=input.device)
@@ -146,13 +148,15 @@ def _dcnv3_points(input: Tensor, offset: Tensor, mask: Tensor, kernel_h: int, ke
     centre_h = dilation_h * (kernel_h - 1) // 2
     base_x = torch.arange(Wo, **options) * stride_w + (centre_w - pad_w - centre_w * offset_scale)
     base_y = torch.arange(Ho, **options) * stride_h + (centre_h - pad_h - centre_h * offset_scale)
-    x = base_x.view(1, 1, -1, 1, 1) + (grid_x + offset[..., 0].to(dtype)) * offset_scale
-    y = base_y.view(1, -1, 1, 1, 1) + (grid_y + offset[..., 1].to(dtype)) * offset_scale
+    # Output pixel (row, column) at row Wo + column of the flattened axis.
+    base_x, base_y = base_x.repeat(Ho), base_y.repeat_interleave(Wo)
+    x = base_x.view(1, -1, 1, 1) + (grid_x + offset[..., 0].to(dtype)) * offset_scale
+    y = base_y.view(1, -1, 1, 1) + (grid_y + offset[..., 1].to(dtype)) * offset_scale
     grid = torch.stack([_pixel_centres(x, W), _pixel_centres(y, H)], dim=-1)
-    grid = grid.permute(0, 3, 1, 2, 4, 5).reshape(N * G, Ho * Wo, P, 2)
+    grid = grid.permute(0, 2, 1, 3, 4).reshape(N * G, Ho * Wo, P, 2)
     images = input.to(dtype).reshape(N, H, W, G, D).permute(0, 3, 4, 1, 2)
     samples = _sampled(images.reshape(N * G, D, H, W), grid, sampling_form)  # (N G, D, Ho Wo, P)
-    weights = mask.to(dtype).permute(0, 3, 1, 2, 4).reshape(N * G, 1, Ho * Wo, P)
+    weights = mask.to(dtype).permute(0, 2, 1, 3).reshape(N * G, 1, Ho * Wo, P)
     out = (samples * weights).sum(dim=-1)
     out = out.reshape(N, G, D, Ho, Wo).permute(0, 3, 4, 1, 2).reshape(N, Ho, Wo, G * D)
     return out.to(input.dtype)
@@ -167,9 +171,9 @@ def dcnv3(input: Tensor, offset: Tensor, mask: Tensor, kernel_h: int, kernel_w: 
     N, Ho, Wo = offset.shape[0], offset.shape[1], offset.shape[2]
     P = kernel_h * kernel_w - int(remove_center)
     return _dcnv3_points(
-        input, offset.reshape(N, Ho, Wo, group, P, 2), mask.reshape(N, Ho, Wo, group, P),
-        kernel_h, kernel_w, stride_h, stride_w, pad_h, pad_w, dilation_h, dilation_w, group,
-        group_channels, offset_scale, remove_center, sampling_form)
+        input, offset.reshape(N, Ho * Wo, group, P, 2), mask.reshape(N, Ho * Wo, group, P),
+        Ho, Wo, kernel_h, kernel_w, stride_h, stride_w, pad_h, pad_w, dilation_h, dilation_w,
+        group, group_channels, offset_scale, remove_center, sampling_form)
 
 
 def dcnv4(input: Tensor, offset_mask: Tensor, kernel_h: int, kernel_w: int, stride_h: int,
@@ -180,11 +184,11 @@ def dcnv4(input: Tensor, offset_mask: Tensor, kernel_h: int, kernel_w: int, stri
     offsets and mask sliced out of offset_mask, its padding channels left unread."""
     N, Ho, Wo = offset_mask.shape[0], offset_mask.shape[1], offset_mask.shape[2]
     P = kernel_h * kernel_w - int(remove_center)
-    packed = offset_mask[..., :3 * group * P].reshape(N, Ho, Wo, group, 3 * P)
+    packed = offset_mask[..., :3 * group * P].reshape(N, Ho * Wo, group, 3 * P)
     return _dcnv3_points(
-        input, packed[..., :2 * P].reshape(N, Ho, Wo, group, P, 2), packed[..., 2 * P:],
-        kernel_h, kernel_w, stride_h, stride_w, pad_h, pad_w, dilation_h, dilation_w, group,
-        group_channels, offset_scale, remove_center, sampling_form)
+        input, packed[..., :2 * P].reshape(N, Ho * Wo, group, P, 2), packed[..., 2 * P:],
+        Ho, Wo, kernel_h, kernel_w, stride_h, stride_w, pad_h, pad_w, dilation_h, dilation_w,
+        group, group_channels, offset_scale, remove_center, sampling_form)
 
 
 def ms_deform_attn(value: Tensor, spatial_shapes: Tensor, level_start_index: Tensor,
@@ -258,9 +262,11 @@ def _nearest_samples(image: Tensor, locations: Tensor, shape: Tensor) -> Tensor:
     (loc * size + 0.5) in the locations' dtype, converted to int64 (toward zero) and clamped
     into the level; (N M, D, Lq, P) gathered by index. `shape` is the level's (H, W)."""
     N, Lq, M, P, _ = locations.shape
-    width_height = shape.flip(0)
+    # Not shape.flip(0): Core ML's converter refuses the flip's constant (a negative stride).
+    width_height = torch.stack([shape[1], shape[0]])
     pixel = (locations * width_height.to(locations.dtype) + 0.5).to(torch.int64)
-    pixel = torch.minimum(pixel.clamp_min(0), width_height - 1)
+    # maximum, not clamp: Core ML's clamp takes floats only.
+    pixel = torch.minimum(torch.maximum(pixel, torch.zeros_like(pixel)), width_height - 1)
     index = (pixel[..., 1] * width_height[0] + pixel[..., 0]).transpose(1, 2)  # (N, M, Lq, P)
     flat = image.flatten(2)  # (N M, D, H W)
     index = index.reshape(N * M, 1, Lq * P).expand(-1, flat.shape[1], -1)
