@@ -1,5 +1,6 @@
 """python -m deformconv {info, benchmark, demo} and --help."""
 
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -53,15 +54,33 @@ def test_benchmark_writes_json_and_chart(tmp_path):
     if "torchvision" in result["peak_forward_bytes"]:
         assert result["ratios"]["torchvision/deformconv peak forward+backward memory"] > 0
     assert chart.stat().st_size > 0
-    runtimes = []
-    if all(importlib.util.find_spec(name) for name in ("onnxruntime", "onnxscript")):
-        runtimes = ["onnxruntime", "onnxruntime standard form"]
-        if importlib.util.find_spec("openvino") is not None:
-            runtimes.append("openvino standard form")
+    assert_runtimes_ran(tmp_path, output, result, "deformconv", deform_conv_node=True)
+
+
+def assert_runtimes_ran(folder, output, result, eager, deform_conv_node=False):
+    """Where ONNX Runtime is installed, the op's forward ran in it in both sampling forms (and
+    as ONNX's DeformConv node for DCN v1/v2), and in OpenVINO where that is: each beside eager
+    deformconv on the same tensors, with the same output, and in the runtimes table."""
+    if not all(importlib.util.find_spec(name) for name in ("onnx", "onnxruntime",
+                                                           "onnxscript")):
+        return
+    runtimes = [f"{runtime} {form} form" for form in ("grid_sample", "gather")
+                for runtime in ("onnxruntime", "openvino")
+                if runtime == "onnxruntime" or importlib.util.find_spec("openvino")]
+    if deform_conv_node:
+        runtimes.append("onnxruntime")
+    setup = json.loads(output.read_text())["setup"]
+    assert setup["runtimes"]["onnxruntime"] == importlib.metadata.version("onnxruntime")
     for runtime in runtimes:
-        assert result["ratios"][f"{runtime}/deformconv forward"] > 0
-        # The same tensors through the runtime: the same output.
+        assert result["ratios"][f"{runtime}/{eager} forward"] > 0
         assert result["agreement"][f"{runtime} max abs difference"] < 1e-4
+    document = folder / "deployment.md"
+    document.write_text(f"<!-- table: {output.name} runtimes -->\n<!-- end table -->\n")
+    assert main(["benchmark", "--report", str(document)]) == 0
+    row = next(line for line in document.read_text().split("\n")
+               if line.startswith(f"| {result['shape']['name']} |"))
+    ratio = result["ratios"][f"onnxruntime gather form/{eager} forward"]
+    assert f"({ratio:.2f}×)" in row and row.count("×)") == len(runtimes)
 
 
 def test_benchmark_without_matplotlib_skips_the_chart_naming_the_extra(tmp_path, monkeypatch,
@@ -111,6 +130,7 @@ def test_benchmark_of_dcnv3_and_dcnv4(tmp_path):
     # The peer computes the same op: float32 agreement, and DCNv4 is DCNv3 exactly.
     assert result["agreement"]["grid_sample formulation max abs difference"] < 1e-4
     assert result["agreement"]["dcnv4 max abs difference"] == 0
+    assert_runtimes_ran(tmp_path, output, result, "dcnv3")
 
 
 def test_benchmark_of_ms_deform_attn(tmp_path):
@@ -141,6 +161,7 @@ def test_benchmark_of_ms_deform_attn(tmp_path):
                if line.startswith("| detr-decoder |"))
     ratio = result["ratios"]["grid_sample formulation/ms_deform_attn forward+backward"]
     assert "| 64² 32² 16² 8² | 300 | 8 × 32 | 4 |" in row and f"| {ratio:.1f}× |" in row
+    assert_runtimes_ran(tmp_path, output, result, "ms_deform_attn")
 
 
 def test_benchmark_of_points_per_level_against_transformers(tmp_path):

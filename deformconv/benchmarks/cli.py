@@ -5,8 +5,9 @@ drifts in clock speed or load hit all of them alike), after warm-up: forward, an
 backward, of deformconv, ``torchvision.ops.deform_conv2d`` on the same tensors (when installed)
 and a dense ``F.conv2d`` of the same geometry, and deformconv's GEMMs alone (gemm_steps); on the
 CPU in float32 also the forwards of the inference runtimes that are installed, given the same
-tensors and thread count: ONNX Runtime's own DeformConv kernel (a one-node model), and the
-standard-operator ONNX form (deformconv.onnx) in ONNX Runtime and OpenVINO. Reports medians, the
+tensors and thread count (runtimes.py): ONNX Runtime's own DeformConv kernel (a one-node model),
+and each op's standard-operator ONNX export (deformconv.onnx) in both sampling forms, GridSample
+and gather, in ONNX Runtime and OpenVINO. Reports medians, the
 ratios, the GFLOP/s of the GEMM part, and the peak memory allocated during one forward and
 during one forward and backward, with the CPU's model and vector ISA. DCNv3 and DCNv4, and
 multi-scale deformable attention (Deformable DETR's encoder and decoder), run against their
@@ -36,6 +37,7 @@ from .environment import cpu_description
 from .originals import load_originals
 from .report import plot, print_result, update_tables
 from .run import benchmark_shape, scaling
+from .runtimes import versions as runtime_versions
 from .shapes import DEFAULT_SHAPES, ROOFLINE_SHAPES, SHAPES
 from .timing import CUDA_BLOCK_SECONDS, busy_core, copy_bandwidth
 
@@ -104,7 +106,8 @@ def main(argv: Optional[List[str]] = None) -> int:
              "tf32": ({"matmul": torch.backends.cuda.matmul.allow_tf32,
                        "cudnn": torch.backends.cudnn.allow_tf32}
                       if args.device == "cuda" else None),
-             "cuda_block_seconds": CUDA_BLOCK_SECONDS if args.device == "cuda" else None}
+             "cuda_block_seconds": CUDA_BLOCK_SECONDS if args.device == "cuda" else None,
+             "runtimes": runtime_versions() if args.device == "cpu" else {}}
     if any(isinstance(SHAPES[name], ROOFLINE_SHAPES) for name in shapes):
         setup["copy_bandwidth"] = copy_bandwidth(args.device, args.repeats, args.warmup)
     args.loaded_originals = {}

@@ -1,11 +1,9 @@
 """What deformconv is timed against: torchvision's op and a dense convolution of the same
-geometry for DCN v1/v2, the inference runtimes on the CPU (ONNX Runtime's DeformConv kernel,
-and the standard-operator ONNX form in ONNX Runtime and OpenVINO), deformconv's GEMMs alone,
-and the grid_sample formulations of DCNv3/DCNv4 and of multi-scale deformable attention
-(deformconv.decompositions', which the ONNX exports write)."""
+geometry for DCN v1/v2, deformconv's GEMMs alone, and the grid_sample formulations of DCNv3/DCNv4 and of multi-scale deformable attention
+(deformconv.decompositions', which the ONNX exports write). The inference runtimes:
+runtimes.py."""
 
-import tempfile
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Dict, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -104,95 +102,6 @@ def msda_contenders(shape: MsdaShape, tensors) -> Dict[str, Tuple[Callable, list
 
     runs["transformers"] = (transformers_v2, tensors)
     return runs
-
-
-def _onnxruntime_session(model):
-    """An ONNX Runtime CPU session of the ONNX model (bytes or a path) with torch's thread
-    count."""
-    import onnxruntime
-
-    options = onnxruntime.SessionOptions()
-    options.intra_op_num_threads = torch.get_num_threads()
-    options.inter_op_num_threads = 1
-    # Its pool's threads would otherwise spin for a while after each run, taking the cores from
-    # the contender timed next.
-    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    return onnxruntime.InferenceSession(model, options, providers=["CPUExecutionProvider"])
-
-
-def _deform_conv_node_model(shape: Shape, names, values) -> bytes:
-    """DCN v1/v2 of `shape` as ONNX's one DeformConv node (opset 19)."""
-    from onnx import TensorProto, helper
-
-    node = helper.make_node(
-        "DeformConv", names, ["Y"], kernel_shape=[shape.kernel, shape.kernel],
-        strides=[shape.stride] * 2, pads=[shape.padding] * 4, dilations=[1, 1],
-        group=shape.groups, offset_group=shape.offset_groups)
-    graph = helper.make_graph(
-        [node], "deform_conv",
-        [helper.make_tensor_value_info(name, TensorProto.FLOAT, list(value.shape))
-         for name, value in zip(names, values)],
-        [helper.make_tensor_value_info("Y", TensorProto.FLOAT, None)])
-    # IR version 9 is the one of opset 19, which every onnxruntime since 1.15 reads.
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 19)], ir_version=9)
-    return model.SerializeToString()
-
-
-class _DeformConv2d(torch.nn.Module):
-    def __init__(self, shape: Shape):
-        super().__init__()
-        self.shape = shape
-
-    def forward(self, x, offset, weight, bias, mask: Optional[torch.Tensor] = None):
-        return deformconv.deform_conv2d(x, offset, weight, bias, self.shape.stride,
-                                        self.shape.padding, mask=mask)
-
-
-def runtime_forwards(shape: Shape, tensors) -> Dict[str, Callable[[], object]]:
-    """The forwards of DCN v1/v2 of `shape` in the inference runtimes that are installed, on the
-    same float32 tensors, with torch's thread count: ONNX Runtime's DeformConv kernel (a
-    one-node model), and the standard-operator ONNX form (deformconv.onnx's
-    deform_conv2d_form="standard") in ONNX Runtime and in OpenVINO, in float32."""
-    try:
-        import numpy as np
-        import onnx  # noqa: F401
-        import onnxruntime  # noqa: F401
-        import onnxscript  # noqa: F401  (the exporter's)
-    except ImportError:
-        return {}
-    import deformconv.onnx
-
-    x, offset, weight, bias, mask = tensors
-    names = ["X", "W", "offset", "B"] + (["mask"] if mask is not None else [])
-    values = [x, weight, offset, bias] + ([mask] if mask is not None else [])
-    feeds = {name: np.ascontiguousarray(value.numpy()) for name, value in zip(names, values)}
-    node_session = _onnxruntime_session(_deform_conv_node_model(shape, names, values))
-    forwards = {"onnxruntime": lambda: node_session.run(None, feeds)[0]}
-    arguments = [t for t in (x, offset, weight, bias, mask) if t is not None]
-    with tempfile.TemporaryDirectory() as folder:
-        # Both runtimes read the file whole when they load it.
-        path = f"{folder}/{shape.name}_standard.onnx"
-        deformconv.onnx.export_onnx(_DeformConv2d(shape).eval(), tuple(arguments), path,
-                                    deform_conv2d_form="standard", verbose=False)
-        standard_session = _onnxruntime_session(path)
-        try:
-            import openvino
-        except ImportError:
-            openvino = None
-        if openvino is not None:
-            # In float32: its CPU plugin computes in bfloat16 where the CPU has it, unless told.
-            compiled = openvino.Core().compile_model(
-                openvino.Core().read_model(path), "CPU",
-                {"INFERENCE_PRECISION_HINT": "f32",
-                 "INFERENCE_NUM_THREADS": torch.get_num_threads()})
-    standard_feeds = [np.ascontiguousarray(t.numpy()) for t in arguments]
-    standard_names = [i.name for i in standard_session.get_inputs()]
-    forwards["onnxruntime standard form"] = lambda: standard_session.run(
-        None, dict(zip(standard_names, standard_feeds)))[0]
-    if openvino is not None:
-        request = compiled.create_infer_request()
-        forwards["openvino standard form"] = lambda: request.infer(standard_feeds)[0]
-    return forwards
 
 
 def gemm_steps(shape: Shape, dtype: torch.dtype,

@@ -313,33 +313,38 @@ def transformers_table(report: dict) -> List[str]:
     return rows
 
 
-RUNTIMES = {"onnxruntime": "ONNX Runtime, DeformConv",
-            "onnxruntime standard form": "ONNX Runtime, standard form",
-            "openvino standard form": "OpenVINO, standard form"}
+RUNTIME_LABELS = {"onnxruntime": "ONNX Runtime, DeformConv",
+                  "onnxruntime grid_sample form": "ONNX Runtime, GridSample form",
+                  "onnxruntime gather form": "ONNX Runtime, gather form",
+                  "openvino grid_sample form": "OpenVINO, GridSample form",
+                  "openvino gather form": "OpenVINO, gather form"}
+# The eager op each kind of shape times the runtimes against, by its name in the medians.
+EAGER_OPS = {"deformconv": "deform_conv2d", "dcnv3": "dcnv3", "ms_deform_attn": "ms_deform_attn"}
 
 
 def runtimes_table(report: dict) -> List[str]:
-    """DCN v1/v2's forward in the inference runtimes (docs/deployment.md): each form's time, its
-    ratio to eager deformconv's and its largest difference from it."""
-    rows = ["| shape | N | C_in→C_out | H×W | deformconv fwd (ms) | "
-            + " | ".join(f"{label}: ms (÷ deformconv), max abs difference"
-                         for label in RUNTIMES.values()) + " |",
-            "|---" * (5 + len(RUNTIMES)) + "|"]
+    """Each op's forward in the inference runtimes, in each form (docs/deployment.md): its time,
+    its ratio to eager deformconv's and its largest difference from it, for the shapes that ran
+    them."""
+    rows = ["| shape | op | eager deformconv fwd (ms) | "
+            + " | ".join(f"{label}: ms (÷ eager), max abs difference"
+                         for label in RUNTIME_LABELS.values()) + " |",
+            "|---" * (3 + len(RUNTIME_LABELS)) + "|"]
     for result in report["results"]:
-        shape, medians = result["shape"], result["median_seconds"]
-        if "in_channels" not in shape:
+        medians = result["median_seconds"]
+        if not any(f"{runtime} forward" in medians for runtime in RUNTIME_LABELS):
             continue
+        eager = next(name for name in EAGER_OPS if f"{name} forward" in medians)
         cells = []
-        for runtime in RUNTIMES:
+        for runtime in RUNTIME_LABELS:
             if f"{runtime} forward" not in medians:
                 cells.append("–")
                 continue
             cells.append(f"{medians[f'{runtime} forward'] * 1e3:.1f} "
-                         f"({result['ratios'][f'{runtime}/deformconv forward']:.2f}×), "
+                         f"({result['ratios'][f'{runtime}/{eager} forward']:.2f}×), "
                          f"{result['agreement'][f'{runtime} max abs difference']:.1e}")
-        rows.append(f"| {shape['name']} | {shape['batch']} | {shape['in_channels']}→"
-                    f"{shape['out_channels']} | {shape['height']}×{shape['width']} | "
-                    f"{medians['deformconv forward'] * 1e3:.1f} | " + " | ".join(cells) + " |")
+        rows.append(f"| {result['shape']['name']} | {EAGER_OPS[eager]} | "
+                    f"{medians[f'{eager} forward'] * 1e3:.1f} | " + " | ".join(cells) + " |")
     return rows
 
 

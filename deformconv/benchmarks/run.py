@@ -8,8 +8,9 @@ from typing import Dict, Optional
 import torch
 
 from .contenders import (contenders, dcnv3_contenders, dcnv3_geometry, gemm_steps,
-                         msda_contenders, runtime_forwards)
+                         msda_contenders)
 from .originals import PEERS, original_contenders
+from .runtimes import RUNTIMES, form_forwards
 from .shapes import (Dcnv3Shape, MsdaShape, Shape, make_dcnv3_tensors, make_msda_tensors,
                      make_tensors)
 from .timing import (forward_backward_step, forward_step, peak_forward_backward_bytes,
@@ -61,10 +62,16 @@ def benchmark_against_formulation(shape, runs, ops, args, bandwidth: Optional[di
         ours = reference(*reference_inputs)
         agreement = {f"{name} max abs difference": (run(*inputs) - ours).abs().max().item()
                      for name, (run, inputs) in runs.items() if name != ops[0]}
+    if runtimes_measured(args, getattr(torch, args.dtype)):
+        add_runtimes(steps, agreement, *runs[ops[0]])
     medians = time_interleaved(steps, args.repeats, args.warmup, args.device)
     result = {"shape": asdict(shape), "describe": shape.describe(), "median_seconds": medians,
               "ratios": {}, "peak_forward_bytes": {}, "agreement": agreement,
               "originals_not_run": originals_not_run}
+    for runtime in RUNTIMES:
+        if f"{runtime} forward" in medians:
+            result["ratios"][f"{runtime}/{ops[0]} forward"] = (
+                medians[f"{runtime} forward"] / medians[f"{ops[0]} forward"])
     for phase in ("forward", "forward+backward"):
         peer = medians[f"grid_sample formulation {phase}"]
         for name in ops:
@@ -87,6 +94,22 @@ def benchmark_against_formulation(shape, runs, ops, args, bandwidth: Optional[di
     if bandwidth is not None:
         result["roofline"] = roofline(runs, medians, bandwidth["bytes_per_second"], ops)
     return result
+
+
+def runtimes_measured(args, dtype: torch.dtype) -> bool:
+    """The inference runtimes run on the CPU, in float32."""
+    return args.device == "cpu" and dtype == torch.float32
+
+
+def add_runtimes(steps: dict, agreement: dict, run, inputs, deform_conv_node=None) -> None:
+    """The forwards of run(*inputs) in the inference runtimes that are installed
+    (runtimes.form_forwards), as steps, and each one's largest difference from run's output."""
+    with torch.no_grad():
+        ours = run(*inputs)
+    for runtime, forward in form_forwards(run, inputs, deform_conv_node).items():
+        steps[f"{runtime} forward"] = forward
+        agreement[f"{runtime} max abs difference"] = (
+            torch.from_numpy(forward()) - ours).abs().max().item()
 
 
 def drop_unsupported_contenders(runs: Dict[str, object], tensors) -> Dict[str, str]:
@@ -129,23 +152,15 @@ def benchmark_shape(shape: Shape, args, bandwidth: Optional[dict] = None) -> dic
         steps[f"{name} forward+backward"] = forward_backward_step(run, tensors)
     steps.update(gemm_steps(shape, dtype, args.device))
     agreement = {}
-    runtimes = (runtime_forwards(shape, tensors)
-                if args.device == "cpu" and dtype == torch.float32 else {})
-    if runtimes:
-        with torch.no_grad():
-            ours = runs["deformconv"](*tensors)
-    for runtime, forward in runtimes.items():
-        steps[f"{runtime} forward"] = forward
-        agreement[f"{runtime} max abs difference"] = (
-            torch.from_numpy(forward()) - ours).abs().max().item()
+    if runtimes_measured(args, dtype):
+        add_runtimes(steps, agreement, runs["deformconv"], tensors, shape)
     medians = time_interleaved(steps, args.repeats, args.warmup, args.device)
     result = {"shape": asdict(shape), "describe": shape.describe(), "median_seconds": medians,
               "ratios": {}, "gemm_gflops_per_second": {}, "peak_forward_bytes": {},
               "agreement": agreement, "unsupported": unsupported}
     for phase in ("forward", "forward+backward"):
         ours = medians[f"deformconv {phase}"]
-        for other in ("torchvision", "dense", "GEMMs alone", "onnxruntime",
-                      "onnxruntime standard form", "openvino standard form"):
+        for other in ("torchvision", "dense", "GEMMs alone", *RUNTIMES):
             if f"{other} {phase}" in medians:
                 result["ratios"][f"{other}/deformconv {phase}"] = (
                     medians[f"{other} {phase}"] / ours)
