@@ -86,11 +86,7 @@ from .nn import (
     upgrade_mmcv_state_dict,
 )
 from .ops import dcnv3, dcnv4, deform_conv2d, flash_deform_attn, ms_deform_attn
-
-
-def cuda_compiled() -> bool:
-    """Whether this build of deformconv holds CUDA kernels (whether or not a GPU is present)."""
-    return torch.ops.deformconv.deform_conv2d.default.has_kernel_for_dispatch_key("CUDA")
+from .ops._common import cuda_compiled
 
 
 __all__ = [

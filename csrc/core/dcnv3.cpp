@@ -19,8 +19,9 @@ namespace {
 // tensor]).
 const char* op_name(const Tensor& mask) { return mask.defined() ? "dcnv3()" : "dcnv4()"; }
 
-// A 4-D channels-last tensor of input's dtype whose first three sizes and, when `channels` is
-// set, last size are those of `shape`; `layout` names the dimensions for the message.
+// A 4-D channels-last tensor of input's dtype whose sizes are those of `shape`: all four, or
+// with `any_channels` the first three, its last size (DCNv4's offset_mask channels, checked by
+// the caller) left free; `layout` names the dimensions for the message.
 void check_nhwc(const char* op, const char* name, const Tensor& tensor, const Tensor& input,
                 std::array<int64_t, 4> shape, bool any_channels, const char* layout) {
   DEFORMCONV_CHECK_ARGUMENT(tensor.dim() == 4, op, ": expected ", name, " to be a 4-D tensor ",

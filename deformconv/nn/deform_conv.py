@@ -10,9 +10,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.modules.utils import _pair
 
-from .. import decompositions
-from ..onnx import deform_conv2d_in_standard_ops, sampling_form
-from ..ops._common import _in_onnx_export
+from ..ops.deform_conv2d import deform_conv2d_with_groups
 
 IntOrPair = Union[int, Tuple[int, int]]
 
@@ -99,16 +97,10 @@ class _DeformConvBase(nn.Module):
                 f"bias={self.bias is not None}, im2col_step={self.im2col_step}")
 
     def _deform_conv(self, x: Tensor, offset: Tensor, mask: Optional[Tensor]) -> Tensor:
-        # The op directly, with the module's own groups: scriptable, and no shape inference.
-        if not torch.jit.is_scripting():
-            # The export flag first: a global read, where the tracing checks call into torch.
-            if deform_conv2d_in_standard_ops() and _in_onnx_export():
-                return decompositions.deform_conv2d(
-                    x, offset, self.weight, mask, self.bias, list(self.stride),
-                    list(self.padding), list(self.dilation), self.groups, self.deform_groups,
-                    self.im2col_step, sampling_form=sampling_form())
-        return torch.ops.deformconv.deform_conv2d(
-            x, offset, self.weight, mask, self.bias, self.stride, self.padding, self.dilation,
+        # The op with the module's own groups: scriptable, and no shape inference.
+        return deform_conv2d_with_groups(
+            x, offset, self.weight, mask, self.bias, [self.stride[0], self.stride[1]],
+            [self.padding[0], self.padding[1]], [self.dilation[0], self.dilation[1]],
             self.groups, self.deform_groups, self.im2col_step)
 
     def _offset_conv(self, channels_per_tap: int) -> nn.Conv2d:

@@ -1,35 +1,10 @@
 """Argument handling that the functional ops and their fake kernels share."""
 
 import functools
-from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
-
-IntOrPair = Union[int, Tuple[int, int], List[int]]
-
-
-@torch.jit.unused
-def _check_pair(name: str, value: IntOrPair) -> None:
-    # Python only: under TorchScript the argument's type has been checked already.
-    if (not isinstance(value, (tuple, list)) or len(value) != 2
-            or not all(isinstance(v, int) for v in value)):
-        raise ValueError(f"deform_conv2d(): expected {name} to be an int or a pair of ints, "
-                         f"but got {value!r}")
-
-
-def _pair(name: str, value: IntOrPair) -> List[int]:
-    if isinstance(value, int):
-        return [value, value]
-    if not torch.jit.is_scripting():
-        _check_pair(name, value)
-    if isinstance(value, list):
-        if len(value) != 2:
-            raise ValueError("deform_conv2d(): expected " + name + " to be an int or a pair of "
-                             "ints, but got a list of " + str(len(value)))
-        return value
-    return [value[0], value[1]]
-
 
 @torch.jit.unused
 def _in_onnx_export() -> bool:
@@ -41,11 +16,14 @@ def _in_onnx_export() -> bool:
             and torch.onnx.is_in_onnx_export())
 
 
+def cuda_compiled() -> bool:
+    """Whether this build of deformconv holds CUDA kernels (whether or not a GPU is present)."""
+    return torch.ops.deformconv.deform_conv2d.default.has_kernel_for_dispatch_key("CUDA")
+
+
 @functools.lru_cache(maxsize=None)
 def _cuda_kernels_missing_reason() -> Optional[str]:
     """None where this build holds CUDA kernels, else why not (setup.py records it)."""
-    from .. import cuda_compiled  # at call time: the package imports this module first
-
     if cuda_compiled():
         return None
     try:

@@ -1,7 +1,7 @@
 """deform_conv2d, DCN v1/v2 over torch.ops.deformconv, and its ops' fake, Autograd and Autocast
 kernels."""
 
-from typing import Optional
+from typing import List, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -10,8 +10,33 @@ from .. import decompositions
 from ..onnx import deform_conv2d_in_standard_ops, sampling_form
 from . import _vmap
 from ._autograd import register_gradients_and_autocast
-from ._common import (IntOrPair, _check_cuda_kernels, _fake_gradients, _fake_output,
-                      _in_onnx_export, _output_size, _pair)
+from ._common import (_check_cuda_kernels, _fake_gradients, _fake_output, _in_onnx_export,
+                      _output_size)
+
+IntOrPair = Union[int, Tuple[int, int], List[int]]
+
+
+@torch.jit.unused
+def _check_pair(name: str, value: IntOrPair) -> None:
+    # Python only: under TorchScript the argument's type has been checked already.
+    if (not isinstance(value, (tuple, list)) or len(value) != 2
+            or not all(isinstance(v, int) for v in value)):
+        raise ValueError(f"deform_conv2d(): expected {name} to be an int or a pair of ints, "
+                         f"but got {value!r}")
+
+
+def _pair(name: str, value: IntOrPair) -> List[int]:
+    if isinstance(value, int):
+        return [value, value]
+    if not torch.jit.is_scripting():
+        _check_pair(name, value)
+    if isinstance(value, list):
+        if len(value) != 2:
+            raise ValueError("deform_conv2d(): expected " + name + " to be an int or a pair of "
+                             "ints, but got a list of " + str(len(value)))
+        return value
+    return [value[0], value[1]]
+
 
 
 def deform_conv2d(
@@ -63,15 +88,27 @@ def deform_conv2d(
     dilation_pair = _pair("dilation", dilation)
     if not torch.jit.is_scripting():
         _check_cuda_kernels("deform_conv2d", input.device)
+    return deform_conv2d_with_groups(input, offset, weight, mask, bias, stride_pair,
+                                     padding_pair, dilation_pair, groups, offset_groups,
+                                     im2col_step)
+
+
+def deform_conv2d_with_groups(input: Tensor, offset: Tensor, weight: Tensor,
+                              mask: Optional[Tensor], bias: Optional[Tensor], stride: List[int],
+                              padding: List[int], dilation: List[int], groups: int,
+                              offset_groups: int, im2col_step: int) -> Tensor:
+    """The op, with its arguments as the schema has them; while an ONNX export asks for the
+    standard form, its decomposition instead. deform_conv2d calls it with the groups inferred
+    from the shapes, the modules with their own."""
+    if not torch.jit.is_scripting():
         # The export flag first: a global read, where the tracing checks call into torch.
         if deform_conv2d_in_standard_ops() and _in_onnx_export():
-            return decompositions.deform_conv2d(input, offset, weight, mask, bias, stride_pair,
-                                                padding_pair, dilation_pair, groups,
-                                                offset_groups, im2col_step,
-                                                sampling_form=sampling_form())
-    return torch.ops.deformconv.deform_conv2d(input, offset, weight, mask, bias, stride_pair,
-                                              padding_pair, dilation_pair, groups,
-                                              offset_groups, im2col_step)
+            return decompositions.deform_conv2d(input, offset, weight, mask, bias, stride,
+                                                padding, dilation, groups, offset_groups,
+                                                im2col_step, sampling_form=sampling_form())
+    return torch.ops.deformconv.deform_conv2d(input, offset, weight, mask, bias, stride,
+                                              padding, dilation, groups, offset_groups,
+                                              im2col_step)
 
 
 @torch.library.register_fake("deformconv::deform_conv2d")
