@@ -16,6 +16,7 @@ import torch
 
 import deformconv
 from ms_deform_attn_reference import levels_of
+import test_runtimes
 from test_runtimes import MSDA_VARIANTS, SHAPES, MsDeformAttnOp, decomposed_case
 
 ct = pytest.importorskip("coremltools")
@@ -25,8 +26,7 @@ pytestmark = pytest.mark.workflows
 # Deformable DETR's attention (P points on every level) in the op's points-per-level layout,
 # (N, Lq, M, L P, 2): the rank Core ML takes.
 LEVELS_AS_SAMPLES = "ms_deform_attn-equal-per-level"
-OPS = ["deform_conv2d", "dcnv3", "dcnv4", LEVELS_AS_SAMPLES,
-       *[op for op in MSDA_VARIANTS if op != "ms_deform_attn"]]
+OPS = [LEVELS_AS_SAMPLES if op == "ms_deform_attn" else op for op in test_runtimes.OPS]
 
 
 def equal_points_case(shape):
