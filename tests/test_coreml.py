@@ -17,7 +17,7 @@ import torch
 import deformconv
 from ms_deform_attn_reference import levels_of
 import test_runtimes
-from test_runtimes import MSDA_VARIANTS, SHAPES, MsDeformAttnOp, decomposed_case
+from test_runtimes import SHAPES, MsDeformAttnOp, decomposed_case
 
 ct = pytest.importorskip("coremltools")
 
@@ -32,8 +32,7 @@ OPS = [LEVELS_AS_SAMPLES if op == "ms_deform_attn" else op for op in test_runtim
 def equal_points_case(shape):
     """The "ms_deform_attn" case of test_runtimes at `shape`, its (L, P) axes of locations and
     weights as one axis of samples with P points on each level."""
-    model, args, _ = decomposed_case("ms_deform_attn", shape)
-    value, locations, weights = args
+    model, (value, locations, weights) = test_runtimes.case("ms_deform_attn", shape)
     N, Lq, M, L, P, _ = locations.shape
     listed = MsDeformAttnOp([tuple(size) for size in model.spatial_shapes.tolist()],
                             dict(points_per_level=[P] * L))

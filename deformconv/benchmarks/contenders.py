@@ -1,7 +1,7 @@
 """What deformconv is timed against: torchvision's op and a dense convolution of the same
-geometry for DCN v1/v2, deformconv's GEMMs alone, and the grid_sample formulations of DCNv3/DCNv4 and of multi-scale deformable attention
-(deformconv.decompositions', which the ONNX exports write). The inference runtimes:
-runtimes.py."""
+geometry for DCN v1/v2, deformconv's GEMMs alone, and the grid_sample formulations of
+DCNv3/DCNv4 and of multi-scale deformable attention (deformconv.decompositions', which the ONNX
+exports write). The inference runtimes: runtimes.py."""
 
 from typing import Callable, Dict, Tuple
 

@@ -63,7 +63,7 @@ def benchmark_against_formulation(shape, runs, ops, args, bandwidth: Optional[di
         agreement = {f"{name} max abs difference": (run(*inputs) - ours).abs().max().item()
                      for name, (run, inputs) in runs.items() if name != ops[0]}
     if runtimes_measured(args, getattr(torch, args.dtype)):
-        add_runtimes(steps, agreement, *runs[ops[0]])
+        add_runtimes(steps, agreement, *runs[ops[0]], ours)
     medians = time_interleaved(steps, args.repeats, args.warmup, args.device)
     result = {"shape": asdict(shape), "describe": shape.describe(), "median_seconds": medians,
               "ratios": {}, "peak_forward_bytes": {}, "agreement": agreement,
@@ -101,11 +101,10 @@ def runtimes_measured(args, dtype: torch.dtype) -> bool:
     return args.device == "cpu" and dtype == torch.float32
 
 
-def add_runtimes(steps: dict, agreement: dict, run, inputs, deform_conv_node=None) -> None:
+def add_runtimes(steps: dict, agreement: dict, run, inputs, ours, deform_conv_node=None) -> None:
     """The forwards of run(*inputs) in the inference runtimes that are installed
-    (runtimes.form_forwards), as steps, and each one's largest difference from run's output."""
-    with torch.no_grad():
-        ours = run(*inputs)
+    (runtimes.form_forwards), as steps, and each one's largest difference from ours, run's
+    output."""
     for runtime, forward in form_forwards(run, inputs, deform_conv_node).items():
         steps[f"{runtime} forward"] = forward
         agreement[f"{runtime} max abs difference"] = (
@@ -153,7 +152,9 @@ def benchmark_shape(shape: Shape, args, bandwidth: Optional[dict] = None) -> dic
     steps.update(gemm_steps(shape, dtype, args.device))
     agreement = {}
     if runtimes_measured(args, dtype):
-        add_runtimes(steps, agreement, runs["deformconv"], tensors, shape)
+        with torch.no_grad():
+            ours = runs["deformconv"](*tensors)
+        add_runtimes(steps, agreement, runs["deformconv"], tensors, ours, shape)
     medians = time_interleaved(steps, args.repeats, args.warmup, args.device)
     result = {"shape": asdict(shape), "describe": shape.describe(), "median_seconds": medians,
               "ratios": {}, "gemm_gflops_per_second": {}, "peak_forward_bytes": {},

@@ -133,8 +133,9 @@ def form_forwards(run: Callable, inputs: Sequence[Optional[torch.Tensor]],
             if openvino is not None:
                 # In float32: its CPU plugin computes in bfloat16 where the CPU has it, unless
                 # told otherwise.
-                compiled = openvino.Core().compile_model(
-                    openvino.Core().read_model(path), "CPU",
+                core = openvino.Core()
+                compiled = core.compile_model(
+                    core.read_model(path), "CPU",
                     {"INFERENCE_PRECISION_HINT": "f32",
                      "INFERENCE_NUM_THREADS": torch.get_num_threads()})
                 request = compiled.create_infer_request()
