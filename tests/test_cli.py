@@ -57,6 +57,17 @@ def test_benchmark_writes_json_and_chart(tmp_path):
     assert_runtimes_ran(tmp_path, output, result, "deformconv", deform_conv_node=True)
 
 
+def test_benchmark_of_dcn_v1_in_the_runtimes(tmp_path):
+    # No mask: the exported module passes None in its place, the DeformConv node has no mask.
+    output = tmp_path / "bench.json"
+    assert main(["benchmark", "--shapes", "c5", "--v1", "--repeats", "1", "--warmup", "0",
+                 "--no-torchvision", "--output", str(output), "--plot", ""]) == 0
+    report = json.loads(output.read_text())
+    assert report["setup"]["modulated"] is False
+    assert_runtimes_ran(tmp_path, output, report["results"][0], "deformconv",
+                        deform_conv_node=True)
+
+
 def assert_runtimes_ran(folder, output, result, eager, deform_conv_node=False):
     """Where ONNX Runtime is installed, the op's forward ran in it in both sampling forms (and
     as ONNX's DeformConv node for DCN v1/v2), and in OpenVINO where that is: each beside eager
