@@ -91,16 +91,7 @@ std::tuple<Tensor, Tensor> dcnv4_backward(
     int64_t group, int64_t group_channels, double offset_scale, int64_t im2col_step,
     bool remove_center, const std::vector<bool>& output_mask, bool deterministic);
 
-// The schema of the checks op of dcnv3 (grad_output absent) or dcnv3_backward (present), reading no tensor
-// data; returns the output shape. For the fake kernels. Without a mask, those of dcnv4, the
-// offset tensor being offset_mask.
-inline constexpr const char* kDcnv3ChecksSchema =
-    "_check_dcnv3_arguments(Tensor? grad_output, Tensor input, Tensor offset, Tensor? mask, "
-    "int kernel_h, int kernel_w, int stride_h, int stride_w, int pad_h, int pad_w, "
-    "int dilation_h, int dilation_w, int group, int group_channels, float offset_scale, "
-    "int im2col_step, bool remove_center) -> int[]";
-
-// The op's description (infrastructure/op_handles.h says what each member gives).
+// The op's description (Note [Op descriptions], infrastructure/op_description.h).
 struct Dcnv3Op {
   // DCNv3 (InternImage), arguments in the original DCNv3Function's order; channels-last shapes:
   // input (N, H, W, group * group_channels); offset (N, H_out, W_out, group * P * 2), x before y
@@ -117,28 +108,19 @@ struct Dcnv3Op {
       "int dilation_w, int group, int group_channels, float offset_scale, int im2col_step, "
       "bool remove_center, bool[3] output_mask, bool deterministic=False) "
       "-> (Tensor, Tensor, Tensor)";
+  // The checks of dcnv3 (grad_output absent) or dcnv3_backward (present), reading no tensor
+  // data; returns the output shape. For the fake kernels. Without a mask, those of dcnv4, the
+  // offset tensor being offset_mask.
+  static constexpr const char* kChecksSchema =
+      "_check_dcnv3_arguments(Tensor? grad_output, Tensor input, Tensor offset, Tensor? mask, "
+      "int kernel_h, int kernel_w, int stride_h, int stride_w, int pad_h, int pad_w, "
+      "int dilation_h, int dilation_w, int group, int group_channels, float offset_scale, "
+      "int im2col_step, bool remove_center) -> int[]";
   static constexpr const char* kName = "dcnv3";
-  using Signature = Tensor(const Tensor& input, const Tensor& offset, const Tensor& mask,
-                           int64_t kernel_h, int64_t kernel_w, int64_t stride_h, int64_t stride_w,
-                           int64_t pad_h, int64_t pad_w, int64_t dilation_h, int64_t dilation_w,
-                           int64_t group, int64_t group_channels, double offset_scale,
-                           int64_t im2col_step, bool remove_center);
-  static constexpr std::array<const char*, 16> kArgumentNames = {
-      "input", "offset", "mask", "kernel_h", "kernel_w", "stride_h", "stride_w", "pad_h", "pad_w",
-      "dilation_h", "dilation_w", "group", "group_channels", "offset_scale", "im2col_step",
-      "remove_center"};
-  using BackwardSignature = std::tuple<Tensor, Tensor, Tensor>(
-      const Tensor& grad_output, const Tensor& input, const Tensor& offset, const Tensor& mask,
-      int64_t kernel_h, int64_t kernel_w, int64_t stride_h, int64_t stride_w, int64_t pad_h,
-      int64_t pad_w, int64_t dilation_h, int64_t dilation_w, int64_t group, int64_t group_channels,
-      double offset_scale, int64_t im2col_step, bool remove_center,
-      const std::vector<bool>& output_mask, bool deterministic);
   static constexpr std::array<size_t, 3> kGradientArguments = {0, 1, 2};
-  static constexpr std::array<size_t, 16> kBackwardArguments = {0, 1, 2,  3,  4,  5,  6,  7,
-                                                                8, 9, 10, 11, 12, 13, 14, 15};
 };
 
-// The op's description (infrastructure/op_handles.h says what each member gives).
+// The op's description (Note [Op descriptions], infrastructure/op_description.h).
 struct Dcnv4Op {
   // DCNv4 (FlashInternImage), in the original DCNv4Function's order: dcnv3 with offsets and mask
   // packed in one tensor, offset_mask (N, H_out, W_out, C_pad), C_pad >= group * P * 3; group g
@@ -157,24 +139,7 @@ struct Dcnv4Op {
       "bool remove_center, bool[2] output_mask, bool deterministic=False) "
       "-> (Tensor, Tensor)";
   static constexpr const char* kName = "dcnv4";
-  using Signature = Tensor(const Tensor& input, const Tensor& offset_mask, int64_t kernel_h,
-                           int64_t kernel_w, int64_t stride_h, int64_t stride_w, int64_t pad_h,
-                           int64_t pad_w, int64_t dilation_h, int64_t dilation_w, int64_t group,
-                           int64_t group_channels, double offset_scale, int64_t im2col_step,
-                           bool remove_center);
-  static constexpr std::array<const char*, 15> kArgumentNames = {
-      "input", "offset_mask", "kernel_h", "kernel_w", "stride_h", "stride_w", "pad_h", "pad_w",
-      "dilation_h", "dilation_w", "group", "group_channels", "offset_scale", "im2col_step",
-      "remove_center"};
-  using BackwardSignature = std::tuple<Tensor, Tensor>(
-      const Tensor& grad_output, const Tensor& input, const Tensor& offset_mask, int64_t kernel_h,
-      int64_t kernel_w, int64_t stride_h, int64_t stride_w, int64_t pad_h, int64_t pad_w,
-      int64_t dilation_h, int64_t dilation_w, int64_t group, int64_t group_channels,
-      double offset_scale, int64_t im2col_step, bool remove_center,
-      const std::vector<bool>& output_mask, bool deterministic);
   static constexpr std::array<size_t, 2> kGradientArguments = {0, 1};
-  static constexpr std::array<size_t, 15> kBackwardArguments = {0, 1, 2,  3,  4,  5,  6, 7,
-                                                                8, 9, 10, 11, 12, 13, 14};
 };
 
 }  // namespace deformconv

@@ -48,7 +48,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> deform_conv2d_backward(
     const std::vector<int64_t>& dilation, int64_t groups, int64_t offset_groups,
     int64_t im2col_step, const std::vector<bool>& output_mask, bool deterministic);
 
-// The op's description (infrastructure/op_handles.h says what each member gives).
+// The op's description (Note [Op descriptions], infrastructure/op_description.h).
 struct DeformConv2dOp {
   // DCN v1 without a mask, v2 with one. Shapes: input (N, C_in, H, W); offset
   // (N, 2 * offset_groups * kH * kW, H_out, W_out), y before x for each tap; weight
@@ -59,7 +59,8 @@ struct DeformConv2dOp {
       "SymInt[2] stride, SymInt[2] padding, SymInt[2] dilation, int groups, int offset_groups, "
       "int im2col_step) -> Tensor";
   // Gradients of (input, offset, weight, mask, bias); output_mask selects which are computed,
-  // the others are returned undefined (None in Python).
+  // the others are returned undefined (None in Python). It takes every argument but bias, whose
+  // gradient needs only grad_output.
   static constexpr const char* kBackwardSchema =
       "deform_conv2d_backward(Tensor grad_output, Tensor input, Tensor offset, Tensor weight, "
       "Tensor? mask, SymInt[2] stride, SymInt[2] padding, SymInt[2] dilation, int groups, "
@@ -72,23 +73,7 @@ struct DeformConv2dOp {
       "Tensor weight, Tensor? mask, Tensor? bias, SymInt[2] stride, SymInt[2] padding, "
       "SymInt[2] dilation, int groups, int offset_groups, int im2col_step) -> int[]";
   static constexpr const char* kName = "deform_conv2d";
-  using Signature = Tensor(const Tensor& input, const Tensor& offset, const Tensor& weight,
-                           const std::optional<Tensor>& mask, const std::optional<Tensor>& bias,
-                           const std::vector<int64_t>& stride, const std::vector<int64_t>& padding,
-                           const std::vector<int64_t>& dilation, int64_t groups,
-                           int64_t offset_groups, int64_t im2col_step);
-  static constexpr std::array<const char*, 11> kArgumentNames = {
-      "input", "offset", "weight", "mask", "bias", "stride", "padding", "dilation", "groups",
-      "offset_groups", "im2col_step"};
-  using BackwardSignature = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor>(
-      const Tensor& grad_output, const Tensor& input, const Tensor& offset, const Tensor& weight,
-      const std::optional<Tensor>& mask, const std::vector<int64_t>& stride,
-      const std::vector<int64_t>& padding, const std::vector<int64_t>& dilation, int64_t groups,
-      int64_t offset_groups, int64_t im2col_step, const std::vector<bool>& output_mask,
-      bool deterministic);
   static constexpr std::array<size_t, 5> kGradientArguments = {0, 1, 2, 3, 4};
-  // All but bias, whose gradient needs only grad_output.
-  static constexpr std::array<size_t, 10> kBackwardArguments = {0, 1, 2, 3, 5, 6, 7, 8, 9, 10};
 };
 
 }  // namespace deformconv

@@ -65,7 +65,7 @@ std::tuple<Tensor, Tensor, Tensor> ms_deform_attn_backward(
     const std::vector<int64_t>& points_per_level, const std::string& sampling, bool softmax,
     const std::vector<bool>& output_mask, bool deterministic);
 
-// The op's description (infrastructure/op_handles.h says what each member gives).
+// The op's description (Note [Op descriptions], infrastructure/op_description.h).
 struct MsDeformAttnOp {
   // Multi-scale deformable attention (Deformable DETR), in the original MSDeformAttnFunction's
   // order: value (N, S, M, D), the levels' pixels stacked along S; spatial_shapes (L, 2) int64,
@@ -97,23 +97,8 @@ struct MsDeformAttnOp {
       "Tensor level_start_index, Tensor sampling_locations, Tensor attention_weights, "
       "int im2col_step, int[] points_per_level, str sampling, bool softmax) -> int[]";
   static constexpr const char* kName = "ms_deform_attn";
-  using Signature = Tensor(const Tensor& value, const Tensor& spatial_shapes,
-                           const Tensor& level_start_index, const Tensor& sampling_locations,
-                           const Tensor& attention_weights, int64_t im2col_step,
-                           const std::vector<int64_t>& points_per_level,
-                           const std::string& sampling, bool softmax);
-  static constexpr std::array<const char*, 9> kArgumentNames = {
-      "value", "spatial_shapes", "level_start_index", "sampling_locations",
-      "attention_weights", "im2col_step", "points_per_level", "sampling", "softmax"};
-  using BackwardSignature = std::tuple<Tensor, Tensor, Tensor>(
-      const Tensor& grad_output, const Tensor& value, const Tensor& spatial_shapes,
-      const Tensor& level_start_index, const Tensor& sampling_locations,
-      const Tensor& attention_weights, int64_t im2col_step,
-      const std::vector<int64_t>& points_per_level, const std::string& sampling, bool softmax,
-      const std::vector<bool>& output_mask, bool deterministic);
   // spatial_shapes and level_start_index are integer tensors, without gradients.
   static constexpr std::array<size_t, 3> kGradientArguments = {0, 3, 4};
-  static constexpr std::array<size_t, 9> kBackwardArguments = {0, 1, 2, 3, 4, 5, 6, 7, 8};
 };
 
 }  // namespace deformconv

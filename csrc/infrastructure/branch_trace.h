@@ -33,7 +33,7 @@ void start_branch_trace();
 
 std::vector<std::string> take_branch_trace();
 
-// Their schemas: deformconv's (register_branch_trace.cpp) and the test suite's emulation
+// Their schemas: deformconv's (binding/branch_trace_registration.cpp) and the test suite's emulation
 // library's.
 inline constexpr const char* kStartBranchTraceSchema = "_start_branch_trace() -> ()";
 inline constexpr const char* kTakeBranchTraceSchema = "_take_branch_trace() -> str[]";

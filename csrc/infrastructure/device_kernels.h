@@ -5,13 +5,14 @@
 // device's table of launchers, one pattern for every op and device:
 // register_device_kernels<Op, Device, forward, backward, launchers>(m), in a
 // STABLE_TORCH_LIBRARY_IMPL block, registers the op and its backward op, where Op is the op's
-// description (op_handles.h), forward and backward its drivers, over the schemas' arguments after
-// the launcher table, and launchers() the table. Each kernel first checks that every tensor is on
-// the device of the op's first tensor (the backward op's: of its first argument after grad_output),
-// naming the one that is not, before any memory is touched; then holds Device::Guard for that
-// device while the driver runs (the CUDA guard: without it, work on a second GPU runs on the
-// first). The autograd kernels that call the backward (deformconv/ops/_autograd.py; in the
-// LibTorch build, op_autograd.h) pass PyTorch's deterministic mode as its `deterministic`.
+// description (Note [Op descriptions], op_description.h), forward and backward its drivers,
+// which take the launcher table and then the schemas' arguments (checked here, at compile time),
+// and launchers() the table. Each kernel first checks that every tensor is on the device of the
+// op's first tensor (the backward op's: of its first argument after grad_output), naming the one
+// that is not, before any memory is touched; then holds Device::Guard for that device while the
+// driver runs (the CUDA guard: without it, work on a second GPU runs on the first). The autograd
+// kernels that call the backward (deformconv/ops/_autograd.py; in the LibTorch build,
+// binding/op_autograd.h) pass PyTorch's deterministic mode as its `deterministic`.
 
 #include <torch/csrc/stable/device.h>
 #include <torch/csrc/stable/library.h>
@@ -26,6 +27,7 @@
 #include <utility>
 
 #include "argument_checks.h"
+#include "op_description.h"
 #include "tensor_text.h"
 
 namespace deformconv {
@@ -38,20 +40,6 @@ struct CpuDevice {
 };
 
 namespace device_kernels_detail {
-
-// The names of the backward op's arguments: grad_output, those of the forward it takes,
-// output_mask and deterministic.
-template <typename Op>
-constexpr auto backward_argument_names() {
-  std::array<const char*, Op::kBackwardArguments.size() + 3> names{};
-  names[0] = "grad_output";
-  for (size_t index = 0; index < Op::kBackwardArguments.size(); ++index) {
-    names[index + 1] = Op::kArgumentNames[Op::kBackwardArguments[index]];
-  }
-  names[names.size() - 2] = "output_mask";
-  names[names.size() - 1] = "deterministic";
-  return names;
-}
 
 // The device of a Tensor or Tensor? argument; nothing for the others.
 template <typename Argument>
@@ -76,12 +64,11 @@ struct DeviceKernel<Op, kBackward, Device, driver, launchers, Result(Arguments..
   static Result call(Arguments... arguments) {
     static constexpr auto kNames = [] {
       if constexpr (kBackward) {
-        return backward_argument_names<Op>();
+        return kBackwardArgumentNames<Op>;
       } else {
-        return Op::kArgumentNames;
+        return kArgumentNames<Op>;
       }
     }();
-    static_assert(kNames.size() == sizeof...(Arguments));
     // The op's name in messages, in two pieces, so that no string is built unless one is.
     constexpr const char* kSuffix = kBackward ? "_backward" : "";
     const std::array<std::optional<torch::stable::Device>, sizeof...(Arguments)> devices = {
@@ -99,14 +86,34 @@ struct DeviceKernel<Op, kBackward, Device, driver, launchers, Result(Arguments..
   }
 };
 
+// A driver's type: the signature's, after the launcher table.
+template <typename Launchers, typename Signature>
+struct DriverOf;
+
+template <typename Launchers, typename Result, typename... Arguments>
+struct DriverOf<Launchers, Result(Arguments...)> {
+  using type = Result (*)(const Launchers&, Arguments...);
+};
+
 }  // namespace device_kernels_detail
 
 template <typename Op, typename Device, auto forward, auto backward, auto launchers>
 void register_device_kernels(torch::stable::detail::StableLibrary& m) {
   using device_kernels_detail::DeviceKernel;
-  using ForwardKernel = DeviceKernel<Op, false, Device, forward, launchers, typename Op::Signature>;
+  using device_kernels_detail::DriverOf;
+  static_assert(DescriptionChecks<Op>::kChecked);
+  using Launchers = std::decay_t<decltype(launchers())>;
+  static_assert(std::is_same_v<decltype(forward),
+                               typename DriverOf<Launchers, OpSignature<Op>>::type>,
+                "the forward driver does not take the launcher table, then kSchema's arguments "
+                "in its types and order, or does not return one Tensor");
+  static_assert(std::is_same_v<decltype(backward),
+                               typename DriverOf<Launchers, OpBackwardSignature<Op>>::type>,
+                "the backward driver does not take the launcher table, then kBackwardSchema's "
+                "arguments in its types and order, or does not return its Tensors");
+  using ForwardKernel = DeviceKernel<Op, false, Device, forward, launchers, OpSignature<Op>>;
   using BackwardKernel =
-      DeviceKernel<Op, true, Device, backward, launchers, typename Op::BackwardSignature>;
+      DeviceKernel<Op, true, Device, backward, launchers, OpBackwardSignature<Op>>;
   m.impl(Op::kName, TORCH_BOX(&ForwardKernel::call));
   m.impl((std::string(Op::kName) + "_backward").c_str(), TORCH_BOX(&BackwardKernel::call));
 }

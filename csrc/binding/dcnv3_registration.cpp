@@ -6,9 +6,11 @@
 
 #include <cstdint>
 #include <optional>
+#include <type_traits>
 #include <vector>
 
-#include "dcnv3.h"
+#include "../core/dcnv3.h"
+#include "../infrastructure/op_description.h"
 
 namespace deformconv {
 namespace {
@@ -31,6 +33,10 @@ std::vector<int64_t> check_dcnv3_arguments_op(const std::optional<Tensor>& grad_
   return {input.size(0), g.out_height, g.out_width, g.channels()};
 }
 
+// Its parameters, in type and order, are kChecksSchema's (Note [Op descriptions]).
+static_assert(std::is_same_v<decltype(check_dcnv3_arguments_op),
+                             SchemaSignature<&Dcnv3Op::kChecksSchema>>);
+
 }  // namespace
 
 STABLE_TORCH_LIBRARY_FRAGMENT(deformconv, m) {
@@ -38,7 +44,7 @@ STABLE_TORCH_LIBRARY_FRAGMENT(deformconv, m) {
   m.def(Dcnv3Op::kBackwardSchema);
   m.def(Dcnv4Op::kSchema);
   m.def(Dcnv4Op::kBackwardSchema);
-  m.def(kDcnv3ChecksSchema);
+  m.def(Dcnv3Op::kChecksSchema);
 }
 
 STABLE_TORCH_LIBRARY_IMPL(deformconv, CompositeExplicitAutograd, m) {

@@ -7,9 +7,11 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <type_traits>
 #include <vector>
 
-#include "ms_deform_attn.h"
+#include "../core/ms_deform_attn.h"
+#include "../infrastructure/op_description.h"
 
 namespace deformconv {
 namespace {
@@ -27,6 +29,10 @@ std::vector<int64_t> check_ms_deform_attn_arguments_op(
       attention_weights, im2col_step, points_per_level, sampling, softmax);
   return {g.batch, g.queries, g.heads * g.channels};
 }
+
+// Its parameters, in type and order, are kChecksSchema's (Note [Op descriptions]).
+static_assert(std::is_same_v<decltype(check_ms_deform_attn_arguments_op),
+                             SchemaSignature<&MsDeformAttnOp::kChecksSchema>>);
 
 }  // namespace
 

@@ -2,7 +2,7 @@
 
 // Note [One autograd kernel for every op]
 // Each op's Autograd kernel is OpAutograd<Op>::forward, and its backward op's is
-// OpAutograd<Op>::backward, where Op is the op's description (op_handles.h). The forward runs
+// OpAutograd<Op>::backward, where Op is the op's description (Note [Op descriptions]). The forward runs
 // the op below autograd and saves its arguments; the gradient calls the backward op with
 // grad_output, the arguments it takes and an output_mask of the gradients that autograd needs,
 // so that only those are computed. The gradients are not differentiable themselves: the
@@ -23,7 +23,8 @@
 #include <vector>
 
 #include "gradient_slots.h"
-#include "op_handles.h"
+#include "../infrastructure/op_description.h"
+#include "libtorch_handles.h"
 
 namespace deformconv {
 namespace op_autograd_detail {
@@ -107,9 +108,9 @@ class ForwardFunction<Op, at::Tensor(Arguments...)>
       output_mask.push_back(input.has_value() && ctx->needs_input_grad(*input));
     }
     torch::jit::Stack stack;
-    stack.reserve(3 + Op::kBackwardArguments.size());
+    stack.reserve(3 + kBackwardArguments<Op>.size());
     stack.emplace_back(grad_outputs[0]);
-    for (const size_t index : Op::kBackwardArguments) {
+    for (const size_t index : kBackwardArguments<Op>) {
       stack.push_back(arguments[index]);
     }
     stack.emplace_back(std::move(output_mask));

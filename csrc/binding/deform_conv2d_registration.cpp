@@ -6,9 +6,11 @@
 
 #include <cstdint>
 #include <optional>
+#include <type_traits>
 #include <vector>
 
-#include "deform_conv2d.h"
+#include "../core/deform_conv2d.h"
+#include "../infrastructure/op_description.h"
 
 namespace deformconv {
 namespace {
@@ -32,6 +34,10 @@ std::vector<int64_t> check_deform_conv2d_arguments_op(
                                           dilation, groups, offset_groups, im2col_step);
   return {input.size(0), g.out_channels, g.out_height, g.out_width};
 }
+
+// Its parameters, in type and order, are kChecksSchema's (Note [Op descriptions]).
+static_assert(std::is_same_v<decltype(check_deform_conv2d_arguments_op),
+                             SchemaSignature<&DeformConv2dOp::kChecksSchema>>);
 
 }  // namespace
 

@@ -2,8 +2,8 @@
 
 // The LibTorch build's Autograd and Autocast kernels, for C++ programs that train; the Python
 // package registers its own from Python (deformconv/ops/_autograd.py, which says why).
-// DEFORMCONV_LIBTORCH_KERNELS(Op, ...), in a file of the op's own (core/<op>_libtorch.cpp),
-// registers those of the ops that its arguments describe (op_handles.h):
+// DEFORMCONV_LIBTORCH_KERNELS(Op, ...), in a file of the op's own (binding/<op>_libtorch.cpp),
+// registers those of the ops that its arguments describe (Note [Op descriptions]):
 // - at the Autograd key, OpAutograd<Op> (Note [One autograd kernel for every op]);
 // - at the Autocast keys, the op in float32: every tensor operand but a float64 one cast to
 //   float32 (other arguments pass unchanged), so it returns float32. The backward ops need no
@@ -15,7 +15,7 @@
 #include <string>
 
 #include "op_autograd.h"
-#include "op_handles.h"
+#include "libtorch_handles.h"
 
 namespace deformconv {
 namespace libtorch_kernels_detail {

@@ -4,7 +4,7 @@
 
 #include <torch/csrc/stable/library.h>
 
-#include "branch_trace.h"
+#include "../infrastructure/branch_trace.h"
 
 namespace deformconv {
 

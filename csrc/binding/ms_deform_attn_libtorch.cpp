@@ -2,7 +2,7 @@
 // (libtorch_kernels.h). spatial_shapes and level_start_index are int64, which the autocast
 // kernel's cast leaves alone.
 
-#include "../infrastructure/libtorch_kernels.h"
-#include "ms_deform_attn.h"
+#include "libtorch_kernels.h"
+#include "../core/ms_deform_attn.h"
 
 DEFORMCONV_LIBTORCH_KERNELS(deformconv::MsDeformAttnOp)
