@@ -23,8 +23,6 @@
 // after its launcher table: a schema and a description that disagree, or a driver whose
 // parameters differ from the schema's in type or order, do not compile. The names of C++
 // parameters are not checked (C++ cannot read them); those in messages are the schema's.
-// tests/test_op_descriptions.py compiles broken descriptions and drivers to show each check
-// failing.
 
 #include <array>
 #include <cstddef>
