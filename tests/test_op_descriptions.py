@@ -14,7 +14,9 @@ from torch.utils.cpp_extension import include_paths
 ROOT = Path(__file__).resolve().parents[1]
 COMPILER = os.environ.get("CXX", "g++")
 
-pytestmark = pytest.mark.skipif(shutil.which(COMPILER) is None, reason=f"no {COMPILER}")
+# A check of the build, as test_sources.py: with the workflows, not the kernels' tests.
+pytestmark = [pytest.mark.workflows,
+              pytest.mark.skipif(shutil.which(COMPILER) is None, reason=f"no {COMPILER}")]
 
 DESCRIPTIONS = """
 #include "csrc/core/dcnv3.h"
