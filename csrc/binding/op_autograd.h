@@ -2,10 +2,10 @@
 
 // Note [One autograd kernel for every op]
 // Each op's Autograd kernel is OpAutograd<Op>::forward, and its backward op's is
-// OpAutograd<Op>::backward, where Op is the op's description (Note [Op descriptions]). The forward runs
-// the op below autograd and saves its arguments; the gradient calls the backward op with
-// grad_output, the arguments it takes and an output_mask of the gradients that autograd needs,
-// so that only those are computed. The gradients are not differentiable themselves: the
+// OpAutograd<Op>::backward, where Op is the op's description (Note [Op descriptions]). The
+// forward runs the op below autograd and saves its arguments; the gradient calls the backward op
+// with grad_output, the arguments it takes and an output_mask of the gradients that autograd
+// needs, so that only those are computed. The gradients are not differentiable themselves: the
 // backward op's kernel records it in the graph only to refuse a second derivative
 // (refuse_double_backward), and runs it directly when no graph is being recorded.
 

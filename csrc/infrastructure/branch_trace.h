@@ -33,8 +33,8 @@ void start_branch_trace();
 
 std::vector<std::string> take_branch_trace();
 
-// Their schemas: deformconv's (binding/branch_trace_registration.cpp) and the test suite's emulation
-// library's.
+// Their schemas: deformconv's (binding/branch_trace_registration.cpp) and the test suite's
+// emulation library's.
 inline constexpr const char* kStartBranchTraceSchema = "_start_branch_trace() -> ()";
 inline constexpr const char* kTakeBranchTraceSchema = "_take_branch_trace() -> str[]";
 
