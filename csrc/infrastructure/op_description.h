@@ -96,8 +96,12 @@ struct CppArgument<SchemaType::kString> {
   using type = const std::string&;
 };
 
+// A struct, not an alias template: nvcc's host pass replaces an alias that ignores its parameter
+// with Tensor itself, which leaves the pack expansion below with no pack.
 template <size_t>
-using AsTensor = Tensor;
+struct AsTensor {
+  using type = Tensor;
+};
 
 // The results: one Tensor, int[] (the checks ops'), or a tuple of Tensors.
 template <const char* const* kSchema,
@@ -110,7 +114,7 @@ struct CppResult<kSchema, std::index_sequence<places...>> {
   using type = std::conditional_t<
       sizeof...(places) == 1 && kFirst == "Tensor", Tensor,
       std::conditional_t<sizeof...(places) == 1 && kFirst == "int[]", std::vector<int64_t>,
-                         std::tuple<AsTensor<places>...>>>;
+                         std::tuple<typename AsTensor<places>::type...>>>;
 };
 
 template <const char* const* kSchema,
