@@ -133,6 +133,51 @@ def test_backward_ops_check_the_length_of_output_mask(op):
             backward_calls_with_mask([True] * wrong)[op]()
 
 
+def backward_arguments():
+    """Each backward op's valid arguments by schema name, output_mask asking for every
+    gradient (deterministic left to its default)."""
+    value, shapes, starts = torch.randn(1, 4, 2, 4), torch.tensor([[2, 2]]), torch.tensor([0])
+    locations, weights = torch.rand(1, 3, 2, 1, 2, 2), torch.rand(1, 3, 2, 1, 2)
+    geometry = [3, 3, 1, 1, 1, 1, 1, 1, 2, 4, 1.0, 64, False]
+    x = torch.randn(1, 5, 5, 8)
+    deform_conv2d = good_args()
+    del deform_conv2d[4]  # the backward op takes no bias
+    positional = {
+        "deform_conv2d_backward": [torch.randn(2, 6, 5, 5), *deform_conv2d, [True] * 5],
+        "ms_deform_attn_backward": [torch.randn(1, 3, 8), value, shapes, starts, locations,
+                                    weights, *DEFAULT_OPTIONS, [True] * 3],
+        "dcnv3_backward": [torch.randn(1, 5, 5, 8), x, torch.randn(1, 5, 5, 36),
+                           torch.rand(1, 5, 5, 18), *geometry, [True] * 3],
+        "dcnv4_backward": [torch.randn(1, 5, 5, 8), x, torch.randn(1, 5, 5, 54), *geometry,
+                           [True] * 2],
+    }
+    return {op: dict(zip([a.name for a in getattr(torch.ops.deformconv, op).default._schema
+                          .arguments], values))
+            for op, values in positional.items()}
+
+
+@pytest.mark.parametrize("op", ["deform_conv2d_backward", "ms_deform_attn_backward",
+                                "dcnv3_backward", "dcnv4_backward"])
+def test_fake_kernels_take_the_arguments_as_the_schema_names_them(op):
+    # The fake kernels name the arguments by the live schema: positional, by keyword, with the
+    # trailing deterministic left out (the dispatcher then passes none) or given either way;
+    # and they check output_mask's length, which no checks op takes, as the real kernels do.
+    arguments = backward_arguments()[op]
+    overload = getattr(torch.ops.deformconv, op).default
+    shapes = [g.shape for g in overload(**arguments)]
+    with FakeTensorMode() as mode:
+        fake = {name: mode.from_tensor(v) if isinstance(v, torch.Tensor) else v
+                for name, v in arguments.items()}
+        calls = [lambda: overload(*fake.values()),
+                 lambda: overload(*fake.values(), True),
+                 lambda: overload(*fake.values(), deterministic=True),
+                 lambda: overload(**fake)]
+        for call in calls:
+            assert [g.shape for g in call()] == shapes
+        with pytest.raises(ValueError, match="expected output_mask to have"):
+            overload(**{**fake, "output_mask": arguments["output_mask"][1:]})
+
+
 def test_functional_rejects_bad_geometry_values():
     x, o, w = torch.randn(1, 2, 5, 5), torch.randn(1, 18, 3, 3), torch.randn(2, 2, 3, 3)
     with pytest.raises(ValueError, match=r"expected stride to be an int or a pair of ints"):

@@ -1,7 +1,8 @@
 """Argument handling that the functional ops and their fake kernels share."""
 
 import functools
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from types import SimpleNamespace
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -57,6 +58,29 @@ def _output_size(size, kernel: int, stride: int, pad: int, dilation: int):
 # checks (its C++ _check_<op>_arguments op, which reads no tensor data) on meta copies; with
 # symbolic sizes (dynamic shapes), the op's shape formula instead, the checks having run when
 # the graph was traced with concrete sizes and running again in the real kernel.
+#
+# The argument lists are the registered schemas' (csrc/core/<op>.h's kSchema, kBackwardSchema
+# and kChecksSchema): a fake kernel takes what the dispatcher passes, names it by the op's
+# schema, and hands the checks op each of its own arguments by name.
+
+
+def _bound_arguments(op: torch._ops.OpOverload, args: Sequence, kwargs: Dict) -> SimpleNamespace:
+    """A call of op's arguments by their schema names. The dispatcher leaves out trailing
+    arguments that have their default (deterministic, the last of every backward op), so those
+    take the schema's default."""
+    values = {}
+    for place, argument in enumerate(op._schema.arguments):
+        if place < len(args):
+            values[argument.name] = args[place]
+        elif argument.name in kwargs:
+            values[argument.name] = kwargs[argument.name]
+        else:
+            values[argument.name] = argument.default_value
+    return SimpleNamespace(**values)
+
+
+def _is_tensor(argument: torch._C.Argument) -> bool:
+    return argument.type.isSubtypeOf(torch._C.OptionalType.ofTensor())
 
 
 def _on_meta(tensor: Optional[Tensor]) -> Optional[Tensor]:
@@ -74,11 +98,13 @@ def _check_devices(op: str, tensors: Dict[str, Optional[Tensor]]) -> None:
                              f"({first.device}), but got {tensor.device}")
 
 
-def _run_checks(op: str, grad_output: Optional[Tensor], tensors: Sequence[Optional[Tensor]],
-                others: Sequence) -> List[int]:
-    """op's argument checks, those of its backward when grad_output is given, on meta copies of
-    the tensors and outside any fake mode, so that fake tensors are rejected exactly as real
-    ones are. Returns the output shape.
+def _run_checks(checks: torch._ops.OpOverload, arguments: SimpleNamespace,
+                renamed: Dict[str, str]) -> List[int]:
+    """The checks op's verdict on a call's arguments, those of its backward where they hold
+    grad_output: each of its schema's arguments taken from `arguments` by name (renamed maps
+    a checks argument's name to the op's; one the op lacks is None), tensors as meta copies,
+    outside any fake mode, so that fake tensors are rejected exactly as real ones are. Returns
+    the output shape.
 
     torch has no public way out of a fake mode. Called on the fake tensors themselves, inside
     the mode, the check op would run as its own meta kernel and raise the same error, but
@@ -87,9 +113,12 @@ def _run_checks(op: str, grad_output: Optional[Tensor], tensors: Sequence[Option
     one. Hence torch's private unset_fake_temporarily."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-    check = getattr(torch.ops.deformconv, f"_check_{op}_arguments")
+    values = [getattr(arguments, renamed.get(argument.name, argument.name), None)
+              for argument in checks._schema.arguments]
+    values = [_on_meta(value) if _is_tensor(argument) else value
+              for argument, value in zip(checks._schema.arguments, values)]
     with unset_fake_temporarily():
-        return check(*[_on_meta(t) for t in (grad_output, *tensors)], *others)
+        return checks(*values)
 
 
 def _has_static_shapes(tensors) -> bool:
@@ -97,27 +126,52 @@ def _has_static_shapes(tensors) -> bool:
                for tensor in tensors)
 
 
-def _fake_output(op: str, tensors: Dict[str, Optional[Tensor]], others: Sequence,
-                 shape_formula: Callable[[], Sequence], checks_of: str = "") -> Tensor:
-    """The fake kernel of forward op `op`, over its tensors by name (in the schema's order) and
-    its other arguments: the output, shaped as the checks or shape_formula() say, on the first
-    tensor's device. checks_of names the op whose checks apply, where not op's own."""
-    _check_devices(op, tensors)
-    if _has_static_shapes(tensors.values()):
-        shape = _run_checks(checks_of or op, None, list(tensors.values()), others)
-    else:
-        shape = shape_formula()
-    return next(iter(tensors.values())).new_empty(shape)
+def contiguous_like(name: str) -> Callable[[SimpleNamespace], Tensor]:
+    """A gradient of argument `name`, shaped as it, in the contiguous format."""
+    return lambda arguments: torch.empty_like(getattr(arguments, name),
+                                              memory_format=torch.contiguous_format)
 
 
-def _fake_gradients(op: str, grad_output: Tensor, tensors: Dict[str, Optional[Tensor]],
-                    others: Sequence, gradients: Sequence[Callable[[], Optional[Tensor]]],
-                    output_mask: Sequence[bool], checks_of: str = "") -> Tuple:
-    """The fake kernel of op's backward op (`op`_backward): gradient i is gradients[i]() where
-    output_mask asks for it, else None; the checks as _fake_output's."""
-    first_name, first = next(iter(tensors.items()))
-    _check_devices(f"{op}_backward", {first_name: first, "grad_output": grad_output, **tensors})
-    if _has_static_shapes([grad_output, *tensors.values()]):
-        _run_checks(checks_of or op, grad_output, list(tensors.values()), others)
-    return tuple(gradient() if wanted else None
-                 for gradient, wanted in zip(gradients, output_mask))
+def register_fake_kernels(op: str, output_shape: Callable[[SimpleNamespace], Sequence],
+                          gradients: Sequence[Callable[[SimpleNamespace], Optional[Tensor]]],
+                          checks_of: str = "", renamed: Optional[Dict[str, str]] = None) -> None:
+    """The fake kernels of op and of op_backward. output_shape(arguments) is the output's shape
+    from the call's arguments by name, for symbolic sizes; gradient i of the backward is
+    gradients[i](arguments) where output_mask asks for it, else None. checks_of names the op
+    whose checks apply, where not op's own, and renamed maps its argument names to op's."""
+    forward = getattr(torch.ops.deformconv, op).default
+    backward = getattr(torch.ops.deformconv, f"{op}_backward").default
+    checks = getattr(torch.ops.deformconv, f"_check_{checks_of or op}_arguments").default
+    renamed = renamed or {}
+
+    def tensors(overload, arguments):
+        return {argument.name: getattr(arguments, argument.name)
+                for argument in overload._schema.arguments if _is_tensor(argument)}
+
+    @torch.library.register_fake(forward)
+    def fake_forward(*args, **kwargs):
+        arguments = _bound_arguments(forward, args, kwargs)
+        inputs = tensors(forward, arguments)
+        _check_devices(op, inputs)
+        if _has_static_shapes(inputs.values()):
+            shape = _run_checks(checks, arguments, renamed)
+        else:
+            shape = output_shape(arguments)
+        return next(iter(inputs.values())).new_empty(shape)
+
+    @torch.library.register_fake(backward)
+    def fake_backward(*args, **kwargs):
+        arguments = _bound_arguments(backward, args, kwargs)
+        inputs = tensors(backward, arguments)
+        grad_output = inputs.pop("grad_output")
+        # Devices against the first input, as the forward's, grad_output named second.
+        first_name, first = next(iter(inputs.items()))
+        _check_devices(f"{op}_backward", {first_name: first, "grad_output": grad_output, **inputs})
+        if _has_static_shapes([grad_output, *inputs.values()]):
+            _run_checks(checks, arguments, renamed)
+        # The checks op takes no output_mask; the real kernel checks its length so.
+        if len(arguments.output_mask) != len(gradients):
+            raise ValueError(f"{op}_backward(): expected output_mask to have {len(gradients)} "
+                             f"entries, but got {len(arguments.output_mask)}")
+        return tuple(gradient(arguments) if wanted else None
+                     for gradient, wanted in zip(gradients, arguments.output_mask))

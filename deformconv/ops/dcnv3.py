@@ -9,8 +9,8 @@ from .. import decompositions
 from ..onnx import sampling_form, tensorrt_plugin
 from . import _vmap
 from ._autograd import register_gradients_and_autocast
-from ._common import (_check_cuda_kernels, _fake_gradients, _fake_output, _in_onnx_export,
-                      _output_size)
+from ._common import (_check_cuda_kernels, _in_onnx_export, _output_size, contiguous_like,
+                      register_fake_kernels)
 
 
 def dcnv3(
@@ -114,55 +114,19 @@ def dcnv4(
         bool(remove_center))
 
 
-@torch.library.register_fake("deformconv::dcnv3")
-def _dcnv3_fake(input, offset, mask, *others):
-    return _fake_output("dcnv3", dict(input=input, offset=offset, mask=mask), others,
-                        lambda: _dcnv3_output_shape(input, *others[:8]))
+def _dcnv3_output_shape(a):
+    return (a.input.shape[0],
+            _output_size(a.input.shape[1], a.kernel_h, a.stride_h, a.pad_h, a.dilation_h),
+            _output_size(a.input.shape[2], a.kernel_w, a.stride_w, a.pad_w, a.dilation_w),
+            a.input.shape[3])
 
 
-def _scalars_and_output_mask(trailing):
-    """The backward op's scalar arguments and its output_mask, from its arguments after the
-    tensors: deterministic, last, is left out by the dispatcher where it has its default (the
-    shapes do not depend on it)."""
-    trailing = list(trailing)
-    if not isinstance(trailing[-1], (list, tuple)):
-        trailing.pop()
-    return trailing[:-1], trailing[-1]
-
-
-@torch.library.register_fake("deformconv::dcnv3_backward")
-def _dcnv3_backward_fake(grad_output, input, offset, mask, *trailing):
-    others, output_mask = _scalars_and_output_mask(trailing)
-    return _fake_gradients(
-        "dcnv3", grad_output, dict(input=input, offset=offset, mask=mask), others,
-        [lambda t=t: torch.empty_like(t, memory_format=torch.contiguous_format)
-         for t in (input, offset, mask)],
-        output_mask)
-
-
-def _dcnv3_output_shape(input, kernel_h, kernel_w, stride_h, stride_w, pad_h, pad_w,
-                        dilation_h, dilation_w):
-    return (input.shape[0],
-            _output_size(input.shape[1], kernel_h, stride_h, pad_h, dilation_h),
-            _output_size(input.shape[2], kernel_w, stride_w, pad_w, dilation_w),
-            input.shape[3])
-
-
+register_fake_kernels("dcnv3", _dcnv3_output_shape,
+                      [contiguous_like("input"), contiguous_like("offset"), contiguous_like("mask")])
 # dcnv4's checks are dcnv3's without a mask, offset_mask in offset's place.
-@torch.library.register_fake("deformconv::dcnv4")
-def _dcnv4_fake(input, offset_mask, *others):
-    return _fake_output("dcnv4", dict(input=input, offset_mask=offset_mask, mask=None), others,
-                        lambda: _dcnv3_output_shape(input, *others[:8]), checks_of="dcnv3")
-
-
-@torch.library.register_fake("deformconv::dcnv4_backward")
-def _dcnv4_backward_fake(grad_output, input, offset_mask, *trailing):
-    others, output_mask = _scalars_and_output_mask(trailing)
-    return _fake_gradients(
-        "dcnv4", grad_output, dict(input=input, offset_mask=offset_mask, mask=None), others,
-        [lambda t=t: torch.empty_like(t, memory_format=torch.contiguous_format)
-         for t in (input, offset_mask)],
-        output_mask, checks_of="dcnv3")
+register_fake_kernels("dcnv4", _dcnv3_output_shape,
+                      [contiguous_like("input"), contiguous_like("offset_mask")],
+                      checks_of="dcnv3", renamed={"offset": "offset_mask"})
 
 
 # Gradients of input, offset and mask (dcnv3), of input and offset_mask (dcnv4); the backward

@@ -10,8 +10,8 @@ from .. import decompositions
 from ..onnx import deform_conv2d_in_standard_ops, sampling_form
 from . import _vmap
 from ._autograd import register_gradients_and_autocast
-from ._common import (_check_cuda_kernels, _fake_gradients, _fake_output, _in_onnx_export,
-                      _output_size)
+from ._common import (_check_cuda_kernels, _in_onnx_export, _output_size, contiguous_like,
+                      register_fake_kernels)
 
 IntOrPair = Union[int, Tuple[int, int], List[int]]
 
@@ -111,37 +111,23 @@ def deform_conv2d_with_groups(input: Tensor, offset: Tensor, weight: Tensor,
                                               im2col_step)
 
 
-@torch.library.register_fake("deformconv::deform_conv2d")
-def _deform_conv2d_fake(input, offset, weight, mask, bias, stride, padding, dilation, groups,
-                        offset_groups, im2col_step):
-    return _fake_output(
-        "deform_conv2d",
-        dict(input=input, offset=offset, weight=weight, mask=mask, bias=bias),
-        (stride, padding, dilation, groups, offset_groups, im2col_step),
-        lambda: (input.shape[0], weight.shape[0],
-                 _output_size(input.shape[2], weight.shape[2], stride[0], padding[0],
-                              dilation[0]),
-                 _output_size(input.shape[3], weight.shape[3], stride[1], padding[1],
-                              dilation[1])))
+def _deform_conv2d_output_shape(a):
+    return (a.input.shape[0], a.weight.shape[0],
+            _output_size(a.input.shape[2], a.weight.shape[2], a.stride[0], a.padding[0],
+                         a.dilation[0]),
+            _output_size(a.input.shape[3], a.weight.shape[3], a.stride[1], a.padding[1],
+                         a.dilation[1]))
 
 
-@torch.library.register_fake("deformconv::deform_conv2d_backward")
-def _deform_conv2d_backward_fake(grad_output, input, offset, weight, mask, stride, padding,
-                                 dilation, groups, offset_groups, im2col_step, output_mask,
-                                 deterministic=False):
-    # As the real kernel: grad_input and grad_weight keep the memory format of input and
-    # weight, grad_offset and grad_mask are contiguous; no mask, no mask gradient.
-    contiguous = torch.contiguous_format
-    return _fake_gradients(
-        "deform_conv2d", grad_output,
-        dict(input=input, offset=offset, weight=weight, mask=mask, bias=None),
-        (stride, padding, dilation, groups, offset_groups, im2col_step),
-        (lambda: torch.empty_like(input),
-         lambda: torch.empty_like(offset, memory_format=contiguous),
-         lambda: torch.empty_like(weight),
-         lambda: None if mask is None else torch.empty_like(mask, memory_format=contiguous),
-         lambda: weight.new_empty((weight.shape[0],))),
-        output_mask)
+# As the real kernel: grad_input and grad_weight keep the memory format of input and weight,
+# grad_offset and grad_mask are contiguous; no mask, no mask gradient.
+register_fake_kernels(
+    "deform_conv2d", _deform_conv2d_output_shape,
+    [lambda a: torch.empty_like(a.input),
+     contiguous_like("offset"),
+     lambda a: torch.empty_like(a.weight),
+     lambda a: None if a.mask is None else contiguous_like("mask")(a),
+     lambda a: a.weight.new_empty((a.weight.shape[0],))])
 
 
 # Gradients of input, offset, weight, mask and bias; the backward op takes every argument but

@@ -11,7 +11,8 @@ from .. import decompositions, tensorrt_plugins
 from ..onnx import sampling_form, tensorrt_plugin
 from . import _vmap
 from ._autograd import register_gradients_and_autocast
-from ._common import _check_cuda_kernels, _fake_gradients, _fake_output, _in_onnx_export
+from ._common import (_check_cuda_kernels, _in_onnx_export, contiguous_like,
+                      register_fake_kernels)
 
 
 def ms_deform_attn(
@@ -119,33 +120,14 @@ def flash_deform_attn(value: Tensor, value_spatial_shapes: Tensor,
                           logits, im2col_step, softmax=True)
 
 
-@torch.library.register_fake("deformconv::ms_deform_attn")
-def _ms_deform_attn_fake(value, spatial_shapes, level_start_index, sampling_locations,
-                         attention_weights, im2col_step, points_per_level=(),
-                         sampling="bilinear", softmax=False):
-    # The checks read the levels' sizes and starts on real tensors only; on the meta copies,
-    # the shapes and dtypes. The real kernel checks the sizes against value.
-    return _fake_output(
-        "ms_deform_attn",
-        dict(value=value, spatial_shapes=spatial_shapes, level_start_index=level_start_index,
-             sampling_locations=sampling_locations, attention_weights=attention_weights),
-        (im2col_step, list(points_per_level), sampling, softmax),
-        lambda: (value.shape[0], sampling_locations.shape[1], value.shape[2] * value.shape[3]))
-
-
-@torch.library.register_fake("deformconv::ms_deform_attn_backward")
-def _ms_deform_attn_backward_fake(grad_output, value, spatial_shapes, level_start_index,
-                                  sampling_locations, attention_weights, im2col_step,
-                                  points_per_level, sampling, softmax, output_mask,
-                                  deterministic=False):
-    return _fake_gradients(
-        "ms_deform_attn", grad_output,
-        dict(value=value, spatial_shapes=spatial_shapes, level_start_index=level_start_index,
-             sampling_locations=sampling_locations, attention_weights=attention_weights),
-        (im2col_step, list(points_per_level), sampling, softmax),
-        [lambda t=t: torch.empty_like(t, memory_format=torch.contiguous_format)
-         for t in (value, sampling_locations, attention_weights)],
-        output_mask)
+# The checks read the levels' sizes and starts on real tensors only; on the meta copies, the
+# shapes and dtypes. The real kernel checks the sizes against value.
+register_fake_kernels(
+    "ms_deform_attn",
+    lambda a: (a.value.shape[0], a.sampling_locations.shape[1],
+               a.value.shape[2] * a.value.shape[3]),
+    [contiguous_like("value"), contiguous_like("sampling_locations"),
+     contiguous_like("attention_weights")])
 
 
 # Gradients of value, sampling_locations and attention_weights (spatial_shapes and
