@@ -19,11 +19,10 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
-#include <string_view>
 #include <vector>
 
 #include "../core/deform_conv2d_launchers.h"
+#include "../infrastructure/path_switches.h"
 #include "deform_conv2d_single_copy_cpu.h"
 #include "simd_blocks.h"
 #include "deform_conv2d_window_tasks.h"
@@ -189,11 +188,9 @@ void fused_forward_cpu(const DeformConv2dGeometry& g, int64_t batch, const Tenso
   });
 }
 
-// The environment variable DEFORMCONV_FUSED_FORWARD=0, read at every call, leaves every
-// forward to im2col and the GEMMs (to compare the two, or to test the latter).
+// Switched off (Note [Path switches]), every forward takes im2col and the GEMMs.
 bool fused_forward_pays_cpu(const DeformConv2dGeometry& g, ScalarType dtype) {
-  const char* setting = std::getenv("DEFORMCONV_FUSED_FORWARD");
-  if (setting != nullptr && std::string_view(setting) == "0") {
+  if (fused_forward_switched_off()) {
     return false;
   }
   constexpr int64_t kCachedWeightBytes = int64_t(4) << 20;

@@ -6,15 +6,14 @@
 
 #include <algorithm>
 #include <array>
-#include <cstdlib>
 #include <mutex>
 #include <optional>
-#include <string_view>
 #include <utility>
 #include <vector>
 
 #include "../core/deform_conv2d_gemms.h"
 #include "../infrastructure/parallel_region.h"
+#include "../infrastructure/path_switches.h"
 #include "../infrastructure/tensor_views.h"
 #include "deform_conv2d_single_copy_cpu.h"
 
@@ -29,8 +28,8 @@ namespace {
 // gradient is that convolution's input gradient. On the CPU in float32, ATen runs them on
 // oneDNN's convolution kernels, the ones dense convolution runs on, where ATen's bmm runs on
 // MKL's sgemm, which is tuned for Intel's CPUs rather than AMD's. Elsewhere (float64, half
-// precision, conv groups, or with DEFORMCONV_ONEDNN_GEMMS=0 in the environment), the CPU
-// multiplies with bmm.
+// precision, conv groups, or with DEFORMCONV_ONEDNN_GEMMS=0 in the environment: Note [Path
+// switches]), the CPU multiplies with bmm.
 //
 // The convolutions are torch's own (convolution and convolution_backward through the C shim;
 // the stable ABI has no mkldnn_convolution), which choose their kernels: oneDNN's unless torch
@@ -43,9 +42,7 @@ namespace {
 // (test_forward_of_windows_per_thread_equals_one_thread; c3, c4, c5 forward and backward ran
 // level with mkldnn_convolution's before the port).
 bool gemms_as_convolutions(const DeformConv2dGeometry& g, ScalarType dtype) {
-  const char* setting = std::getenv("DEFORMCONV_ONEDNN_GEMMS");
-  const bool switched_off = setting != nullptr && std::string_view(setting) == "0";
-  return g.groups == 1 && dtype == ScalarType::Float && !switched_off;
+  return g.groups == 1 && dtype == ScalarType::Float && !onednn_gemms_switched_off();
 }
 
 // The columns of `images` images of `window` as the channels-last image of the Note,

@@ -35,12 +35,9 @@
 #include <torch/csrc/stable/ops.h>
 
 #include <algorithm>
-#include <cmath>
 #include <cstdint>
-#include <cstdlib>
 #include <initializer_list>
 #include <optional>
-#include <string_view>
 #include <type_traits>
 
 #include "../common/dcnv3_kernel.cuh"
@@ -50,8 +47,11 @@
 #include "../infrastructure/dtype_dispatch.h"
 #include "../infrastructure/input_gradient_sums.h"
 #include "../infrastructure/optional_data.h"
+#include "../infrastructure/path_switches.h"
 #include "channel_vectors.cuh"
 #include "cuda_device.h"
+#include "dcnv3_gradient_bands.cuh"
+#include "dcnv3_items.cuh"
 #include "gathered_input_gradient.cuh"
 #include "launch.cuh"
 
@@ -62,31 +62,6 @@ namespace {
 constexpr LanePathNames kDcnv3Paths{
     "dcnv3.cuda.channels.vectors", "dcnv3.cuda.channels.one_at_a_time",
     "dcnv3.cuda.channels.several_passes", "dcnv3.cuda.points.several_rounds"};
-
-// Channel 0 of an item's group at grid pixel 0 of its image, in a channels-last (N, H, W, G * D)
-// tensor.
-__device__ inline int64_t group_start(const Dcnv3Geometry& g, const Dcnv3Item& it) {
-  return it.n * g.in_pixels() * g.channels() + it.group * g.group_channels;
-}
-
-// Stages the round of an item's points that starts at first_point into its slots `samples`
-// (stage_item_samples), each point's position from the item's start. Returns the round's
-// number of points. Every thread of the warp calls it.
-template <typename scalar_t, typename Divisor>
-__device__ inline int stage_round(const Dcnv3Geometry& g, const Divisor& kernel_h,
-                                  const LaneTiling& t, int lane, bool active_item,
-                                  const Dcnv3ItemStart<opmath_type<scalar_t>>& start,
-                                  int64_t first_point, const scalar_t* offset,
-                                  const scalar_t* mask,
-                                  SharedSample<opmath_type<scalar_t>>* samples) {
-  using opmath_t = opmath_type<scalar_t>;
-  return stage_item_samples(t, lane, active_item, g.points() - first_point, samples,
-                            [&](int point) {
-    opmath_t y, x, m;
-    dcnv3_position(g, kernel_h, start, first_point + point, offset, mask, y, x, m);
-    return share_sample(y, x, m, g.height, g.width);
-  });
-}
 
 template <typename scalar_t, int kVector, typename Divisor>
 __global__ void dcnv3_forward_kernel(Dcnv3Geometry g, Dcnv3Divisors<Divisor> d, Dcnv3Fields f,
@@ -141,91 +116,6 @@ __global__ void dcnv3_forward_kernel(Dcnv3Geometry g, Dcnv3Divisors<Divisor> d, 
   }
 }
 
-// The backward of one item, all its points in rounds: add_input_gradient(sample, point, corner,
-// vector, at, weighted) adds kVector sums of the input gradient (`at`: their element index from
-// the batch's first pixel), for each corner of non-zero weight, where the input gradient is
-// asked for; the offset and mask gradients
-// are dot products over the item's lanes, written by lane 0, where asked for. Every thread of
-// the warp calls it, `active_item` where its item (`item`, split as `it`) is.
-template <typename scalar_t, int kVector, typename Divisor, typename AddInputGradient>
-__device__ inline void backward_item(
-    const Dcnv3Geometry& g, const Dcnv3Divisors<Divisor>& d, const Dcnv3Fields& f,
-    const LaneTiling& t, int lane, bool active_item, int64_t item, const Dcnv3Item& it,
-    SharedSample<opmath_type<scalar_t>>* samples, const scalar_t* grad_output,
-    const scalar_t* input, const scalar_t* offset, const scalar_t* mask, bool input_gradient,
-    scalar_t* grad_offset, scalar_t* grad_mask, const AddInputGradient& add_input_gradient) {
-  using opmath_t = opmath_type<scalar_t>;
-  using index_t = typename Dcnv3Divisors<Divisor>::index_type;
-  const bool position_grads = grad_offset != nullptr || grad_mask != nullptr;
-  const index_t pixel_stride = static_cast<index_t>(g.channels());
-  const CornerSteps<index_t> corners = corner_steps<index_t>(g.width, g.channels());
-  Dcnv3ItemStart<opmath_t> start{};
-  index_t item_channels = 0;
-  scalar_t *group_grad_offset = nullptr, *group_grad_mask = nullptr;
-  if (active_item) {
-    start = dcnv3_item_start<opmath_t>(g, f, it);
-    item_channels = static_cast<index_t>(group_start(g, it));
-    dcnv3_group_grads(f, it.pixel, it.group, grad_offset, grad_mask, group_grad_offset,
-                      group_grad_mask);
-  }
-  for (int64_t first_point = 0; first_point < g.points(); first_point += t.samples_per_round) {
-    const int round_points = stage_round(g, d.kernel_h, t, lane, active_item, start,
-                                         first_point, offset, mask, samples);
-    for (int point = 0; point < round_points; ++point) {
-      // The dot products of the output's gradient with each corner's values (0 outside), as
-      // offset_mask_grad_sums_of_dots takes them.
-      opmath_t dots[4] = {0, 0, 0, 0};
-      if (active_item) {
-        // In registers: the sample's fields are read once, not once per corner and pass.
-        const SharedSample<opmath_t> sample = samples[point];
-        const index_t top_left =
-            item_channels + static_cast<index_t>(sample.top_left) * pixel_stride;
-        for (int64_t pass = 0; pass < t.passes; ++pass) {
-          const index_t vector = static_cast<index_t>(pass * t.lanes + lane);
-          if (vector >= t.vectors) {
-            continue;
-          }
-          const auto grad_read = load_vector<scalar_t, kVector>(
-              grad_output + (static_cast<index_t>(item * g.group_channels) + vector * kVector));
-          opmath_t grad[kVector];
-          for (int e = 0; e < kVector; ++e) {
-            grad[e] = static_cast<opmath_t>(grad_read.value[e]);
-          }
-          for (int corner = 0; corner < 4; ++corner) {
-            const index_t at = top_left + vector * kVector + corners.from_top_left[corner];
-            const opmath_t weight = sample.weight[corner];
-            if (input_gradient && weight != opmath_t(0)) {
-              opmath_t weighted[kVector];
-              for (int e = 0; e < kVector; ++e) {
-                weighted[e] = weight * grad[e];
-              }
-              add_input_gradient(sample, first_point + point, corner, vector, at, weighted);
-            }
-            if (position_grads && (sample.corners >> corner & 1)) {
-              const auto read = load_vector<scalar_t, kVector>(input + at);
-              for (int e = 0; e < kVector; ++e) {
-                dots[corner] += grad[e] * static_cast<opmath_t>(read.value[e]);
-              }
-            }
-          }
-        }
-      }
-      if (position_grads) {
-        for (int corner = 0; corner < 4; ++corner) {
-          dots[corner] = sum_over_lanes(dots[corner], t.lanes);
-        }
-        if (active_item && lane == 0) {
-          const SharedSample<opmath_t>& sample = samples[point];
-          dcnv3_write_grad(g, first_point + point, sample.mask,
-                           offset_mask_grad_sums_of_dots(sample.ly, sample.lx, dots[0],
-                                                         dots[1], dots[2], dots[3]),
-                           group_grad_offset, group_grad_mask);
-        }
-      }
-    }
-  }
-}
-
 // grad_input (sums of opmath_type, Note [Input gradient sums in float32]), grad_offset and
 // grad_mask are null where not asked for. The input gradient adds atomically in global memory
 // (scatter_add_run), or, in the kGathered instance (of its own, so that the atomic one keeps its
@@ -264,197 +154,6 @@ __global__ void dcnv3_backward_kernel(Dcnv3Geometry g, Dcnv3Divisors<Divisor> d,
     backward_item<scalar_t, kVector>(g, d, f, t, lane, active_item, item, it, samples, grad_output,
                                      input, offset, mask, kGathered || grad_input != nullptr,
                                      grad_offset, grad_mask, add_input_gradient);
-  }
-}
-
-// Note [Input gradient in a band of shared memory]
-// In global memory the input gradient's atomic adds bound the backward: each sample adds a
-// vector to each of its corners in L2, about 36 adds onto every input pixel with a 3 x 3
-// kernel. Where the input gradient is asked for and the rows fit, the backward takes the
-// banded kernel instead: a block takes a strip of items_per_block consecutive output pixels of
-// one image and group, an item a pixel, and adds its samples' corners into a band of shared
-// memory, the whole input rows that the strip's kernel footprints reach (`rows_above` rows
-// above the centre taps of the strip's first output row, `rows_below` below those of its last,
-// a margin for the offsets included). A corner outside the band adds to global memory directly.
-// With the strip done, the block adds each non-zero vector of the band to global memory in one
-// atomic and clears it: a pixel that many samples reach costs L2 one atomic a strip, not one a
-// sample. Shared memory has no floating-point atomic add: CUDA compiles it to a compare-and-swap
-// loop (ATOMS.CAST.SPIN on compute capability 9.0). A band pixel takes D words, D made odd, so
-// that the corners of neighbouring items fall in different banks. In full rows, a corner is in
-// the band when its grid index, less the band's first, is below the band's pixels: no division.
-constexpr int64_t kBandBytesPerBlock = 24 * 1024;
-// Rows of margin beyond the kernel's footprint, each side, where they fit: offsets of a few
-// pixels stay in the band.
-constexpr int64_t kBandMarginRows = 4;
-
-// What the launcher computes of the bands (band_shape); the kernel's divisor is of `strips`.
-struct BandShape {
-  int64_t tiles;       // of the launch: N * strips * G
-  int64_t strips;      // of an image's output pixels: ceil(Ho * Wo / items_per_block)
-  int64_t rows_above;  // band rows above the strip's first centre-tap row
-  int64_t rows_below;  // and below its last
-  int64_t pixels;      // of the largest band, at most kBandBytesPerBlock in all
-  int pixel_words;     // words of a band pixel: D, odd
-};
-
-template <typename Divisor>
-struct GradientBands {
-  int64_t tiles;
-  Divisor strips;
-  int64_t rows_above, rows_below, pixels;
-  int pixel_words;
-
-  explicit GradientBands(const BandShape& b)
-      : tiles(b.tiles), strips(b.strips), rows_above(b.rows_above), rows_below(b.rows_below),
-        pixels(b.pixels), pixel_words(b.pixel_words) {}
-};
-
-// The environment variable DEFORMCONV_INPUT_GRADIENT_BANDS=0, read at every call, leaves the
-// input gradient to global memory's atomics (to compare the two kernels, or to test the other).
-bool input_gradient_bands_allowed() {
-  const char* setting = std::getenv("DEFORMCONV_INPUT_GRADIENT_BANDS");
-  return setting == nullptr || std::string_view(setting) != "0";
-}
-
-// The bands of a launch that asks for the input gradient, or none where even a band without
-// margin would not fit. A strip of items_per_block pixels starting anywhere in a row spans at
-// most strip_rows output rows; a band takes the rows of their centre taps, the footprint's
-// reach above and below them (its far corner's row included), and the margin.
-template <typename opmath_t>
-std::optional<BandShape> band_shape(const Dcnv3Geometry& g, const LaneTiling& t) {
-  const double scale = g.offset_scale;
-  const int64_t centre = g.dilation_h * (g.kernel_h - 1) / 2;
-  // The footprint's first and last rows from the centre tap, before offsets: (-centre) * scale
-  // and (span - centre) * scale, one of them at most 0 and the other at least 0 (offset_scale
-  // is finite), each reach at most the image's height.
-  const double low = -centre * scale;
-  const double high = (g.dilation_h * (g.kernel_h - 1) - centre) * scale;
-  const double height = static_cast<double>(g.height);
-  const int64_t reach_above =
-      static_cast<int64_t>(std::min(height, std::ceil(-std::min(low, high))));
-  const int64_t reach_below =
-      static_cast<int64_t>(std::min(height, std::floor(std::max(low, high)))) + 1;
-  const int64_t strip_rows =
-      std::min(g.out_height, (t.items_per_block + g.out_width - 2) / g.out_width + 1);
-  const int pixel_words = static_cast<int>(g.group_channels | 1);
-  const auto band_pixels = [&](int64_t margin) {
-    const int64_t rows = std::min(
-        g.height, (strip_rows - 1) * g.stride_h + reach_above + reach_below + 1 + 2 * margin);
-    return static_cast<double>(rows) * static_cast<double>(g.width);
-  };
-  const double capacity =
-      static_cast<double>(kBandBytesPerBlock / sizeof(opmath_t) / pixel_words);
-  if (band_pixels(0) > capacity) {
-    return std::nullopt;
-  }
-  int64_t margin = 0;
-  while (margin < kBandMarginRows && band_pixels(margin + 1) <= capacity) {
-    ++margin;
-  }
-  const int64_t strips = (g.out_pixels() + t.items_per_block - 1) / t.items_per_block;
-  return BandShape{t.items / g.out_pixels() * strips, strips, reach_above + margin,
-                   reach_below + margin, static_cast<int64_t>(band_pixels(margin)),
-                   pixel_words};
-}
-
-// The backward with the input gradient summed in bands of shared memory (Note [Input gradient
-// in a band of shared memory]). A tile is a strip of an image's output pixels and a group,
-// numbered (n * strips + strip) * G + group; the block's slot s takes the strip's pixel s.
-template <typename scalar_t, int kVector, typename Divisor>
-__global__ void dcnv3_backward_banded_kernel(Dcnv3Geometry g, Dcnv3Divisors<Divisor> d,
-                                             Dcnv3Fields f, LaneTiling t, GradientBands<Divisor> b,
-                                             const scalar_t* grad_output, const scalar_t* input,
-                                             const scalar_t* offset, const scalar_t* mask,
-                                             opmath_type<scalar_t>* grad_input,
-                                             scalar_t* grad_offset, scalar_t* grad_mask) {
-  using opmath_t = opmath_type<scalar_t>;
-  using index_t = typename Dcnv3Divisors<Divisor>::index_type;
-  __shared__ SharedSample<opmath_t> staged[kStagedSamples<opmath_t>];
-  __shared__ opmath_t band[kBandBytesPerBlock / sizeof(opmath_t)];
-  const int slot = threadIdx.x / t.lanes;
-  const int lane = threadIdx.x % t.lanes;
-  SharedSample<opmath_t>* const samples = staged + slot * t.samples_per_round;
-  const index_t pixel_stride = static_cast<index_t>(g.channels());
-  const index_t pixel_steps[4] = {0, 1, static_cast<index_t>(g.width),
-                                  static_cast<index_t>(g.width + 1)};
-  // Bands start clear, and each strip clears what it used.
-  for (int64_t word = threadIdx.x; word < b.pixels * b.pixel_words; word += blockDim.x) {
-    band[word] = opmath_t(0);
-  }
-  __syncthreads();
-  for (int64_t tile = blockIdx.x; tile < b.tiles; tile += gridDim.x) {
-    int64_t group, strip;
-    const int64_t image_strip = divide(tile, d.groups, group);  // n * strips + strip
-    const int64_t n = divide(image_strip, b.strips, strip);
-    const int64_t first_pixel = strip * t.items_per_block;  // of the image's output pixels
-    const int64_t last_pixel = std::min<int64_t>(first_pixel + t.items_per_block,
-                                                 g.out_pixels()) - 1;
-    // The band: whole input rows, clipped to the image.
-    int64_t column, first_row, last_row, unused;
-    dcnv3_centre_tap(g, divide(first_pixel, d.out_width, column), 0, first_row, unused);
-    dcnv3_centre_tap(g, divide(last_pixel, d.out_width, column), 0, last_row, unused);
-    first_row = std::max<int64_t>(0, first_row - b.rows_above);
-    last_row = std::min<int64_t>(g.height - 1, last_row + b.rows_below);
-    const index_t band_first = static_cast<index_t>(first_row * g.width);
-    // Never more than the band holds, though band_shape sizes it for every strip: a corner
-    // past it adds to global memory.
-    const index_t band_pixels = static_cast<index_t>(
-        std::max<int64_t>(0, std::min((last_row - first_row + 1) * g.width, b.pixels)));
-    const index_t image_first = static_cast<index_t>(n * g.in_pixels());
-    const index_t group_channel = static_cast<index_t>(group * g.group_channels);
-
-    const int64_t pixel = first_pixel + slot;
-    const bool active_item = pixel < g.out_pixels();
-    Dcnv3Item it{};
-    if (active_item) {
-      it.n = n;
-      it.ho = divide(pixel, d.out_width, it.wo);
-      it.pixel = n * g.out_pixels() + pixel;
-      it.group = group;
-    }
-    const auto add_input_gradient = [&](const SharedSample<opmath_t>& sample, int64_t /*point*/,
-                                        int corner, index_t vector, index_t at,
-                                        const opmath_t* weighted) {
-      const index_t in_band = static_cast<index_t>(sample.top_left) + pixel_steps[corner] -
-                              band_first;
-      if (in_band >= 0 && in_band < band_pixels) {
-        opmath_t* sums = band + in_band * b.pixel_words + vector * kVector;
-        for (int e = 0; e < kVector; ++e) {
-          scatter_add(sums + e, weighted[e]);
-        }
-      } else {
-        scatter_add_run<kVector>(grad_input + at, weighted);
-      }
-    };
-    backward_item<scalar_t, kVector>(g, d, f, t, lane, active_item,
-                                     it.pixel * g.groups + group, it, samples, grad_output,
-                                     input, offset, mask, true, grad_offset, grad_mask,
-                                     add_input_gradient);
-    __syncthreads();
-    // The band into global memory, a slot a pixel, its lanes the vectors as an item's.
-    for (index_t in_band = slot; in_band < band_pixels; in_band += t.items_per_block) {
-      for (int64_t pass = 0; pass < t.passes; ++pass) {
-        const index_t vector = static_cast<index_t>(pass * t.lanes + lane);
-        if (vector >= t.vectors) {
-          continue;
-        }
-        opmath_t* sums = band + in_band * b.pixel_words + vector * kVector;
-        opmath_t values[kVector];
-        bool any = false;
-        for (int e = 0; e < kVector; ++e) {
-          values[e] = sums[e];
-          sums[e] = opmath_t(0);
-          any = any || values[e] != opmath_t(0);
-        }
-        if (any) {
-          scatter_add_run<kVector>(
-              grad_input + ((image_first + band_first + in_band) * pixel_stride + group_channel +
-                            vector * kVector),
-              values);
-        }
-      }
-    }
-    __syncthreads();
   }
 }
 
@@ -558,8 +257,9 @@ void dcnv3_gradients_cuda(const Dcnv3Geometry& g, const Dcnv3Fields& f, int64_t 
         {&grad_output, &input, &sums_or_input}, kDcnv3Paths, [&](auto width, auto t) {
       constexpr int kVector = decltype(width)::value;
       const std::optional<BandShape> bands =
-          sums.defined() && !gathered && input_gradient_bands_allowed() ? band_shape<opmath_t>(g, t)
-                                                                        : std::nullopt;
+          sums.defined() && !gathered && !input_gradient_bands_switched_off()
+              ? band_shape<opmath_t>(g, t)
+              : std::nullopt;
       if (bands) {
         record_branch("dcnv3.cuda.backward.input_gradient_in_shared_memory");
       }
