@@ -31,14 +31,9 @@ void check_tensor(const char* name, const Tensor& tensor, int64_t dims, const ch
                             input.scalar_type(), "), but got ", tensor.scalar_type());
 }
 
-}  // namespace
-
-DeformConv2dGeometry check_deform_conv2d_arguments(
-    const Tensor& input, const Tensor& offset, const Tensor& weight,
-    const std::optional<Tensor>& mask, const std::optional<Tensor>& bias,
-    const std::vector<int64_t>& stride, const std::vector<int64_t>& padding,
-    const std::vector<int64_t>& dilation, int64_t groups, int64_t offset_groups,
-    int64_t im2col_step) {
+// The tensors' ranks and dtypes.
+void check_tensors(const Tensor& input, const Tensor& offset, const Tensor& weight,
+                   const std::optional<Tensor>& mask, const std::optional<Tensor>& bias) {
   DEFORMCONV_CHECK_ARGUMENT(is_op_dtype(input.scalar_type()),
                             "deform_conv2d(): expected input to have a floating point dtype "
                             "(float16, bfloat16, float32 or float64), but got ",
@@ -55,6 +50,11 @@ DeformConv2dGeometry check_deform_conv2d_arguments(
   if (bias.has_value()) {
     check_tensor("bias", *bias, 1, "(out_channels,)", input);
   }
+}
+
+void check_scalars(const std::vector<int64_t>& stride, const std::vector<int64_t>& padding,
+                   const std::vector<int64_t>& dilation, int64_t groups, int64_t offset_groups,
+                   int64_t im2col_step) {
   check_pair("stride", stride, 1);
   check_pair("padding", padding, 0);
   check_pair("dilation", dilation, 1);
@@ -68,7 +68,14 @@ DeformConv2dGeometry check_deform_conv2d_arguments(
       "deform_conv2d(): expected im2col_step to be positive, or 0 for automatic, "
       "but got ",
       im2col_step);
+}
 
+// The geometry of input and weight's sizes, checked, with the output's size.
+DeformConv2dGeometry checked_geometry(const Tensor& input, const Tensor& weight,
+                                      const std::vector<int64_t>& stride,
+                                      const std::vector<int64_t>& padding,
+                                      const std::vector<int64_t>& dilation, int64_t groups,
+                                      int64_t offset_groups) {
   DeformConv2dGeometry g{};
   g.in_channels = input.size(1);
   g.in_height = input.size(2);
@@ -118,24 +125,43 @@ DeformConv2dGeometry check_deform_conv2d_arguments(
       dilated_kernel_h, " x ", dilated_kernel_w, "), so that the output is not empty");
   g.out_height = output_length(g.in_height, g.kernel_h, g.stride_h, g.pad_h, g.dilation_h);
   g.out_width = output_length(g.in_width, g.kernel_w, g.stride_w, g.pad_w, g.dilation_w);
+  return g;
+}
 
+// A field of the output's pixels (offset, mask): its batch, channels and size.
+void check_field(const DeformConv2dGeometry& g, int64_t batch, const char* name,
+                 const Tensor& field, int64_t channels, const char* formula) {
+  DEFORMCONV_CHECK_ARGUMENT(field.size(0) == batch, "deform_conv2d(): expected ", name,
+                            " to have the batch size of input (", batch, "), but got ",
+                            field.size(0));
+  DEFORMCONV_CHECK_ARGUMENT(field.size(1) == channels, "deform_conv2d(): expected ", name,
+                            " to have ", channels, " channels (", formula, "), but got ",
+                            field.size(1));
+  DEFORMCONV_CHECK_ARGUMENT(field.size(2) == g.out_height && field.size(3) == g.out_width,
+                            "deform_conv2d(): expected ", name, " to have the output size ",
+                            g.out_height, " x ", g.out_width, ", but got ", field.size(2), " x ",
+                            field.size(3));
+}
+
+}  // namespace
+
+// In this order, so that a call gets the error of its first fault: the tensors' ranks and
+// dtypes, the scalars, the geometry, then the sizes of offset, mask and bias against it.
+DeformConv2dGeometry check_deform_conv2d_arguments(
+    const Tensor& input, const Tensor& offset, const Tensor& weight,
+    const std::optional<Tensor>& mask, const std::optional<Tensor>& bias,
+    const std::vector<int64_t>& stride, const std::vector<int64_t>& padding,
+    const std::vector<int64_t>& dilation, int64_t groups, int64_t offset_groups,
+    int64_t im2col_step) {
+  check_tensors(input, offset, weight, mask, bias);
+  check_scalars(stride, padding, dilation, groups, offset_groups, im2col_step);
+  const DeformConv2dGeometry g =
+      checked_geometry(input, weight, stride, padding, dilation, groups, offset_groups);
   const int64_t batch = input.size(0);
-  const auto check_field = [&](const char* name, const Tensor& field, int64_t channels,
-                               const char* formula) {
-    DEFORMCONV_CHECK_ARGUMENT(field.size(0) == batch, "deform_conv2d(): expected ", name,
-                              " to have the batch size of input (", batch, "), but got ",
-                              field.size(0));
-    DEFORMCONV_CHECK_ARGUMENT(field.size(1) == channels, "deform_conv2d(): expected ", name,
-                              " to have ", channels, " channels (", formula, "), but got ",
-                              field.size(1));
-    DEFORMCONV_CHECK_ARGUMENT(field.size(2) == g.out_height && field.size(3) == g.out_width,
-                              "deform_conv2d(): expected ", name, " to have the output size ",
-                              g.out_height, " x ", g.out_width, ", but got ", field.size(2), " x ",
-                              field.size(3));
-  };
-  check_field("offset", offset, 2 * offset_groups * g.taps(), "2 * offset_groups * kH * kW");
+  check_field(g, batch, "offset", offset, 2 * offset_groups * g.taps(),
+              "2 * offset_groups * kH * kW");
   if (mask.has_value()) {
-    check_field("mask", *mask, offset_groups * g.taps(), "offset_groups * kH * kW");
+    check_field(g, batch, "mask", *mask, offset_groups * g.taps(), "offset_groups * kH * kW");
   }
   if (bias.has_value()) {
     DEFORMCONV_CHECK_ARGUMENT(bias->size(0) == g.out_channels,

@@ -49,49 +49,66 @@ void run_with_columns_per_thread(const DeformConv2dLaunchers& launchers,
   });
 }
 
-// One window of a block: its columns, then their GEMM into the block's output,
-// (images * G, C_out / G, P).
-void forward_window(const DeformConv2dLaunchers& launchers, const DeformConv2dGeometry& g,
-                    const WorkSplit& w, const PixelWindow& window, int64_t images,
-                    const Tensor& input_block, const Tensor& offset_block, const Tensor& mask_block,
-                    const WindowGemms& gemms, const Tensor& weight_gemm,
-                    const std::optional<Tensor>& bias, Tensor& columns,
-                    const Tensor& output_block) {
-  // Nothing prepared: im2col locates each sample as it reads it.
-  launchers.im2col(g, window, images, input_block,
-                   WindowSampling{offset_block, mask_block, {}}, columns);
-  // (images * G, C_out / G, window) inside the output: rows P apart.
-  Tensor output_window = views::narrow(output_block, 2, window.begin, window.pixels);
-  gemms.forward(w, window, images, columns, weight_gemm, bias, output_window);
+// What every block of one forward by im2col and the GEMMs shares: the launchers, the geometry
+// and work split, the GEMMs with the weight in their layout, and the whole batch's operands
+// (mask undefined without one; offset and mask contiguous).
+struct GemmForward {
+  const DeformConv2dLaunchers& launchers;
+  const DeformConv2dGeometry& g;
+  const WorkSplit& w;
+  const WindowGemms& gemms;
+  const Tensor& weight_gemm;
+  const std::optional<Tensor>& bias;
+  const Tensor& input;
+  const Tensor& offset;
+  const Tensor& mask;
+  const Tensor& output;
+};
+
+// A block's operands, for images [first, first + images): channels-last input, offsets and
+// mask, and the output as (images * G, C_out / G, P).
+struct ForwardBlock {
+  int64_t images;
+  Tensor input, offset, mask, output;
+};
+
+ForwardBlock forward_block_of(const GemmForward& f, int64_t first, int64_t images) {
+  return ForwardBlock{
+      images, channels_last_block(f.launchers, f.input, first, images),
+      views::narrow(f.offset, 0, first, images),
+      f.mask.defined() ? views::narrow(f.mask, 0, first, images) : Tensor(),
+      views::view(views::narrow(f.output, 0, first, images),
+                  {images * f.w.groups, f.w.out_per_group, f.w.pixels})};
 }
 
-// The forward of images [first, first + images), one block: channels-last input, then its
-// windows, in turn, or shared out among the threads (each with a columns buffer of its own)
-// when windows_per_thread.
-void forward_block(const DeformConv2dLaunchers& launchers, const DeformConv2dGeometry& g,
-                   const WorkSplit& w, const Tensor& input, const Tensor& offset,
-                   const Tensor& mask, const WindowGemms& gemms, const Tensor& weight_gemm,
-                   const std::optional<Tensor>& bias, int64_t first, int64_t images,
-                   Tensor& columns, Tensor& output, bool windows_per_thread) {
-  const Tensor input_block = channels_last_block(launchers, input, first, images);
-  const Tensor offset_block = views::narrow(offset, 0, first, images);
-  const Tensor mask_block = mask.defined() ? views::narrow(mask, 0, first, images) : Tensor();
-  const Tensor output_block = views::view(views::narrow(output, 0, first, images),
-                                          {images * w.groups, w.out_per_group, w.pixels});
-  const std::vector<PixelWindow> windows = windows_of(w);
+// One window of a block: its columns, then their GEMM into the block's output.
+void forward_window(const GemmForward& f, const ForwardBlock& block, const PixelWindow& window,
+                    Tensor& columns) {
+  // Nothing prepared: im2col locates each sample as it reads it.
+  f.launchers.im2col(f.g, window, block.images, block.input,
+                     WindowSampling{block.offset, block.mask, {}}, columns);
+  // (images * G, C_out / G, window) inside the output: rows P apart.
+  Tensor output_window = views::narrow(block.output, 2, window.begin, window.pixels);
+  f.gemms.forward(f.w, window, block.images, columns, f.weight_gemm, f.bias, output_window);
+}
+
+// The forward of images [first, first + images), one block: its windows, in turn, or shared
+// out among the threads (each with a columns buffer of its own) when windows_per_thread.
+void forward_block(const GemmForward& f, int64_t first, int64_t images, Tensor& columns,
+                   bool windows_per_thread) {
+  const ForwardBlock block = forward_block_of(f, first, images);
+  const std::vector<PixelWindow> windows = windows_of(f.w);
   if (!windows_per_thread) {
     for (const PixelWindow& window : windows) {
-      forward_window(launchers, g, w, window, images, input_block, offset_block, mask_block,
-                     gemms, weight_gemm, bias, columns, output_block);
+      forward_window(f, block, window, columns);
     }
     return;
   }
-  run_with_columns_per_thread(
-      launchers, g, w, input, static_cast<int64_t>(windows.size()),
-      [&](int64_t i, Tensor& thread_columns) {
-        forward_window(launchers, g, w, windows[i], images, input_block, offset_block,
-                       mask_block, gemms, weight_gemm, bias, thread_columns, output_block);
-      });
+  run_with_columns_per_thread(f.launchers, f.g, f.w, f.input,
+                              static_cast<int64_t>(windows.size()),
+                              [&](int64_t i, Tensor& thread_columns) {
+                                forward_window(f, block, windows[i], thread_columns);
+                              });
 }
 
 // The fused forward, a block of images at a time.
@@ -151,11 +168,12 @@ Tensor deform_conv2d_forward(const DeformConv2dLaunchers& launchers, const Tenso
     record_split(image_split, 1, "deform_conv2d.forward.blocks",
                  "deform_conv2d.forward.windows");
     const Tensor weight_gemm = gemms.weight(launchers, g, weight_arg, image_split);
-    run_with_columns_per_thread(
-        launchers, g, image_split, input_arg, batch, [&](int64_t n, Tensor& columns) {
-          forward_block(launchers, g, image_split, input_arg, offset, mask, gemms, weight_gemm,
-                        bias, n, 1, columns, output, false);
-        });
+    const GemmForward f{launchers, g, image_split, gemms, weight_gemm,
+                        bias, input_arg, offset, mask, output};
+    run_with_columns_per_thread(launchers, g, image_split, input_arg, batch,
+                                [&](int64_t n, Tensor& columns) {
+                                  forward_block(f, n, 1, columns, false);
+                                });
     return output;
   }
   const bool windows_per_thread = plan == ForwardPlan::kWindowsPerThread;
@@ -165,9 +183,9 @@ Tensor deform_conv2d_forward(const DeformConv2dLaunchers& launchers, const Tenso
   // Shared by the windows in turn; each thread has its own when windows_per_thread.
   Tensor columns = windows_per_thread ? Tensor() : columns_buffer(launchers, g, w, input_arg);
   const Tensor weight_gemm = gemms.weight(launchers, g, weight_arg, w);
+  const GemmForward f{launchers, g, w, gemms, weight_gemm, bias, input_arg, offset, mask, output};
   for (int64_t first = 0; first < batch; first += w.step) {
-    forward_block(launchers, g, w, input_arg, offset, mask, gemms, weight_gemm, bias, first,
-                  std::min(w.step, batch - first), columns, output, windows_per_thread);
+    forward_block(f, first, std::min(w.step, batch - first), columns, windows_per_thread);
   }
   return output;
 }
