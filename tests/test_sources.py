@@ -18,6 +18,8 @@ pytestmark = pytest.mark.workflows
 
 ROOT = setup_py.PATH.parent
 BUILDS = {"library", "python", "libtorch", "cuda", "emulation"}
+# csrc/compile_flags.txt's flags, which every build must pass.
+FLAGS = ["-fno-trapping-math", "-Wno-psabi", "-falign-functions=64"]
 
 
 def listing():
@@ -79,11 +81,10 @@ def test_setup_py_compiles_the_listed_sources_with_the_listed_flags(with_cuda, m
     assert sorted(extension.sources) == of(*builds)
     # Every source against the stable surface of the oldest torch the library targets.
     target = "-DTORCH_TARGET_VERSION=0x020c000000000000"
-    assert extension.extra_compile_args["cxx"] == ["-O3", "-g0", target, "-fno-trapping-math",
-                                                   "-Wno-psabi"]
+    assert extension.extra_compile_args["cxx"] == ["-O3", "-g0", target, *FLAGS]
     if with_cuda:
         assert extension.extra_compile_args["nvcc"] == ["-O3", target, "-DUSE_CUDA"]
-    assert module.compile_flags() == ["-fno-trapping-math", "-Wno-psabi"]
+    assert module.compile_flags() == FLAGS
 
 
 def test_the_emulated_build_compiles_the_listed_sources(monkeypatch):
@@ -113,7 +114,7 @@ def test_cmake_compiles_the_listed_sources_with_the_listed_flags(tmp_path):
     printed = dict(line.split("=", 1) for line in result.stderr.splitlines() if "=" in line)
     assert sorted(printed["cpu"].split(";")) == of("library", "libtorch")
     assert sorted(printed["cuda"].split(";")) == of("library", "libtorch", "cuda")
-    assert printed["flags"].split(";") == ["-fno-trapping-math", "-Wno-psabi"]
+    assert printed["flags"].split(";") == FLAGS
 
 
 # ATen's templates whose bodies are OpenMP regions only where the caller is compiled with
